@@ -1,0 +1,118 @@
+"""Prompt sets: jsonl, parquet or csv files with a prompt field and optional domain, id and split.
+
+Every problem is a ``PromptError`` with a one-line message naming the file (and row where it
+helps): missing file, empty file, missing field, non-UTF-8 bytes, duplicate ids.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DOMAINS = ("summarization", "reasoning", "translation", "storytelling", "text_to_sql")
+OOD = ("ood_xsum", "ood_math", "ood_alpaca")
+
+
+class PromptError(ValueError):
+    """A prompt file cannot be used; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    prompt: str
+    domain: str | None = None
+    split: str | None = None
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Column names in the input file."""
+
+    prompt: str = "prompt"
+    id: str = "id"
+    domain: str = "domain"
+    split: str = "split"
+
+
+def _rows(path: Path) -> list[dict]:
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".jsonl", ".json"):
+            rows = []
+            with open(path, encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as e:
+                            raise PromptError(f"{path}: line {n} is not JSON ({e.msg})") from None
+            return rows
+        if suffix in (".parquet", ".pq"):
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+        if suffix == ".csv":
+            import csv
+
+            with open(path, encoding="utf-8", newline="") as fh:
+                return list(csv.DictReader(fh))
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except PromptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pyarrow/csv errors become one line
+        raise PromptError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    raise PromptError(f"{path}: unknown format '{suffix}' (use .jsonl, .parquet or .csv)")
+
+
+def load(path: str | os.PathLike, split: str | None = None, fields: Fields = Fields(),
+         domain: str | None = None) -> list[Prompt]:
+    """Read prompts; keep only rows of ``split`` when given; ``domain`` fills rows that have none."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptError(f"prompt file not found: {path}")
+    rows = _rows(path)
+    if not rows:
+        raise PromptError(f"{path}: no rows")
+    out: list[Prompt] = []
+    seen: dict[str, int] = {}
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or fields.prompt not in row:
+            raise PromptError(f"{path}: row {n} has no '{fields.prompt}' field")
+        text = row[fields.prompt]
+        if not isinstance(text, str):
+            raise PromptError(f"{path}: row {n} field '{fields.prompt}' is not text")
+        pid = str(row.get(fields.id) if row.get(fields.id) not in (None, "") else f"{path.stem}-{n - 1:05d}")
+        if pid in seen:
+            raise PromptError(f"{path}: duplicate id '{pid}' (rows {seen[pid]} and {n})")
+        seen[pid] = n
+        p = Prompt(pid, text, row.get(fields.domain) or domain, row.get(fields.split))
+        if split is None or p.split == split:
+            out.append(p)
+    if not out:
+        raise PromptError(f"{path}: no rows with split '{split}'")
+    return out
+
+
+def default_data_dir() -> Path:
+    """``$KNNSSD_DATA``, else ``../shared/data`` beside the checkout, else the bundled samples."""
+    env = os.environ.get("KNNSSD_DATA")
+    if env:
+        return Path(env)
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data"
+    return shared if shared.is_dir() else samples_dir()
+
+
+def samples_dir() -> Path:
+    return Path(__file__).resolve().parent / "samples"
+
+
+def load_domains(data: Path, domains: tuple[str, ...], split: str | None, per_domain: int | None) -> list[Prompt]:
+    """The first ``per_domain`` rows of ``split`` from ``<data>/<domain>.jsonl`` for each domain."""
+    out: list[Prompt] = []
+    for d in domains:
+        rows = load(Path(data) / f"{d}.jsonl", split=split, domain=d)
+        out.extend(rows[:per_domain] if per_domain else rows)
+    return out
