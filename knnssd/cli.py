@@ -1,0 +1,131 @@
+"""`knnssd ...` command line. Errors in inputs print one line and exit with status 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+for _key, _value in {"HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true",
+                     "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_key, _value)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 | gemma3-270m | local folder | .gguf | hub id")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--device", default="auto")
+
+
+def cmd_bench_engine(a) -> int:
+    from . import bench_engine
+
+    cfg = bench_engine.EngineBench(
+        model=a.model, dtype=a.dtype, device=a.device, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
+        domains=tuple(a.domains.split(",")), data=Path(a.data) if a.data else bench_engine.prompt_sets.default_data_dir(),
+        repeats=a.repeats, hf=not a.no_hf,
+    )
+    report = bench_engine.run(cfg)
+    print(json.dumps(report, indent=None if a.json else 2) if a.json else bench_engine.table(report))
+    return 0
+
+
+def cmd_complete(a) -> int:
+    from . import models
+    from .decode import GenerationConfig, generate
+    from .drafters import DrafterConfig, build
+    from .sampling import Warp
+    from .skip import SkipMask, make_decoder
+
+    if not a.prompt.strip():
+        raise ValueError("empty prompt")
+    lm = models.load(a.model, a.dtype, a.device)
+    dec = make_decoder(lm.model)
+    mask = SkipMask.from_json(Path(a.mask).read_text()) if a.mask else SkipMask.none(dec.n_layers)
+    cfg = DrafterConfig(kind=a.drafter, mask=mask.to_dict(), max_len=a.max_draft, threshold=a.threshold, int8=a.int8)
+    eos = lm.model.generation_config.eos_token_id
+    gen = GenerationConfig(max_new_tokens=a.max_new_tokens, warp=Warp(a.temperature, a.top_k, a.top_p), seed=a.seed,
+                           eos_ids=tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ())
+    out, stats = generate(dec, lm.tokenizer(a.prompt).input_ids, build(cfg, dec.n_layers, dec.can_skip), gen)
+    print(lm.tokenizer.decode(out, skip_special_tokens=True))
+    s = stats.to_dict()
+    s.pop("accepted")
+    print(json.dumps(s), file=sys.stderr)
+    return 0
+
+
+def cmd_demo(a) -> int:
+    from . import bench_engine
+
+    cfg = bench_engine.EngineBench(model=a.model, dtype=a.dtype, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
+                                   hf=True)
+    print(bench_engine.table(bench_engine.run(cfg)))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from .prompts import DOMAINS
+
+    p = argparse.ArgumentParser(prog="knnssd", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("bench-engine", help="own AR vs HF generate vs fixed drafters, side by side")
+    _model_args(b)
+    b.add_argument("--prompts", type=int, default=2, help="eval prompts per domain")
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--domains", default=",".join(DOMAINS))
+    b.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--no-hf", action="store_true", help="skip timing HF generate")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.set_defaults(fn=cmd_bench_engine)
+
+    c = sub.add_parser("complete", help="generate for one prompt with a drafter")
+    _model_args(c)
+    c.add_argument("--prompt", required=True)
+    c.add_argument("--drafter", default="hybrid", choices=["none", "layer_skip", "ngram", "hybrid"])
+    c.add_argument("--mask", default=None, help="skip mask JSON file")
+    c.add_argument("--max-draft", type=int, default=6)
+    c.add_argument("--threshold", type=float, default=0.5)
+    c.add_argument("--int8", action="store_true", help="draft on int8 weights")
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=None)
+    c.set_defaults(fn=cmd_complete)
+
+    d = sub.add_parser("demo", help="the main job on the embedded default model")
+    _model_args(d)
+    d.add_argument("--prompts", type=int, default=1)
+    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .models import ModelError
+    from .prompts import PromptError
+    from .skip import MaskError
+
+    a = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        return a.fn(a)
+    except (ModelError, PromptError, MaskError, ValueError, FileNotFoundError) as e:
+        print(f"knnssd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("knnssd: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
