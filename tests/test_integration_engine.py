@@ -1,0 +1,106 @@
+"""The engine on the real embedded model (SmolLM2-135M, fp32) and the CLI."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from knnssd import prompts
+from knnssd.decode import GenerationConfig, generate
+from knnssd.drafters import DrafterConfig, build
+from knnssd.skip import Decoder, SkipMask, make_decoder
+
+pytestmark = pytest.mark.integration
+MAX_NEW = 32
+
+
+def test_smollm2_speculative_equals_hf_generate(smollm2, data_dir):
+    dec = make_decoder(smollm2.model)
+    assert isinstance(dec, Decoder)
+    n = dec.n_layers
+    configs = [
+        DrafterConfig(kind="ngram", max_len=8),
+        DrafterConfig(kind="layer_skip", mask=SkipMask.from_layers(n, attn=[25], mlp=[27, 28]).to_dict(), max_len=4,
+                      threshold=0.3),
+        DrafterConfig(kind="hybrid", mask=SkipMask.none(n).to_dict(), max_len=6, threshold=0.5, int8=True),
+    ]
+    rows = prompts.load_domains(data_dir, prompts.DOMAINS, "eval", 1)
+    assert len(rows) == 5
+    for row in rows:
+        ids = smollm2.tokenizer(row.prompt).input_ids
+        x = torch.tensor([ids])
+        ref = smollm2.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
+                                     pad_token_id=2)[0, len(ids):].tolist()
+        cfg = GenerationConfig(max_new_tokens=MAX_NEW, eos_ids=(2,))
+        assert generate(dec, ids, None, cfg)[0] == ref, row.id
+        for c in configs:
+            out, stats = generate(dec, ids, build(c, n), cfg)
+            assert out == ref, (row.id, c.describe())
+            assert stats.drafted > 0 or c.kind == "ngram"
+
+
+def test_concurrent_loads_share_one_converted_cache(tmp_path):
+    """Two processes converting the GGUF at once: both load, one cache folder, no temp leftovers."""
+    code = "from knnssd import models; lm = models.load('smollm2', dtype='float32'); print(lm.fingerprint)"
+    env = {**__import__("os").environ, "KNNSSD_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+    assert outs[0][0].strip() == outs[1][0].strip()
+    folders = sorted(p.name for p in (tmp_path / "models").iterdir() if p.is_dir())
+    assert len(folders) == 1 and not folders[0].startswith("."), folders
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory, smollm2):
+    """A 2-layer random Llama with SmolLM2's tokenizer: exercises the CLI in seconds."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=len(smollm2.tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, eos_token_id=2,
+                         bos_token_id=1, pad_token_id=2)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
+    smollm2.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_bench_engine_json(tiny_with_tokenizer, data_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "knnssd.cli", "bench-engine", "--model", str(tiny_with_tokenizer), "--dtype", "float32",
+         "--prompts", "1", "--max-new-tokens", "8", "--domains", "reasoning,translation", "--data", str(data_dir),
+         "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["prompts"] == 2 and report["backend"] == "Decoder"
+    assert {"tokens_per_s"} <= set(report["ar"]) and "own_ar_speedup_vs_hf" in report["hf_generate"]
+    assert set(report["steps"]["verify_cost_vs_one"]) == {str(k) for k in range(1, 13)}
+    assert len(report["steps"]["ms_per_draft_step"]) >= 3
+    for name, d in report["drafters"].items():
+        assert {"speedup_vs_ar", "acceptance_rate", "mean_accepted", "agreement_with_ar"} <= set(d), name
+        assert d["agreement_with_ar"] == 1.0, name  # fp32: exact
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--prompt", " "], "empty prompt"),
+])
+def test_cli_bad_input_is_one_line(args, message, tmp_path):
+    argv = ["complete", "--prompt", "hi", "--model", "smollm2"]
+    for k, v in zip(args[::2], args[1::2]):
+        argv[argv.index(k) + 1] = v
+    out = subprocess.run([sys.executable, "-m", "knnssd.cli", *argv], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("knnssd: error:") and message in out.stderr
+
+
+def test_cli_wrong_mask_length(tmp_path):
+    mask = tmp_path / "mask.json"
+    mask.write_text(SkipMask.from_layers(4, attn=[1]).to_json())
+    out = subprocess.run([sys.executable, "-m", "knnssd.cli", "complete", "--prompt", "hi", "--mask", str(mask),
+                          "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "skip mask is for 4 layers; the model has 30" in out.stderr

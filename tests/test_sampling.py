@@ -1,0 +1,115 @@
+"""Speculative sampling keeps the model's distribution exactly.
+
+Tolerance: a chi-square goodness-of-fit test against the exact distribution (enumerated from
+the model) must not reject at p < 0.001; cells with expected count < 5 are pooled. Seeds are
+fixed, so a pass or fail is reproducible, not flaky.
+"""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from knnssd.decode import GenerationConfig, generate
+from knnssd.drafters import DrafterConfig, build
+from knnssd.sampling import Warp, greedy_verify, probs, rejection_verify
+from knnssd.skip import SkipMask, make_decoder
+from tiny import prompt_ids, tiny
+
+ALPHA = 1e-3
+N = 1500
+
+
+def chi2_pvalue(counts: dict, expected_p: dict, n: int) -> float:
+    keys = sorted(expected_p, key=lambda k: expected_p[k])
+    obs, exp, o_acc, e_acc = [], [], 0.0, 0.0
+    for k in keys:  # pool the rarest cells until each pooled cell expects >= 5
+        o_acc += counts.get(k, 0)
+        e_acc += expected_p[k] * n
+        if e_acc >= 5:
+            obs.append(o_acc), exp.append(e_acc)
+            o_acc = e_acc = 0.0
+    if e_acc:
+        obs[-1] += o_acc
+        exp[-1] += e_acc
+    assert sum(counts.get(k, 0) for k in counts if k not in expected_p) == 0, "sampled a token outside the support"
+    return float(chisquare(np.array(obs), np.array(exp) * (sum(obs) / sum(exp))).pvalue)
+
+
+def test_rejection_verify_single_position_matches_target():
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.3]])
+    counts: dict[int, int] = {}
+    n = 20000
+    for _ in range(n):
+        x = torch.multinomial(q[0], 1, generator=g)
+        acc, nxt = rejection_verify(x, q, p, g)
+        first = int(x[0]) if acc == 1 else nxt
+        counts[first] = counts.get(first, 0) + 1
+    expected = {i: float(p[0, i]) for i in range(5) if p[0, i] > 0}
+    assert chi2_pvalue(counts, expected, n) > ALPHA
+    # a point-mass draft (n-gram) is accepted with probability p(x)
+    hits = sum(rejection_verify(torch.tensor([0]), None, p, g)[0] for _ in range(4000))
+    assert abs(hits / 4000 - 0.5) < 0.03
+
+
+def test_greedy_verify():
+    logits = torch.tensor([[0.0, 5, 0], [9, 0, 0], [0, 0, 3]])
+    assert greedy_verify(torch.tensor([1, 0]), logits) == (2, 2)
+    assert greedy_verify(torch.tensor([1, 2]), logits) == (1, 0)
+    assert greedy_verify(torch.tensor([2, 0]), logits) == (0, 1)
+    assert greedy_verify(torch.tensor([], dtype=torch.long), logits[:1]) == (0, 1)
+
+
+def test_warp_top_k_top_p():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    assert (probs(logits, Warp(1.0, top_k=2)) > 0).tolist() == [True, True, False, False]
+    p = probs(logits, Warp(1.0, top_p=0.7))
+    assert (p > 0).sum() == 2 and torch.isclose(p.sum(), torch.tensor(1.0))
+    with pytest.raises(ValueError):
+        Warp(-1.0)
+
+
+def exact_joint(model, prompt: list[int], warp: Warp, length: int = 3) -> dict:
+    """P(first `length` tokens) under plain sampling, by enumerating the warped support."""
+    out = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, pr in out.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            p = probs(logits, warp)
+            for t in torch.nonzero(p).flatten().tolist():
+                nxt[prefix + (t,)] = pr * float(p[t])
+        out = nxt
+    return out
+
+
+@pytest.mark.parametrize("kind,warp", [
+    ("none", Warp(0.8, top_k=4)),
+    ("layer_skip", Warp(0.8, top_k=4)),
+    ("ngram", Warp(1.0, top_k=3)),
+    ("hybrid", Warp(1.2, top_k=5, top_p=0.9)),
+])
+def test_speculative_sampling_distribution(kind, warp):
+    model = tiny("llama")
+    dec = make_decoder(model)
+    prompt = prompt_ids("llama", 1)
+    if kind == "ngram":  # every token occurs in the prompt, so the lookup always proposes something
+        prompt = list(range(2, model.config.vocab_size)) + prompt
+    expected = exact_joint(model, prompt, warp)
+    cfg = DrafterConfig(kind=kind, mask=SkipMask.from_layers(4, attn=[2], mlp=[1]).to_dict(), max_len=3,
+                        ngram_sizes=[2, 1])
+    drafter = build(cfg, dec.n_layers)
+    counts: dict[tuple, int] = {}
+    drafted = 0
+    for seed in range(N):
+        out, stats = generate(dec, prompt, drafter, GenerationConfig(max_new_tokens=4, warp=warp, seed=seed))
+        key = tuple(out[:3])
+        counts[key] = counts.get(key, 0) + 1
+        drafted += stats.drafted
+    if kind != "none":
+        assert drafted > N / 2, "the drafter should have proposed tokens"
+    assert chi2_pvalue(counts, expected, N) > ALPHA

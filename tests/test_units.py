@@ -1,0 +1,115 @@
+import json
+
+import pytest
+import torch
+
+from knnssd import models
+from knnssd.cache import KVCache
+from knnssd.decode import GenerationConfig, Sequence, generate
+from knnssd.drafters import DrafterConfig, NGram, build
+from knnssd.sampling import Warp
+from knnssd.skip import MaskError, SkipMask, make_decoder
+from tiny import prompt_ids, tiny
+
+
+def test_skip_mask_round_trip_and_errors():
+    m = SkipMask.from_layers(6, attn=[1, 4], mlp=[0])
+    assert SkipMask.from_json(m.to_json()) == m
+    assert SkipMask.from_bits(m.bits, 6) == m
+    assert m.n_skipped == 3 and m.fraction == 0.25
+    assert str(m) == "attn:010010 mlp:100000"
+    with pytest.raises(MaskError, match="needs 12"):
+        SkipMask.from_bits([0] * 10, 6)
+    with pytest.raises(MaskError, match="for 6 layers; the model has 4"):
+        m.validate(4)
+    with pytest.raises(MaskError, match="layer 9"):
+        SkipMask.from_layers(6, attn=[9])
+    with pytest.raises(MaskError, match="not valid JSON"):
+        SkipMask.from_json("{nope")
+    with pytest.raises(MaskError, match="cannot skip"):
+        m.validate(6, can_skip=False)
+
+
+def test_drafter_config_errors():
+    with pytest.raises(ValueError, match="unknown drafter kind"):
+        DrafterConfig.from_dict({"kind": "magic"})
+    with pytest.raises(ValueError, match="unknown drafter fields"):
+        DrafterConfig.from_dict({"kind": "ngram", "colour": 1})
+    cfg = DrafterConfig(kind="hybrid", mask=SkipMask.from_layers(4, mlp=[3]).to_dict(), threshold=0.5, int8=True)
+    assert DrafterConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert "skip 1/8" in cfg.describe()
+    with pytest.raises(MaskError):
+        build(cfg, 5)
+
+
+def test_kv_cache_growth_keeps_contents():
+    c = KVCache(2, 1, 4, torch.float32, torch.device("cpu"))
+    c.ensure(3)
+    k = torch.arange(12.0).view(1, 1, 3, 4)
+    c.write(1, 0, k, -k)
+    c.ensure(1000)
+    kc, vc = c.write(1, 3, k[:, :, :1], k[:, :, :1])
+    assert c.capacity >= 1000 and torch.equal(kc[:, :, :3], k) and torch.equal(vc[:, :, :3], -k)
+
+
+def test_ngram_lookup_uses_latest_match_and_never_itself():
+    ng = NGram((2, 1), max_len=3)
+    seq = Sequence([5, 6, 7, 8, 5, 6, 9, 5, 6], 9, None, Warp(), None, torch.device("cpu"))
+    assert ng.propose(seq, 3).tokens == [9, 5, 6]  # latest earlier "5 6" is followed by 9
+    seq.tokens.append(1)
+    assert ng.propose(seq, 3).tokens == []  # "6 1" and "1" never occurred before
+    fresh = Sequence([1, 2, 3], 3, None, Warp(), None, torch.device("cpu"))
+    assert ng.propose(fresh, 3).tokens == []
+
+
+def test_stops_at_eos_length_and_stop_string():
+    model = tiny("llama")
+    dec = make_decoder(model)
+    ids = prompt_ids("llama", 0)
+    full, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=20))
+    out, st = generate(dec, ids, None, GenerationConfig(max_new_tokens=20, eos_ids=(full[5],)))
+    assert out == full[: full.index(full[5]) + 1] and st.stop == "eos"
+    out, st = generate(dec, ids, None, GenerationConfig(max_new_tokens=7))
+    assert out == full[:7] and st.stop == "length"
+
+    class Tok:  # decodes token t as a letter, so a stop string is a run of tokens
+        def decode(self, ids):
+            return "".join(chr(97 + t % 26) for t in ids)
+
+    stop = Tok().decode(full[3:5])
+    out, st = generate(dec, ids, build(DrafterConfig(kind="ngram"), 4), GenerationConfig(max_new_tokens=20, stop_strings=(stop,)), Tok())
+    assert st.stop == "stop_string" and stop in Tok().decode(out) and len(out) <= 5
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(dec, [], None, GenerationConfig())
+
+
+def test_model_errors_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path / "cache"))
+    for name, pattern in [
+        ("no-such-model", "unknown model 'no-such-model'"),
+        (str(tmp_path / "missing.gguf"), "GGUF file not found"),
+        (str(tmp_path), "without config.json"),
+    ]:
+        with pytest.raises(models.ModelError, match=pattern) as e:
+            models.load(name)
+        assert "\n" not in str(e.value)
+    with pytest.raises(models.ModelError, match="unknown dtype"):
+        models.resolve_dtype("float8", torch.device("cpu"))
+    assert models.resolve_dtype("auto", torch.device("cpu")) in (torch.float32, torch.bfloat16)
+
+
+def test_corrupt_cache_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path))
+    folder = tmp_path / "m"
+    tiny("llama").save_pretrained(folder)
+    (folder / models.CACHE_MARKER).write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(models.ModelError, match="delete the folder to rebuild it") as e:
+        models.load(str(folder))
+    assert "\n" not in str(e.value)
+
+
+def test_fingerprint_ignores_dtype():
+    model = tiny("qwen3")
+    assert models.weights_fingerprint(model) == models.weights_fingerprint(tiny("qwen3", dtype=torch.bfloat16))
+    assert models.weights_fingerprint(model) != models.weights_fingerprint(tiny("qwen3", seed=1))
