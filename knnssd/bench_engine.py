@@ -44,15 +44,15 @@ def even_mask(n_layers: int, fraction: float) -> SkipMask:
 
 
 def fixed_drafters(n_layers: int, can_skip: bool) -> dict[str, DrafterConfig]:
-    """The untuned drafters the engine benchmark compares (the search in search.py tunes them)."""
-    out = {"ngram": DrafterConfig(kind="ngram", max_len=8, ngram_sizes=[3, 2, 1])}
+    """The untuned drafters the engine benchmark compares (search.py tunes them per cluster)."""
+    out = {"ngram": DrafterConfig(kind="ngram", max_len=8, ngram_sizes=[3, 2, 1], adaptive=True)}
     if can_skip:
-        out["int8_draft"] = DrafterConfig(kind="layer_skip", mask=SkipMask.none(n_layers).to_dict(), max_len=6,
-                                          threshold=0.5, int8=True)
+        none = SkipMask.none(n_layers).to_dict()
+        out["int8_draft"] = DrafterConfig(kind="layer_skip", mask=none, max_len=8, threshold=0.3, int8=True,
+                                          adaptive=True)
         out["skip_25"] = DrafterConfig(kind="layer_skip", mask=even_mask(n_layers, 0.25).to_dict(), max_len=4,
                                        threshold=0.5)
-        out["hybrid"] = DrafterConfig(kind="hybrid", mask=SkipMask.none(n_layers).to_dict(), max_len=6,
-                                      threshold=0.5, int8=True, ngram_sizes=[3, 2, 1], ngram_max_len=8)
+        out["hybrid"] = DrafterConfig(kind="hybrid", mask=none, max_len=8, threshold=0.5, int8=True, adaptive=True)
     return out
 
 
@@ -116,7 +116,7 @@ def run(cfg: EngineBench, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     for m in methods:
         one(m, warm)
     results = {m: [] for m in methods}  # per prompt: (tokens, stats, median seconds)
-    for p in tqdm(rows, desc="bench-engine", file=sys.stderr, disable=None):
+    for p in tqdm(rows, desc="bench-engine", file=sys.stderr, mininterval=5):
         ids = lm.tokenizer(p.prompt).input_ids
         runs = {m: [] for m in methods}
         for r in range(cfg.repeats):

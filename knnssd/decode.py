@@ -112,8 +112,10 @@ def _device(decoder) -> torch.device:
     return decoder.stack.device if isinstance(decoder, Decoder) else next(decoder.model.parameters()).device
 
 
-def prefill(decoder, prompt_ids: list[int], config: GenerationConfig) -> tuple[Sequence, torch.Tensor, torch.Tensor]:
-    """Run the prompt; returns the sequence, the last position's logits (V,) and the hidden states (T, E)."""
+def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None
+            ) -> tuple[Sequence, torch.Tensor, torch.Tensor]:
+    """Run the prompt; returns the sequence, the last position's logits (V,) and the prompt's hidden
+    states (T, E): final-normed, or the residual stream after layer ``tap`` when given."""
     if not prompt_ids:
         raise ValueError("empty prompt: at least one token is needed")
     device = _device(decoder)
@@ -123,9 +125,9 @@ def prefill(decoder, prompt_ids: list[int], config: GenerationConfig) -> tuple[S
         gen.manual_seed(config.seed if config.seed is not None else torch.seed())
     decoder.reserve(len(prompt_ids) + config.max_new_tokens + 64)
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-    out = decoder.forward(ids, 0, last=True)
+    out = decoder.forward(ids, 0, last=True, tap=tap)
     seq = Sequence(list(prompt_ids), len(prompt_ids), decoder, config.warp, gen, device)
-    return seq, out.logits[0], out.hidden
+    return seq, out.logits[0], out.hidden if out.tapped is None else out.tapped
 
 
 def decode(
@@ -135,6 +137,7 @@ def decode(
     stats = DecodeStats(prompt_tokens=seq.n_prompt)
     stopper = _Stopper(config, tokenizer)
     warp, dec = config.warp, seq.decoder
+    k = drafter.max_len if drafter is not None else 0  # draft length; adapts when drafter.adaptive
     first = int(first_logits.argmax().item()) if warp.greedy else sample(probs(first_logits, warp), seq.generator)
     new = [first]
     seq.tokens.append(first)
@@ -142,7 +145,7 @@ def decode(
     while not stats.stop:
         t0 = time.perf_counter()
         room = config.max_new_tokens - len(new) - 1  # drafts beyond this could never be emitted
-        draft = drafter.propose(seq, min(drafter.max_len, room)) if drafter is not None and room > 0 else None
+        draft = drafter.propose(seq, min(k, room)) if drafter is not None and room > 0 else None
         drafted = draft.tokens if draft is not None else []
         t1 = time.perf_counter()
         start = len(seq.tokens) - 1
@@ -158,6 +161,8 @@ def decode(
         stats.steps += 1
         stats.drafted += len(drafted)
         stats.accepted.append(n)
+        if drafted and drafter.adaptive:  # HF's schedule: +2 after a fully accepted draft, else -1
+            k = min(drafter.max_len, k + 2) if n == len(drafted) else max(1, k - 1)
         for tok in (*drafted[:n], nxt):
             new.append(tok)
             seq.tokens.append(tok)

@@ -35,12 +35,15 @@ class Draft:
 
 
 class Drafter(Protocol):
-    max_len: int
+    max_len: int  # most tokens per draft
+    adaptive: bool  # the loop shortens/lengthens drafts after rejections/full acceptances
 
     def propose(self, seq: "Sequence", k: int) -> Draft: ...
 
 
 class LayerSkip:
+    adaptive = False
+
     def __init__(self, mask: SkipMask, max_len: int = 8, threshold: float = 0.0, int8: bool = False):
         self.mask, self.max_len, self.threshold, self.int8 = mask, max_len, threshold, int8
         self._stack = None
@@ -72,20 +75,28 @@ class LayerSkip:
 
 class NGram:
     """Prompt lookup with an incremental index: n-gram -> position after its latest occurrence."""
+    adaptive = False
+
 
     def __init__(self, sizes: tuple[int, ...] = (3, 2, 1), max_len: int = 8):
         self.sizes = tuple(sorted(set(sizes), reverse=True))
         if not self.sizes or self.sizes[-1] < 1:
             raise ValueError(f"n-gram sizes must be positive integers, got {sizes}")
         self.max_len = max_len
-        self._seq_id: int | None = None
+        self._seq_id: object = None
         self._index: dict[tuple[int, ...], int] = {}
         self._done = 0  # n-grams ending before this position are indexed
 
     def propose(self, seq: "Sequence", k: int) -> Draft:
-        toks = seq.tokens
-        if self._seq_id != seq.uid or self._done > len(toks):
-            self._seq_id, self._index, self._done = seq.uid, {}, 0
+        return Draft(self.lookup(seq.uid, seq.tokens, k))
+
+    def lookup(self, key: object, toks: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix.
+
+        ``key`` names the sequence: the index is extended incrementally while it stays the same.
+        """
+        if self._seq_id != key or self._done > len(toks):
+            self._seq_id, self._index, self._done = key, {}, 0
         # index n-grams that end at positions < len(toks) - 1, so the suffix never matches itself
         for end in range(self._done, len(toks) - 1):
             for n in self.sizes:
@@ -96,11 +107,13 @@ class NGram:
             if len(toks) >= n:
                 j = self._index.get(tuple(toks[-n:]))
                 if j is not None:
-                    return Draft(toks[j : j + k])
-        return Draft([])
+                    return toks[j : j + k]
+        return []
 
 
 class Hybrid:
+    adaptive = False
+
     def __init__(self, ngram: NGram, layer_skip: LayerSkip):
         self.ngram, self.layer_skip = ngram, layer_skip
         self.max_len = max(ngram.max_len, layer_skip.max_len)
@@ -123,6 +136,7 @@ class DrafterConfig:
     int8: bool = False  # LayerSkip drafts on int8 copies of the weights
     ngram_sizes: list[int] = field(default_factory=lambda: [3, 2, 1])
     ngram_max_len: int | None = None  # NGram's own cap in hybrid (default: max_len)
+    adaptive: bool = False  # adapt the draft length: +2 after a fully accepted draft, -1 after a rejection
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,6 +166,8 @@ class DrafterConfig:
                 parts.append("int8")
         if self.kind in ("ngram", "hybrid"):
             parts.append("n=" + ",".join(map(str, self.ngram_sizes)))
+        if self.adaptive:
+            parts.append("adaptive")
         return " ".join(parts)
 
 
@@ -161,10 +177,13 @@ def build(cfg: DrafterConfig, n_layers: int, can_skip: bool = True) -> Drafter |
         return None
     ngram = NGram(tuple(cfg.ngram_sizes), cfg.ngram_max_len or cfg.max_len)
     if cfg.kind == "ngram":
+        ngram.adaptive = cfg.adaptive
         return ngram
     mask = SkipMask.from_dict(cfg.mask) if cfg.mask is not None else SkipMask.none(n_layers)
     mask.validate(n_layers, can_skip)
     if cfg.int8 and not can_skip:
         raise MaskError("int8 drafting needs the lean forward; this model runs on the plain HF fallback")
     skip = LayerSkip(mask, cfg.max_len, cfg.threshold, cfg.int8)
-    return skip if cfg.kind == "layer_skip" else Hybrid(ngram, skip)
+    drafter = skip if cfg.kind == "layer_skip" else Hybrid(ngram, skip)
+    drafter.adaptive = cfg.adaptive
+    return drafter

@@ -115,6 +115,7 @@ class SkipMask:
 class Output(NamedTuple):
     logits: torch.Tensor  # (T, V), or (1, V) with last=True; float32
     hidden: torch.Tensor  # (T, E) final-normed hidden states
+    tapped: torch.Tensor | None = None  # (T, E) residual stream after layer ``tap``, when asked for
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -171,9 +172,11 @@ class Decoder:
 
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack: Stack | None = None, last: bool = False
+        self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack: Stack | None = None,
+        last: bool = False, tap: int | None = None,
     ) -> Output:
         s = stack or self.stack
+        tapped = None
         T = ids.shape[0]
         self.reserve(start + T)
         h = F.embedding(ids, s.embed)[None]
@@ -192,11 +195,13 @@ class Decoder:
                 if layer.mlp_post_norm is not None:
                     y = layer.mlp_post_norm(y)
                 h = h + y
+            if i == tap:
+                tapped = h[0]
         hidden = s.norm(h)[0]
         logits = s.lm_head(hidden[-1:] if last else hidden)
         if s.final_softcap is not None:
             logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
-        return Output(logits.float(), hidden)
+        return Output(logits.float(), hidden, tapped)
 
     def _attention(self, layer: Layer, i: int, h: torch.Tensor, start: int, rope, masks) -> torch.Tensor:
         s, T = self.stack, h.shape[1]
@@ -277,7 +282,8 @@ class HFDecoder:
             self.cache.crop(-extra)  # transformers 5.x: crop takes a negative count
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack=None, last: bool = False) -> Output:
+    def forward(self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack=None, last: bool = False,
+                tap: int | None = None) -> Output:
         if mask is not None and mask.n_skipped:
             raise MaskError("this model runs on the plain HF fallback, which cannot skip sub-layers")
         if start == 0:
@@ -289,7 +295,8 @@ class HFDecoder:
             input_ids=ids[None], past_key_values=self.cache, use_cache=True, output_hidden_states=True,
             logits_to_keep=1 if last else 0,
         )
-        return Output(out.logits[0].float(), out.hidden_states[-1][0])
+        tapped = out.hidden_states[tap + 1][0] if tap is not None and tap >= 0 else None
+        return Output(out.logits[0].float(), out.hidden_states[-1][0], tapped)
 
 
 def make_decoder(model: torch.nn.Module, check: bool = True) -> Decoder | HFDecoder:
