@@ -1,0 +1,185 @@
+"""The skip bank: anchors + one drafting configuration per cluster, as stored in a registry version.
+
+A bank folder holds ``bank.json`` (clusters, their configurations and measured speedups, the
+base model's name and weights fingerprint, the knnssd version), ``anchors.parquet`` (one row
+per anchor: cluster id and vector) and pictures. ``load`` validates everything and reports a
+corrupt or foreign bank in one line.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from .drafters import DrafterConfig
+from .router import Cluster, Pooling, Router
+from .skip import MaskError, SkipMask
+
+FORMAT = 1
+
+
+class BankError(ValueError):
+    """A bank folder is missing, corrupt or does not fit the model; one line."""
+
+
+@dataclass
+class BankCluster:
+    id: int
+    label: str
+    config: dict  # DrafterConfig.to_dict()
+    speedup: float = 1.0  # measured on calib prompts
+    acceptance_rate: float = 0.0
+    mean_accepted: float = 1.0
+    members: int = 0
+    domains: dict[str, int] = field(default_factory=dict)
+    search: dict = field(default_factory=dict)  # trials, seconds, proxy speedup, candidates
+
+    @property
+    def drafter(self) -> DrafterConfig:
+        return DrafterConfig.from_dict(self.config)
+
+
+@dataclass
+class Bank:
+    model: str
+    fingerprint: str
+    n_layers: int
+    dtype: str
+    clusters: list[BankCluster]
+    anchors: np.ndarray  # (N, E) normalised
+    anchor_cluster: np.ndarray  # (N,) cluster id per anchor
+    pooling: Pooling = Pooling()
+    router_k: int = 3
+    min_similarity: float = -1.0  # below: unmatched, use the fallback cluster
+    fallback: int | None = None  # cluster whose configuration serves unmatched prompts
+    created: str = ""
+    knnssd_version: str = __version__
+    extra: dict = field(default_factory=dict)
+
+    def router(self) -> Router:
+        return Router(self.anchors, self.anchor_cluster, self.router_k, self.min_similarity)
+
+    def cluster(self, cid: int | None) -> BankCluster:
+        cid = self.fallback if cid is None else cid
+        for c in self.clusters:
+            if c.id == cid:
+                return c
+        return BankCluster(-1, "plain AR", DrafterConfig().to_dict())
+
+    def check_model(self, fingerprint: str, n_layers: int) -> None:
+        if fingerprint != self.fingerprint:
+            raise BankError(f"bank was tuned for {self.model} with weights fingerprint {self.fingerprint}; "
+                            f"the loaded model's is {fingerprint}")
+        if n_layers != self.n_layers:
+            raise BankError(f"bank is for a {self.n_layers}-layer model; the loaded model has {n_layers}")
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT, "knnssd_version": self.knnssd_version, "created": self.created,
+            "model": {"name": self.model, "fingerprint": self.fingerprint, "n_layers": self.n_layers, "dtype": self.dtype},
+            "pooling": asdict(self.pooling),
+            "router": {"k": self.router_k, "min_similarity": self.min_similarity, "fallback": self.fallback},
+            "clusters": [asdict(c) for c in self.clusters],
+            "extra": self.extra,
+        }
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"cluster": self.anchor_cluster.astype(np.int64),
+                                 "vector": [v.tolist() for v in self.anchors.astype(np.float32)]}),
+                       folder / "anchors.parquet")
+        tmp = folder / "bank.json.tmp"
+        tmp.write_text(json.dumps(self.to_json(), indent=2))
+        tmp.replace(folder / "bank.json")
+        return folder
+
+
+def load(folder: str | os.PathLike) -> Bank:
+    folder = Path(folder)
+    if not (folder / "bank.json").is_file():
+        raise BankError(f"no bank.json in {folder}")
+    try:
+        d = json.loads((folder / "bank.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BankError(f"{folder / 'bank.json'} is corrupt: {e}") from None
+    try:
+        import pyarrow.parquet as pq
+
+        t = pq.read_table(folder / "anchors.parquet").to_pydict()
+        anchors = np.asarray(t["vector"], dtype=np.float32)
+        owner = np.asarray(t["cluster"], dtype=np.int64)
+    except Exception as e:  # noqa: BLE001
+        raise BankError(f"{folder / 'anchors.parquet'} is missing or corrupt: {type(e).__name__}") from None
+    bank = from_json(d, anchors, owner)
+    validate(bank)
+    return bank
+
+
+def from_json(d: dict, anchors: np.ndarray, owner: np.ndarray) -> Bank:
+    try:
+        if d.get("format") != FORMAT:
+            raise BankError(f"bank format {d.get('format')!r} is not {FORMAT}")
+        m, r = d["model"], d["router"]
+        clusters = [BankCluster(**c) for c in d["clusters"]]
+        return Bank(model=m["name"], fingerprint=m["fingerprint"], n_layers=int(m["n_layers"]), dtype=m["dtype"],
+                    clusters=clusters, anchors=anchors, anchor_cluster=owner, pooling=Pooling(**d["pooling"]),
+                    router_k=int(r["k"]), min_similarity=float(r["min_similarity"]), fallback=r.get("fallback"),
+                    created=d.get("created", ""), knnssd_version=d.get("knnssd_version", "?"), extra=d.get("extra", {}))
+    except BankError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise BankError(f"bank.json does not follow format {FORMAT}: {type(e).__name__}: {e}") from None
+
+
+def validate(bank: Bank) -> None:
+    """Every cluster has a valid configuration for the model and anchors; every anchor has a cluster."""
+    ids = {c.id for c in bank.clusters}
+    if not bank.clusters:
+        raise BankError("bank has no clusters")
+    if len(ids) != len(bank.clusters):
+        raise BankError("bank has duplicate cluster ids")
+    if bank.anchors.ndim != 2 or len(bank.anchors) != len(bank.anchor_cluster) or not len(bank.anchors):
+        raise BankError("anchors are not an (N, E) matrix with one cluster id each")
+    if not np.isfinite(bank.anchors).all():
+        raise BankError("anchors contain NaN or infinite values")
+    if set(bank.anchor_cluster.tolist()) - ids:
+        raise BankError("an anchor points to a cluster the bank does not have")
+    if bank.fallback is not None and bank.fallback not in ids:
+        raise BankError(f"fallback cluster {bank.fallback} is not in the bank")
+    for c in bank.clusters:
+        try:
+            cfg = c.drafter
+            if cfg.mask is not None:
+                SkipMask.from_dict(cfg.mask).validate(bank.n_layers)
+        except (MaskError, ValueError, TypeError) as e:
+            raise BankError(f"cluster {c.id} ({c.label}): {e}") from None
+        if not (math.isfinite(c.speedup) and c.speedup > 0):
+            raise BankError(f"cluster {c.id} ({c.label}): speedup {c.speedup} is not a positive number")
+
+
+def from_clusters(clusters: list[Cluster], results: dict[int, dict], model: str, fingerprint: str, n_layers: int,
+                  dtype: str, pooling: Pooling, min_similarity: float, created: str, extra: dict | None = None) -> Bank:
+    """Assemble a bank from clusters and per-cluster search results (``search.ClusterResult.to_dict``)."""
+    bcs = []
+    for c in clusters:
+        r = results[c.id]
+        bcs.append(BankCluster(
+            id=c.id, label=c.label, config=r["config"], speedup=r["speedup"], acceptance_rate=r["acceptance_rate"],
+            mean_accepted=r["mean_accepted"], members=len(c.members), domains=c.domains,
+            search={k: r[k] for k in ("proxy_speedup", "proxy_trials", "real_trials", "search_s", "ms_per_token",
+                                      "ar_ms_per_token") if k in r}))
+    # unmatched prompts get the configuration that is fastest over the most prompts
+    fallback = max(bcs, key=lambda b: (b.speedup - 1.0) * b.members).id
+    anchors = np.concatenate([c.anchors for c in clusters])
+    owner = np.concatenate([np.full(len(c.anchors), c.id) for c in clusters])
+    return Bank(model, fingerprint, n_layers, dtype, bcs, anchors, owner, pooling, 3, min_similarity, fallback, created,
+                extra=extra or {})

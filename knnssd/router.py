@@ -1,0 +1,175 @@
+"""Prompt vectors, anchors (K-means) and the kNN router (faiss).
+
+A prompt's vector is its final-normed hidden states pooled over the prompt tokens; the prefill
+pass computes them anyway, so routing costs one faiss search. Anchors are K-means centroids:
+``k`` per labelled domain (the paper uses 10), or, for an unlabelled pool, ``K`` clusters with
+``K`` chosen by silhouette. A cluster is what gets its own drafting configuration.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+POOLINGS = ("mean", "last")
+
+
+def _faiss():
+    try:
+        import faiss
+    except ImportError:
+        raise ImportError("faiss is missing: pip install 'knnssd[cpu]' (or 'knnssd[gpu]' on CUDA machines)") from None
+    return faiss
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """How a prompt becomes a vector: ``mode`` over the prompt tokens of layer ``layer``'s output
+    (-1: after the final norm, the default; i: the residual stream after layer i)."""
+
+    mode: str = "mean"
+    layer: int = -1
+
+    def __post_init__(self):
+        if self.mode not in POOLINGS:
+            raise ValueError(f"unknown pooling '{self.mode}' (choose {', '.join(POOLINGS)})")
+
+    def pool(self, hidden: torch.Tensor) -> np.ndarray:
+        """(T, E) -> (E,) float32, L2-normalised."""
+        v = hidden.float().mean(0) if self.mode == "mean" else hidden[-1].float()
+        v = v / v.norm().clamp_min(1e-12)
+        return v.cpu().numpy().astype(np.float32)
+
+
+def normalize(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def content_key(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(json.dumps(p, sort_keys=True, default=str).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+def kmeans(x: np.ndarray, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Spherical K-means (faiss): (centroids (k, E) normalised, assignment (N,))."""
+    faiss = _faiss()
+    x = normalize(x)
+    k = max(1, min(k, len(x)))
+    km = faiss.Kmeans(x.shape[1], k, niter=50, seed=seed, spherical=True, min_points_per_centroid=1, verbose=False)
+    km.train(x)
+    _, assign = km.index.search(x, 1)
+    return normalize(km.centroids), assign[:, 0]
+
+
+def choose_k(x: np.ndarray, k_max: int = 12, seed: int = 0) -> int:
+    """The K in 2..k_max with the best cosine silhouette (1 if there are too few points)."""
+    from sklearn.metrics import silhouette_score
+
+    x = normalize(x)
+    best_k, best = 1, -1.0
+    for k in range(2, min(k_max, len(x) - 1) + 1):
+        _, assign = kmeans(x, k, seed)
+        if len(set(assign.tolist())) < 2:
+            continue
+        s = silhouette_score(x, assign, metric="cosine")
+        if s > best:
+            best_k, best = k, s
+    return best_k
+
+
+@dataclass
+class Cluster:
+    id: int
+    label: str  # the domain for labelled clusters, "cluster-<id>" otherwise
+    anchors: np.ndarray  # (k, E) normalised centroids
+    members: list[str] = field(default_factory=list)  # prompt ids
+    domains: dict[str, int] = field(default_factory=dict)  # domain -> member count
+
+
+def build_clusters(ids: list[str], domains: list[str | None], vectors: np.ndarray, k_per_domain: int = 10,
+                   n_clusters: int | None = None, seed: int = 0) -> list[Cluster]:
+    """Labelled rows (every domain set): ``k_per_domain`` anchors per domain, one cluster per domain.
+    Otherwise one pool: ``n_clusters`` clusters (chosen by silhouette when None), one anchor each."""
+    vectors = normalize(vectors)
+    if all(domains):
+        out = []
+        for cid, dom in enumerate(sorted(set(domains))):
+            rows = [i for i, d in enumerate(domains) if d == dom]
+            anchors, _ = kmeans(vectors[rows], k_per_domain, seed)
+            out.append(Cluster(cid, dom, anchors, [ids[i] for i in rows], {dom: len(rows)}))
+        return out
+    k = n_clusters or choose_k(vectors, seed=seed)
+    centroids, assign = kmeans(vectors, k, seed)
+    out = []
+    for cid in range(len(centroids)):
+        rows = [i for i in range(len(ids)) if assign[i] == cid]
+        if not rows:
+            continue
+        counts: dict[str, int] = {}
+        for i in rows:
+            counts[domains[i] or "?"] = counts.get(domains[i] or "?", 0) + 1
+        out.append(Cluster(len(out), f"cluster-{len(out)}", centroids[cid : cid + 1], [ids[i] for i in rows], counts))
+    return out
+
+
+@dataclass(frozen=True)
+class Route:
+    cluster: int | None  # None: no anchor is close enough (use the fallback configuration)
+    similarity: float  # cosine similarity to the nearest anchor
+    votes: dict[int, float]
+
+
+class Router:
+    """kNN over normalised anchors (faiss inner product); the k nearest anchors vote by similarity."""
+
+    def __init__(self, anchors: np.ndarray, anchor_cluster: np.ndarray, k: int = 3, min_similarity: float = -1.0):
+        faiss = _faiss()
+        self.anchors = normalize(anchors)
+        self.anchor_cluster = np.asarray(anchor_cluster, dtype=np.int64)
+        self.k = max(1, min(k, len(self.anchors)))
+        self.min_similarity = min_similarity
+        self.index = faiss.IndexFlatIP(self.anchors.shape[1])
+        self.index.add(self.anchors)
+
+    @classmethod
+    def from_clusters(cls, clusters: list[Cluster], k: int = 3, min_similarity: float = -1.0) -> "Router":
+        anchors = np.concatenate([c.anchors for c in clusters])
+        owner = np.concatenate([np.full(len(c.anchors), c.id) for c in clusters])
+        return cls(anchors, owner, k, min_similarity)
+
+    def route(self, vector: np.ndarray) -> Route:
+        sims, idx = self.index.search(normalize(vector)[None], self.k)
+        votes: dict[int, float] = {}  # insertion order = nearest first, which breaks ties
+        for s, i in zip(sims[0], idx[0]):
+            if i >= 0:
+                c = int(self.anchor_cluster[i])
+                votes[c] = votes.get(c, 0.0) + float(s)
+        best_sim = float(sims[0, 0])
+        if not votes or best_sim < self.min_similarity:
+            return Route(None, best_sim, votes)
+        return Route(max(votes, key=votes.__getitem__), best_sim, votes)
+
+
+def save_vectors(path: Path, ids: list[str], domains: list[str | None], vectors: np.ndarray) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": ids, "domain": domains, "vector": [v.tolist() for v in np.asarray(vectors, np.float32)]})
+    tmp = Path(str(path) + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+
+
+def load_vectors(path: Path) -> tuple[list[str], list[str | None], np.ndarray]:
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path).to_pydict()
+    return t["id"], t["domain"], np.asarray(t["vector"], dtype=np.float32)

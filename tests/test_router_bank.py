@@ -1,0 +1,92 @@
+import json
+
+import numpy as np
+import pytest
+
+from knnssd import bank as banks
+from knnssd import router
+from knnssd.drafters import DrafterConfig
+from knnssd.skip import SkipMask
+
+
+def blobs(n_per=20, dim=16, centers=3, seed=0):
+    rng = np.random.default_rng(seed)
+    c = rng.normal(size=(centers, dim)) * 3
+    x = np.concatenate([c[i] + rng.normal(size=(n_per, dim)) * 0.3 for i in range(centers)])
+    labels = [f"d{i}" for i in range(centers) for _ in range(n_per)]
+    return x.astype(np.float32), labels
+
+
+def test_labelled_clusters_route_their_own_domain():
+    x, labels = blobs()
+    ids = [f"p{i}" for i in range(len(x))]
+    clusters = router.build_clusters(ids, labels, x, k_per_domain=4)
+    assert [c.label for c in clusters] == ["d0", "d1", "d2"] and all(len(c.anchors) == 4 for c in clusters)
+    r = router.Router.from_clusters(clusters, k=3)
+    routed = [clusters[r.route(v).cluster].label for v in x]
+    assert routed == labels
+
+
+def test_unlabelled_pool_picks_k_by_silhouette_and_threshold_marks_unmatched():
+    x, labels = blobs(centers=4)
+    clusters = router.build_clusters([str(i) for i in range(len(x))], [None] * len(x), x)
+    assert len(clusters) == 4 and sum(len(c.members) for c in clusters) == len(x)
+    r = router.Router.from_clusters(clusters, k=1, min_similarity=0.9)
+    far = -router.normalize(x[:1])[0]
+    assert r.route(far).cluster is None
+    assert r.route(x[0]).cluster is not None
+
+
+def test_pooling():
+    import torch
+
+    h = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 3.0]])
+    assert np.allclose(router.Pooling("last").pool(h), [0, 1])
+    assert np.allclose(router.Pooling("mean").pool(h), router.normalize(np.array([1 / 3, 4 / 3])))
+    with pytest.raises(ValueError):
+        router.Pooling("max")
+
+
+def make_bank(tmp_path, n_layers=4):
+    x, labels = blobs(n_per=6, dim=8)
+    clusters = router.build_clusters([str(i) for i in range(len(x))], labels, x, k_per_domain=2)
+    cfg = DrafterConfig(kind="hybrid", mask=SkipMask.from_layers(n_layers, mlp=[1]).to_dict(), int8=True).to_dict()
+    results = {c.id: {"config": cfg, "speedup": 1.3 + c.id / 10, "acceptance_rate": 0.7, "mean_accepted": 2.1}
+               for c in clusters}
+    b = banks.from_clusters(clusters, results, "tiny", "abc", n_layers, "float32", router.Pooling(), 0.2, "now")
+    return b, b.save(tmp_path / "bank")
+
+
+def test_bank_round_trip_and_validation(tmp_path):
+    b, folder = make_bank(tmp_path)
+    loaded = banks.load(folder)
+    assert loaded.to_json() == b.to_json() and np.allclose(loaded.anchors, b.anchors)
+    assert loaded.fallback == 2  # fastest over the most prompts
+    with pytest.raises(banks.BankError, match="fingerprint"):
+        loaded.check_model("other", 4)
+    with pytest.raises(banks.BankError, match="4-layer"):
+        loaded.check_model("abc", 5)
+
+    d = json.loads((folder / "bank.json").read_text())
+    d["clusters"][0]["config"]["mask"]["n_layers"] = 3
+    (folder / "bank.json").write_text(json.dumps(d))
+    with pytest.raises(banks.BankError, match="cluster 0"):
+        banks.load(folder)
+    (folder / "bank.json").write_text("{not json")
+    with pytest.raises(banks.BankError, match="corrupt"):
+        banks.load(folder)
+    (folder / "anchors.parquet").write_bytes(b"junk")
+    (folder / "bank.json").write_text(json.dumps(b.to_json()))
+    with pytest.raises(banks.BankError, match="anchors.parquet"):
+        banks.load(folder)
+    with pytest.raises(banks.BankError, match="no bank.json"):
+        banks.load(tmp_path / "nowhere")
+
+
+def test_pictures(tmp_path):
+    from knnssd import pictures
+
+    b, folder = make_bank(tmp_path)
+    assert pictures.skip_heatmap(b, tmp_path / "h.png").stat().st_size > 1000
+    x, labels = blobs(n_per=6, dim=8)
+    assert pictures.anchor_map(b, router.normalize(x), labels, tmp_path / "m.png").stat().st_size > 1000
