@@ -56,6 +56,29 @@ def cmd_complete(a) -> int:
     return 0
 
 
+def cmd_calibrate(a) -> int:
+    from flows.calibrate import CalibrateParams, calibrate
+
+    params = CalibrateParams(
+        model=a.model, dtype=a.dtype, inputs=a.input or [], domain_from_file=a.domain_from_file,
+        labelled=not a.unlabelled, k_per_domain=a.k_per_domain, n_clusters=a.clusters, pooling=a.pooling,
+        layer=a.layer, proxy_trials=a.trials, real_candidates=a.candidates, minutes=a.minutes,
+        proxy_prompts=a.proxy_prompts, real_prompts=a.real_prompts, max_new_tokens=a.max_new_tokens,
+        storage=a.storage, tracking_uri=a.tracking_uri, seed=a.seed,
+    )
+    _check_inputs(params.inputs)
+    print(json.dumps(calibrate(params)))
+    return 0
+
+
+def _check_inputs(paths: list[str]) -> None:
+    """Fail fast, before any server or model starts, on a prompt file that cannot be used."""
+    from .prompts import load
+
+    for p in paths:
+        load(p)
+
+
 def cmd_demo(a) -> int:
     from . import bench_engine
 
@@ -98,6 +121,26 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=None)
     c.set_defaults(fn=cmd_complete)
 
+    k = sub.add_parser("calibrate", help="prompts -> anchors -> per-cluster search -> a new bank version (Prefect flow)")
+    _model_args(k)
+    k.add_argument("--input", action="append", help="prompt file (jsonl/parquet/csv); repeat; default: the five domains")
+    k.add_argument("--domain-from-file", action="store_true", help="rows without a domain take the file name")
+    k.add_argument("--unlabelled", action="store_true", help="ignore domains: cluster the pool, K by silhouette")
+    k.add_argument("--k-per-domain", type=int, default=10, help="anchors per labelled domain")
+    k.add_argument("--clusters", type=int, default=None, help="clusters for an unlabelled pool (default: silhouette)")
+    k.add_argument("--pooling", default="mean", choices=["mean", "last"])
+    k.add_argument("--layer", type=int, default=-1, help="hidden state to pool (-1: after the final norm)")
+    k.add_argument("--trials", type=int, default=40, help="proxy-stage trials per cluster")
+    k.add_argument("--candidates", type=int, default=4, help="configurations timed for real per cluster")
+    k.add_argument("--minutes", type=float, default=None, help="time cap per cluster search")
+    k.add_argument("--proxy-prompts", type=int, default=8)
+    k.add_argument("--real-prompts", type=int, default=4)
+    k.add_argument("--max-new-tokens", type=int, default=64)
+    k.add_argument("--storage", default=None, help="Optuna storage: journal file path or URL (sqlite:///, postgresql://)")
+    k.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///artifacts/mlflow.db)")
+    k.add_argument("--seed", type=int, default=0)
+    k.set_defaults(fn=cmd_calibrate)
+
     d = sub.add_parser("demo", help="the main job on the embedded default model")
     _model_args(d)
     d.add_argument("--prompts", type=int, default=1)
@@ -107,9 +150,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .bank import BankError
     from .models import ModelError
     from .prompts import PromptError
     from .skip import MaskError
+    from .tracking import RegistryError
 
     a = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -119,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     try:
         return a.fn(a)
-    except (ModelError, PromptError, MaskError, ValueError, FileNotFoundError) as e:
+    except (ModelError, PromptError, MaskError, BankError, RegistryError, ValueError, FileNotFoundError) as e:
         print(f"knnssd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

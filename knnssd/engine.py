@@ -1,0 +1,117 @@
+"""Routed generation: prefill -> prompt vector -> kNN route -> that cluster's drafter -> decode.
+
+The vector comes out of the prefill pass the generation runs anyway, so routing costs one
+pooling and one faiss search. ``RoutedGenerator`` is shared by the CLI, the batch flow and
+the pyfunc model.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from . import bank as banks
+from . import models
+from .decode import DecodeStats, GenerationConfig, decode, prefill
+from .drafters import build
+from .sampling import Warp
+from .skip import make_decoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_prompt_tokens: int = 4096  # longer prompts keep their last tokens (with a warning)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GenerateParams":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown generation parameters: {sorted(unknown)} (known: {sorted(known)})")
+        p = cls(**{k: v for k, v in d.items() if v is not None})
+        if p.max_new_tokens < 1 or p.max_prompt_tokens < 1:
+            raise ValueError("max_new_tokens and max_prompt_tokens must be >= 1")
+        Warp(p.temperature, p.top_k, p.top_p)  # validates
+        return p
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    cluster: int | None  # None: no anchor close enough, the fallback configuration drafted
+    label: str
+    similarity: float
+    drafter: str
+    stats: DecodeStats
+    route_s: float
+    latency_s: float
+    prompt_tokens: int
+    truncated: bool
+
+    def to_row(self) -> dict:
+        s = self.stats
+        return {
+            "text": self.text, "tokens": self.tokens, "new_tokens": len(self.tokens), "cluster": self.cluster,
+            "label": self.label, "similarity": self.similarity, "matched": self.cluster is not None,
+            "drafter": self.drafter, "acceptance_rate": s.acceptance_rate, "mean_accepted": s.mean_accepted,
+            "steps": s.steps, "latency_s": self.latency_s, "route_ms": 1e3 * self.route_s,
+            "tokens_per_s": len(self.tokens) / self.latency_s if self.latency_s else 0.0,
+            "prompt_tokens": self.prompt_tokens, "truncated": self.truncated, "stop": s.stop,
+        }
+
+
+class RoutedGenerator:
+    def __init__(self, lm: models.LoadedModel, bank: banks.Bank):
+        self.lm, self.bank = lm, bank
+        self.decoder = make_decoder(lm.model)
+        bank.check_model(lm.fingerprint, self.decoder.n_layers)
+        self.router = bank.router()
+        self.drafters = {c.id: build(c.drafter, self.decoder.n_layers, self.decoder.can_skip) for c in bank.clusters}
+        eos = lm.model.generation_config.eos_token_id
+        eos = lm.tokenizer.eos_token_id if eos is None else eos
+        self.eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+    @classmethod
+    def from_bank_dir(cls, folder: str | Path, model: str | None = None, dtype: str = "auto",
+                      device: str = "auto") -> "RoutedGenerator":
+        bank = banks.load(folder)
+        return cls(models.load(model or bank.model, dtype, device), bank)
+
+    def tokenize(self, prompt: str, limit: int) -> tuple[list[int], bool]:
+        if not prompt.strip():
+            raise ValueError("empty prompt")
+        ids = self.lm.tokenizer(prompt).input_ids
+        if len(ids) > limit:
+            log.warning("prompt of %d tokens truncated to its last %d", len(ids), limit)
+            return ids[-limit:], True
+        return ids, False
+
+    def generate(self, prompt: str, params: GenerateParams = GenerateParams()) -> Result:
+        t0 = time.perf_counter()
+        ids, truncated = self.tokenize(prompt, params.max_prompt_tokens)
+        cfg = GenerationConfig(max_new_tokens=params.max_new_tokens, warp=Warp(params.temperature, params.top_k,
+                               params.top_p), seed=params.seed, eos_ids=self.eos)
+        pool = self.bank.pooling
+        seq, logits, hidden = prefill(self.decoder, ids, cfg, tap=None if pool.layer < 0 else pool.layer)
+        t1 = time.perf_counter()
+        route = self.router.route(pool.pool(hidden))
+        cluster = self.bank.cluster(route.cluster)
+        route_s = time.perf_counter() - t1
+        new, stats = decode(seq, logits, self.drafters.get(cluster.id), cfg)
+        stats.prefill_s = t1 - t0
+        stats.total_s = time.perf_counter() - t0
+        text = self.lm.tokenizer.decode(new, skip_special_tokens=True)
+        return Result(text, new, route.cluster, cluster.label, route.similarity, cluster.drafter.describe(), stats,
+                      route_s, stats.total_s, len(ids), truncated)
+
+    def config_summary(self) -> list[dict]:
+        return [{"cluster": c.id, "label": c.label, **asdict(c.drafter), "speedup": c.speedup} for c in self.bank.clusters]

@@ -1,0 +1,144 @@
+"""MLflow: calibration runs, the registered model ``knnssd-<model>`` and its aliases.
+
+Each calibration is one run (params, metrics, the bank folder as a pyfunc model) and one new
+version of the registered model; the new version gets alias ``candidate``, and ``champion``
+too when the model has none yet. Tracking URI: ``$MLFLOW_TRACKING_URI``, else
+``sqlite:///<cwd>/artifacts/mlflow.db`` (an ``http://`` server URL works the same).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+EXPERIMENT = "knnssd-calibration"
+
+
+class RegistryError(ValueError):
+    """Unknown model URI, alias or version; one line."""
+
+
+def default_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'artifacts' / 'mlflow.db'}"
+
+
+def slug(model: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", Path(model).name.lower()).strip("-") or "model"
+
+
+def registered_name(model: str) -> str:
+    return f"knnssd-{slug(model)}"
+
+
+def setup(uri: str | None = None, experiment: str = EXPERIMENT) -> str:
+    import mlflow
+
+    uri = uri or default_uri()
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    if mlflow.get_experiment_by_name(experiment) is None:
+        location = None
+        if uri.startswith("sqlite:///"):  # keep artifacts next to the database, not in ./mlruns
+            location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+        try:
+            mlflow.create_experiment(experiment, artifact_location=location)
+        except Exception:  # noqa: BLE001 - created concurrently by another process
+            pass
+    mlflow.set_experiment(experiment)
+    return uri
+
+
+@dataclass
+class Registered:
+    name: str
+    version: str
+    run_id: str
+    aliases: list[str]
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self.name}/{self.version}"
+
+
+def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: str | None = None,
+                  run_name: str | None = None) -> Registered:
+    """Log one calibration run with the bank as a pyfunc model and register a new version."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from .pyfunc import MODEL_CODE, pip_requirements
+
+    setup(uri)
+    name = registered_name(model)
+    with mlflow.start_run(run_name=run_name) as run:
+        mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+        for pic in sorted(Path(bank_dir).glob("*.png")):
+            mlflow.log_artifact(str(pic), "pictures")
+        mlflow.log_artifact(str(Path(bank_dir) / "bank.json"), "bank")
+        info = mlflow.pyfunc.log_model(name="knnssd", python_model=str(MODEL_CODE), artifacts={"bank": str(bank_dir)},
+                                       pip_requirements=pip_requirements(), registered_model_name=name,
+                                       await_registration_for=60)
+        version = str(info.registered_model_version)
+    client = MlflowClient()
+    aliases = ["candidate"]
+    client.set_registered_model_alias(name, "candidate", version)
+    try:
+        client.get_model_version_by_alias(name, "champion")
+    except Exception:  # noqa: BLE001 - no champion yet
+        client.set_registered_model_alias(name, "champion", version)
+        aliases.append("champion")
+    return Registered(name, version, run.info.run_id, aliases)
+
+
+def resolve(model_uri: str, uri: str | None = None):
+    """The ModelVersion behind ``models:/name@alias`` or ``models:/name/version``."""
+    from mlflow import MlflowClient
+
+    setup(uri)
+    m = re.fullmatch(r"models:/([^/@]+)(?:@([\w-]+)|/(\d+))", model_uri)
+    if not m:
+        raise RegistryError(f"not a model URI: '{model_uri}' (use models:/<name>@<alias> or models:/<name>/<version>)")
+    name, alias, version = m.groups()
+    client = MlflowClient()
+    try:
+        return client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
+    except Exception as e:  # noqa: BLE001
+        what = f"alias '{alias}'" if alias else f"version {version}"
+        raise RegistryError(f"{model_uri}: no {what} of registered model '{name}' at {default_uri() if uri is None else uri}"
+                            f" ({type(e).__name__})") from None
+
+
+def download_bank(model_uri: str, dest: Path | None = None, uri: str | None = None) -> Path:
+    """Fetch the bank folder of a registered version; returns the folder holding bank.json."""
+    import mlflow
+
+    mv = resolve(model_uri, uri)
+    dest = Path(dest or tempfile.mkdtemp(prefix="knnssd-bank-"))
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{mv.name}/{mv.version}", dst_path=str(dest)))
+    found = next(local.rglob("bank.json"), None)
+    if found is None:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise RegistryError(f"{model_uri} (version {mv.version}) holds no bank.json")
+    return found.parent
+
+
+def set_alias(model: str, alias: str, version: str, uri: str | None = None) -> None:
+    from mlflow import MlflowClient
+
+    setup(uri)
+    MlflowClient().set_registered_model_alias(registered_name(model), alias, version)
+
+
+def versions(model: str, uri: str | None = None) -> list:
+    from mlflow import MlflowClient
+
+    setup(uri)
+    try:
+        return list(MlflowClient().search_model_versions(f"name='{registered_name(model)}'"))
+    except Exception:  # noqa: BLE001
+        return []

@@ -1,0 +1,1 @@
+"""Thin Prefect task wrappers around knnssd's calibration and generation steps."""

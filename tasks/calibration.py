@@ -1,0 +1,56 @@
+"""Calibration tasks: retries for transient failures, caching where a step is deterministic."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
+
+from knnssd import calibration, router, search
+from knnssd.calibration import ModelSpec
+from knnssd.prompts import Prompt
+
+
+@task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def load_prompts(paths: list[str], split: str = "calib", domain_from_file: bool = False) -> list[Prompt]:
+    return calibration.load_prompts(paths, split, domain_from_file=domain_from_file)
+
+
+@task(retries=1, cache_policy=NO_CACHE)  # cached on disk by content hash (a rerun recomputes nothing)
+def embed_prompts(spec: ModelSpec, rows: list[Prompt], pooling: router.Pooling) -> str:
+    return str(calibration.embed(spec, rows, pooling))
+
+
+@task(cache_policy=INPUTS + TASK_SOURCE)
+def cluster_prompts(vectors: str, k_per_domain: int, n_clusters: int | None, labelled: bool, seed: int
+                    ) -> list[router.Cluster]:
+    return calibration.make_clusters(Path(vectors), k_per_domain, n_clusters, labelled, seed)
+
+
+@task(retries=1, retry_delay_seconds=5, cache_policy=INPUTS + TASK_SOURCE, task_run_name="search-{cluster.label}")
+def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: search.Budget, storage: str,
+                   study_prefix: str, warm_start: list[dict] | None = None) -> dict:
+    """A retry (or a rerun after a kill) resumes the cluster's Optuna studies from ``storage``."""
+    members = set(cluster.members)
+    texts = [r.prompt for r in rows if r.id in members]
+    return calibration.search_one(spec, cluster, texts, budget, storage, study_prefix, warm_start)
+
+
+@task(cache_policy=NO_CACHE)
+def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[dict], vectors: str,
+               pooling: router.Pooling, out_dir: str, extra: dict) -> str:
+    return str(calibration.build_bank(spec, clusters, results, Path(vectors), pooling, Path(out_dir), extra))
+
+
+@task(retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
+def register_bank(bank_dir: str, params: dict, tracking_uri: str | None) -> dict:
+    return calibration.register(Path(bank_dir), params, tracking_uri)
+
+
+@task(cache_policy=NO_CACHE)
+def study_prefix(spec: ModelSpec, vectors: str, clusters: list[router.Cluster], budget: search.Budget) -> str:
+    """A name that is the same on a rerun with the same inputs, so searches resume."""
+    lm, _ = calibration.runtime(spec)
+    key = router.content_key(lm.fingerprint, spec.dtype, Path(vectors).name, [(c.label, c.members) for c in clusters],
+                             budget.__dict__)
+    return f"{lm.name}-{key[:12]}"
