@@ -60,9 +60,10 @@ class Bank:
     created: str = ""
     knnssd_version: str = __version__
     extra: dict = field(default_factory=dict)
+    center: np.ndarray | None = None  # subtracted from prompt vectors before routing (router.center_of)
 
     def router(self) -> Router:
-        return Router(self.anchors, self.anchor_cluster, self.router_k, self.min_similarity)
+        return Router(self.anchors, self.anchor_cluster, self.router_k, self.min_similarity, self.center)
 
     def cluster(self, cid: int | None) -> BankCluster:
         cid = self.fallback if cid is None else cid
@@ -83,7 +84,8 @@ class Bank:
             "format": FORMAT, "knnssd_version": self.knnssd_version, "created": self.created,
             "model": {"name": self.model, "fingerprint": self.fingerprint, "n_layers": self.n_layers, "dtype": self.dtype},
             "pooling": asdict(self.pooling),
-            "router": {"k": self.router_k, "min_similarity": self.min_similarity, "fallback": self.fallback},
+            "router": {"k": self.router_k, "min_similarity": self.min_similarity, "fallback": self.fallback,
+                       "center": None if self.center is None else [float(x) for x in self.center]},
             "clusters": [asdict(c) for c in self.clusters],
             "extra": self.extra,
         }
@@ -133,7 +135,8 @@ def from_json(d: dict, anchors: np.ndarray, owner: np.ndarray) -> Bank:
         return Bank(model=m["name"], fingerprint=m["fingerprint"], n_layers=int(m["n_layers"]), dtype=m["dtype"],
                     clusters=clusters, anchors=anchors, anchor_cluster=owner, pooling=Pooling(**d["pooling"]),
                     router_k=int(r["k"]), min_similarity=float(r["min_similarity"]), fallback=r.get("fallback"),
-                    created=d.get("created", ""), knnssd_version=d.get("knnssd_version", "?"), extra=d.get("extra", {}))
+                    created=d.get("created", ""), knnssd_version=d.get("knnssd_version", "?"), extra=d.get("extra", {}),
+                    center=None if r.get("center") is None else np.asarray(r["center"], dtype=np.float32))
     except BankError:
         raise
     except (KeyError, TypeError, ValueError) as e:
@@ -153,6 +156,8 @@ def validate(bank: Bank) -> None:
         raise BankError("anchors contain NaN or infinite values")
     if set(bank.anchor_cluster.tolist()) - ids:
         raise BankError("an anchor points to a cluster the bank does not have")
+    if bank.center is not None and (bank.center.shape != bank.anchors.shape[1:] or not np.isfinite(bank.center).all()):
+        raise BankError("router center does not match the anchors' dimension")
     if bank.fallback is not None and bank.fallback not in ids:
         raise BankError(f"fallback cluster {bank.fallback} is not in the bank")
     for c in bank.clusters:
@@ -167,7 +172,8 @@ def validate(bank: Bank) -> None:
 
 
 def from_clusters(clusters: list[Cluster], results: dict[int, dict], model: str, fingerprint: str, n_layers: int,
-                  dtype: str, pooling: Pooling, min_similarity: float, created: str, extra: dict | None = None) -> Bank:
+                  dtype: str, pooling: Pooling, min_similarity: float, created: str, extra: dict | None = None,
+                  center: np.ndarray | None = None) -> Bank:
     """Assemble a bank from clusters and per-cluster search results (``search.ClusterResult.to_dict``)."""
     bcs = []
     for c in clusters:
@@ -182,4 +188,4 @@ def from_clusters(clusters: list[Cluster], results: dict[int, dict], model: str,
     anchors = np.concatenate([c.anchors for c in clusters])
     owner = np.concatenate([np.full(len(c.anchors), c.id) for c in clusters])
     return Bank(model, fingerprint, n_layers, dtype, bcs, anchors, owner, pooling, 3, min_similarity, fallback, created,
-                extra=extra or {})
+                extra=extra or {}, center=center)

@@ -67,6 +67,16 @@ def eos_ids(lm: models.LoadedModel) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
 
 
+def code_version(modules=("search", "decode", "drafters", "sampling", "skip", "stack", "cache", "calibration")) -> str:
+    """A hash of the sources a search result depends on: cached results from older code are not reused."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for m in modules:
+        h.update((Path(__file__).parent / f"{m}.py").read_bytes())
+    return h.hexdigest()[:16]
+
+
 def work_dir() -> Path:
     return Path(os.environ.get("KNNSSD_WORK", Path.cwd() / "artifacts"))
 
@@ -113,7 +123,8 @@ def embed(spec: ModelSpec, rows: list[prompts.Prompt], pooling: router.Pooling =
 def make_clusters(vectors: Path, k_per_domain: int = 10, n_clusters: int | None = None, labelled: bool = True,
                   seed: int = 0) -> list[router.Cluster]:
     ids, domains, x = router.load_vectors(vectors)
-    return router.build_clusters(ids, domains if labelled else [None] * len(ids), x, k_per_domain, n_clusters, seed)
+    return router.build_clusters(ids, domains if labelled else [None] * len(ids), x, k_per_domain, n_clusters, seed,
+                                 router.center_of(x))
 
 
 @contextlib.contextmanager
@@ -156,14 +167,17 @@ def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[di
     lm, dec = runtime(spec)
     ids, domains, x = router.load_vectors(vectors)
     by_cluster = {r["cluster"]: r for r in results}
-    # unmatched: below the similarity that 99% of calib prompts reach to their own cluster's anchors
-    r = router.Router.from_clusters(clusters, k=1)
+    # unmatched: below the 1% quantile of calib prompts' similarity to their own cluster's anchors,
+    # minus a quarter of the distance to the median (slack for small calib sets)
+    center = router.center_of(x)
+    r = router.Router.from_clusters(clusters, k=1, center=center)
     own = {m: c.id for c in clusters for m in c.members}
-    sims = [float(np.max(r.anchors[r.anchor_cluster == own[i]] @ v)) for i, v in zip(ids, router.normalize(x))]
-    min_sim = float(np.quantile(sims, 0.01)) if sims else -1.0
+    sims = [float(np.max(r.anchors[r.anchor_cluster == own[i]] @ v)) for i, v in zip(ids, router.centered(x, center))]
+    q01, q50 = np.quantile(sims, [0.01, 0.5])
+    min_sim = float(q01 - 0.25 * (q50 - q01))
     bank = banks.from_clusters(clusters, by_cluster, lm.name, lm.fingerprint, dec.n_layers,
                                str(lm.dtype).replace("torch.", ""), pooling, min_sim,
-                               dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), extra)
+                               dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), extra, center)
     banks.validate(bank)
     out_dir = Path(out_dir)
     bank.save(out_dir)

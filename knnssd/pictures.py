@@ -49,10 +49,10 @@ def anchor_map(bank, vectors: np.ndarray | None, domains: list[str | None] | Non
     _, _, vt = np.linalg.svd(pts - mean, full_matrices=False)
     proj = lambda x: (x - mean) @ vt[:2].T  # noqa: E731
     fig, ax = plt.subplots(figsize=(7, 5.5))
-    cmap = plt.get_cmap("tab20")
+    cmap = plt.get_cmap("tab10")
     labels = {c.id: c.label for c in bank.clusters}
     names = sorted({d or "?" for d in (domains or [])} | set(labels.values()))
-    colour = {n: cmap(i % 20) for i, n in enumerate(names)}  # a domain and its cluster share a colour
+    colour = {n: cmap(i % 10) for i, n in enumerate(names)}  # a domain and its cluster share a colour
     if vectors is not None and domains is not None:
         xy = proj(vectors)
         for d in sorted({d or "?" for d in domains}):

@@ -50,6 +50,17 @@ def normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
+def center_of(vectors: np.ndarray) -> np.ndarray:
+    """The mean direction of a set of prompt vectors. Pooled hidden states share a large common
+    component (cosine ~0.9 between unrelated prompts); routing subtracts it first."""
+    return normalize(vectors).mean(0).astype(np.float32)
+
+
+def centered(vectors: np.ndarray, center: np.ndarray | None) -> np.ndarray:
+    x = normalize(vectors)
+    return normalize(x - center) if center is not None else x
+
+
 def content_key(*parts) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -95,10 +106,11 @@ class Cluster:
 
 
 def build_clusters(ids: list[str], domains: list[str | None], vectors: np.ndarray, k_per_domain: int = 10,
-                   n_clusters: int | None = None, seed: int = 0) -> list[Cluster]:
+                   n_clusters: int | None = None, seed: int = 0, center: np.ndarray | None = None) -> list[Cluster]:
     """Labelled rows (every domain set): ``k_per_domain`` anchors per domain, one cluster per domain.
-    Otherwise one pool: ``n_clusters`` clusters (chosen by silhouette when None), one anchor each."""
-    vectors = normalize(vectors)
+    Otherwise one pool: ``n_clusters`` clusters (chosen by silhouette when None), one anchor each.
+    Anchors live in the ``center``-ed space (see ``center_of``) when a center is given."""
+    vectors = centered(vectors, center)
     if all(domains):
         out = []
         for cid, dom in enumerate(sorted(set(domains))):
@@ -130,8 +142,10 @@ class Route:
 class Router:
     """kNN over normalised anchors (faiss inner product); the k nearest anchors vote by similarity."""
 
-    def __init__(self, anchors: np.ndarray, anchor_cluster: np.ndarray, k: int = 3, min_similarity: float = -1.0):
+    def __init__(self, anchors: np.ndarray, anchor_cluster: np.ndarray, k: int = 3, min_similarity: float = -1.0,
+                 center: np.ndarray | None = None):
         faiss = _faiss()
+        self.center = center
         self.anchors = normalize(anchors)
         self.anchor_cluster = np.asarray(anchor_cluster, dtype=np.int64)
         self.k = max(1, min(k, len(self.anchors)))
@@ -140,13 +154,14 @@ class Router:
         self.index.add(self.anchors)
 
     @classmethod
-    def from_clusters(cls, clusters: list[Cluster], k: int = 3, min_similarity: float = -1.0) -> "Router":
+    def from_clusters(cls, clusters: list[Cluster], k: int = 3, min_similarity: float = -1.0,
+                      center: np.ndarray | None = None) -> "Router":
         anchors = np.concatenate([c.anchors for c in clusters])
         owner = np.concatenate([np.full(len(c.anchors), c.id) for c in clusters])
-        return cls(anchors, owner, k, min_similarity)
+        return cls(anchors, owner, k, min_similarity, center)
 
     def route(self, vector: np.ndarray) -> Route:
-        sims, idx = self.index.search(normalize(vector)[None], self.k)
+        sims, idx = self.index.search(centered(np.asarray(vector)[None], self.center), self.k)
         votes: dict[int, float] = {}  # insertion order = nearest first, which breaks ties
         for s, i in zip(sims[0], idx[0]):
             if i >= 0:

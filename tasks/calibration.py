@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import task
-from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
+from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE, CacheKeyFnPolicy
 
 from knnssd import calibration, router, search
 from knnssd.calibration import ModelSpec
@@ -21,13 +21,17 @@ def embed_prompts(spec: ModelSpec, rows: list[Prompt], pooling: router.Pooling) 
     return str(calibration.embed(spec, rows, pooling))
 
 
-@task(cache_policy=INPUTS + TASK_SOURCE)
+# a finished search is reused only by the same inputs *and* the same search code
+SEARCH_CACHE = INPUTS + TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=lambda ctx, params: calibration.code_version())
+
+
+@task(cache_policy=NO_CACHE)  # cheap; recomputed so clustering changes always apply
 def cluster_prompts(vectors: str, k_per_domain: int, n_clusters: int | None, labelled: bool, seed: int
                     ) -> list[router.Cluster]:
     return calibration.make_clusters(Path(vectors), k_per_domain, n_clusters, labelled, seed)
 
 
-@task(retries=1, retry_delay_seconds=5, cache_policy=INPUTS + TASK_SOURCE, task_run_name="search-{cluster.label}")
+@task(retries=1, retry_delay_seconds=5, cache_policy=SEARCH_CACHE, task_run_name="search-{cluster.label}")
 def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: search.Budget, storage: str,
                    study_prefix: str, warm_start: list[dict] | None = None) -> dict:
     """A retry (or a rerun after a kill) resumes the cluster's Optuna studies from ``storage``."""
