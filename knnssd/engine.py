@@ -11,6 +11,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import numpy as np
+
 from . import bank as banks
 from . import models
 from .decode import DecodeStats, GenerationConfig, decode, prefill
@@ -36,7 +38,8 @@ class GenerateParams:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown generation parameters: {sorted(unknown)} (known: {sorted(known)})")
-        p = cls(**{k: v for k, v in d.items() if v is not None})
+        d = {k: v for k, v in d.items() if v is not None and not (k == "seed" and v < 0)}  # seed -1: random
+        p = cls(**d)
         if p.max_new_tokens < 1 or p.max_prompt_tokens < 1:
             raise ValueError("max_new_tokens and max_prompt_tokens must be >= 1")
         Warp(p.temperature, p.top_k, p.top_p)  # validates
@@ -56,6 +59,7 @@ class Result:
     latency_s: float
     prompt_tokens: int
     truncated: bool
+    vector: np.ndarray  # the prompt vector the router saw
 
     def to_row(self) -> dict:
         s = self.stats
@@ -63,7 +67,7 @@ class Result:
             "text": self.text, "tokens": self.tokens, "new_tokens": len(self.tokens), "cluster": self.cluster,
             "label": self.label, "similarity": self.similarity, "matched": self.cluster is not None,
             "drafter": self.drafter, "acceptance_rate": s.acceptance_rate, "mean_accepted": s.mean_accepted,
-            "steps": s.steps, "latency_s": self.latency_s, "route_ms": 1e3 * self.route_s,
+            "steps": s.steps, "drafted": s.drafted, "accepted": sum(s.accepted), "latency_s": self.latency_s, "route_ms": 1e3 * self.route_s,
             "tokens_per_s": len(self.tokens) / self.latency_s if self.latency_s else 0.0,
             "prompt_tokens": self.prompt_tokens, "truncated": self.truncated, "stop": s.stop,
         }
@@ -79,6 +83,15 @@ class RoutedGenerator:
         eos = lm.model.generation_config.eos_token_id
         eos = lm.tokenizer.eos_token_id if eos is None else eos
         self.eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+    @classmethod
+    def from_model_uri(cls, model_uri: str, model: str | None = None, dtype: str = "auto", device: str = "auto",
+                       tracking_uri: str | None = None) -> "RoutedGenerator":
+        """From a registered bank version (``models:/knnssd-smollm2@champion``) or a local bank folder."""
+        from . import tracking
+
+        folder = Path(model_uri) if Path(model_uri).is_dir() else tracking.download_bank(model_uri, uri=tracking_uri)
+        return cls.from_bank_dir(folder, model, dtype, device)
 
     @classmethod
     def from_bank_dir(cls, folder: str | Path, model: str | None = None, dtype: str = "auto",
@@ -103,7 +116,8 @@ class RoutedGenerator:
         pool = self.bank.pooling
         seq, logits, hidden = prefill(self.decoder, ids, cfg, tap=None if pool.layer < 0 else pool.layer)
         t1 = time.perf_counter()
-        route = self.router.route(pool.pool(hidden))
+        vector = pool.pool(hidden)
+        route = self.router.route(vector)
         cluster = self.bank.cluster(route.cluster)
         route_s = time.perf_counter() - t1
         new, stats = decode(seq, logits, self.drafters.get(cluster.id), cfg)
@@ -111,7 +125,7 @@ class RoutedGenerator:
         stats.total_s = time.perf_counter() - t0
         text = self.lm.tokenizer.decode(new, skip_special_tokens=True)
         return Result(text, new, route.cluster, cluster.label, route.similarity, cluster.drafter.describe(), stats,
-                      route_s, stats.total_s, len(ids), truncated)
+                      route_s, stats.total_s, len(ids), truncated, vector)
 
     def config_summary(self) -> list[dict]:
         return [{"cluster": c.id, "label": c.label, **asdict(c.drafter), "speedup": c.speedup} for c in self.bank.clusters]

@@ -82,7 +82,7 @@ def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: 
         mlflow.log_artifact(str(Path(bank_dir) / "bank.json"), "bank")
         info = mlflow.pyfunc.log_model(name="knnssd", python_model=str(MODEL_CODE), artifacts={"bank": str(bank_dir)},
                                        pip_requirements=pip_requirements(), registered_model_name=name,
-                                       await_registration_for=60)
+                                       signature=signature(), await_registration_for=60)
         version = str(info.registered_model_version)
     client = MlflowClient()
     aliases = ["candidate"]
@@ -93,6 +93,17 @@ def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: 
         client.set_registered_model_alias(name, "champion", version)
         aliases.append("champion")
     return Registered(name, version, run.info.run_id, aliases)
+
+
+def signature():
+    """Input: a ``prompt`` column; params: the generation parameters (seed -1 = random)."""
+    import pandas as pd
+    from mlflow.models import infer_signature
+
+    from .engine import GenerateParams
+
+    defaults = {k: (-1 if v is None else v) for k, v in GenerateParams().__dict__.items()}
+    return infer_signature(pd.DataFrame({"prompt": ["Question: 2 + 2 = ?"]}), params=defaults)
 
 
 def resolve(model_uri: str, uri: str | None = None):
@@ -142,3 +153,18 @@ def versions(model: str, uri: str | None = None) -> list:
         return list(MlflowClient().search_model_versions(f"name='{registered_name(model)}'"))
     except Exception:  # noqa: BLE001
         return []
+
+
+def log_run(experiment: str, params: dict, metrics: dict, artifacts: list[str] = (), uri: str | None = None,
+            run_name: str | None = None) -> str:
+    """One MLflow run with params, metrics and files; returns the run id."""
+    import mlflow
+
+    setup(uri, experiment)
+    with mlflow.start_run(run_name=run_name) as run:
+        mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+        for path in artifacts:
+            if path and Path(path).exists():
+                mlflow.log_artifact(str(path))
+    return run.info.run_id

@@ -24,9 +24,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float) -> None:
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -46,7 +48,7 @@ def prefect_server(tmp_path):
     server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_http(f"http://127.0.0.1:{port}/api/health", 120)
+        wait_http(f"http://127.0.0.1:{port}/api/health", 120, server)
         yield {**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
     finally:
         os.killpg(server.pid, 15)

@@ -1,0 +1,24 @@
+"""generate: a prompt file -> routed speculative generation -> a parquet file, summary in MLflow."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from prefect import flow
+
+from knnssd.engine import GenerateParams
+from tasks.generation import generate_batch, log_summary, read_prompts
+
+
+@flow(name="generate", log_prints=True)
+def generate(model_uri: str, input: str, output: str, params: GenerateParams = GenerateParams(), split: str | None = None,
+             dtype: str = "auto", overwrite: bool = False, tracking_uri: str | None = None) -> dict:
+    rows = read_prompts(input, split)
+    summary = generate_batch(model_uri, rows, output, params, dtype, overwrite, tracking_uri)
+    run_id = log_summary(summary, model_uri, input, params, tracking_uri)
+    return {**asdict(summary), "mlflow_run_id": run_id}
+
+
+if __name__ == "__main__":
+    import sys
+
+    generate(*sys.argv[1:4])

@@ -1,0 +1,174 @@
+"""Batch generation over a prompt file into a parquet file: resumable and kill-safe.
+
+Each finished prompt is appended (and fsync'ed) to ``<output>.progress.jsonl``; every
+``flush_every`` rows and at the end the parquet output is rewritten atomically (temp file +
+rename), so a kill never leaves a torn output and a rerun skips every id already finished.
+An existing output is resumed, not replaced (``overwrite=True`` starts over). Prompts that
+no anchor matches are recorded in ``<work>/unmatched/`` for later re-optimisation.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .engine import GenerateParams, RoutedGenerator
+from .prompts import Prompt
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("id", "domain", "text", "tokens", "new_tokens", "cluster", "label", "similarity", "matched", "drafter",
+           "acceptance_rate", "mean_accepted", "steps", "drafted", "accepted", "latency_s", "route_ms", "tokens_per_s", "prompt_tokens",
+           "truncated", "stop")
+
+
+class OutputError(ValueError):
+    """The output path cannot be used; one line."""
+
+
+@dataclass
+class Summary:
+    rows: int
+    generated: int  # in this run (the rest were finished earlier)
+    unmatched: int
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float
+    acceptance_rate: float
+    mean_accepted: float
+    route_ms: float  # mean per prompt
+    route_overhead_pct: float  # routing time / generation time
+    output: str
+    unmatched_log: str | None = None
+
+    def metrics(self) -> dict:
+        return {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def progress_path(output: Path) -> Path:
+    return output.with_name(output.name + ".progress.jsonl")
+
+
+def read_done(output: Path) -> dict[str, dict]:
+    """Rows already finished: the parquet output plus the progress journal (a torn last line is ignored)."""
+    done: dict[str, dict] = {}
+    if output.exists():
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(output)
+        except Exception as e:  # noqa: BLE001
+            raise OutputError(f"{output} exists and is not a parquet file ({type(e).__name__}); "
+                              "choose another path or pass --overwrite") from None
+        missing = set(COLUMNS) - set(table.column_names)
+        if missing:
+            raise OutputError(f"{output} exists and is not a knnssd generation output (no {sorted(missing)[0]!r} "
+                              "column); choose another path or pass --overwrite")
+        done.update({r["id"]: r for r in table.to_pylist()})
+    journal = progress_path(output)
+    if journal.exists():
+        for line in journal.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the line being written when the process was killed
+            done[row["id"]] = row
+    return done
+
+
+def write_parquet(rows: list[dict], output: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+    pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows]), tmp)
+    os.replace(tmp, output)
+
+
+def check(rows: list[Prompt]) -> None:
+    """Reject the batch before generating anything if a prompt is empty or an id repeats."""
+    seen = set()
+    for r in rows:
+        if not r.prompt.strip():
+            raise ValueError(f"prompt '{r.id}' is empty")
+        if r.id in seen:
+            raise ValueError(f"duplicate id '{r.id}'")
+        seen.add(r.id)
+
+
+def run(gen: RoutedGenerator, rows: list[Prompt], output: str | os.PathLike, params: GenerateParams = GenerateParams(),
+        overwrite: bool = False, flush_every: int = 8, unmatched_dir: Path | None = None) -> Summary:
+    from tqdm import tqdm
+
+    output = Path(output)
+    check(rows)
+    if output.parent and not output.parent.exists():
+        output.parent.mkdir(parents=True, exist_ok=True)
+    if output.exists() and output.is_dir():
+        raise OutputError(f"{output} is a folder; give a .parquet file path")
+    if overwrite:
+        output.unlink(missing_ok=True)
+        progress_path(output).unlink(missing_ok=True)
+    done = read_done(output)
+    wanted = {r.id for r in rows}
+    finished = [done[r.id] for r in rows if r.id in done]
+    todo = [r for r in rows if r.id not in done]
+    if done.keys() - wanted:
+        log.warning("%s holds %d ids that are not in this input; they are kept", output, len(done.keys() - wanted))
+        finished += [row for i, row in done.items() if i not in wanted]
+    unmatched: list[dict] = []
+    generated = 0
+    with open(progress_path(output), "a", encoding="utf-8") as journal:
+        for r in tqdm(todo, desc="generate", file=sys.stderr, mininterval=2, initial=0):
+            res = gen.generate(r.prompt, params)
+            row = {"id": r.id, "domain": r.domain, **res.to_row()}
+            journal.write(json.dumps(row) + "\n")
+            journal.flush()
+            os.fsync(journal.fileno())
+            finished.append(row)
+            generated += 1
+            if res.cluster is None:
+                unmatched.append({"id": r.id, "prompt": r.prompt, "similarity": res.similarity,
+                                  "vector": res.vector.tolist()})
+            if generated % flush_every == 0:
+                write_parquet(finished, output)
+    write_parquet(finished, output)
+    progress_path(output).unlink(missing_ok=True)
+    log_path = record_unmatched(unmatched, gen.bank.model, unmatched_dir) if unmatched else None
+    return summarize(finished, generated, output, log_path)
+
+
+def record_unmatched(rows: list[dict], model: str, folder: Path | None) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .calibration import work_dir
+
+    folder = Path(folder or work_dir() / "unmatched" / model)
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    path = folder / f"unmatched-{stamp}.parquet"
+    tmp = path.with_name("." + path.name)
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)
+    return str(path)
+
+
+def summarize(rows: list[dict], generated: int, output: Path, unmatched_log: str | None) -> Summary:
+    n = len(rows)
+    secs = sum(r["latency_s"] for r in rows)
+    tokens = sum(r["new_tokens"] for r in rows)
+    steps = sum(r["steps"] for r in rows)
+    drafted = sum(r["drafted"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    route = sum(r["route_ms"] for r in rows) / 1e3
+    return Summary(
+        rows=n, generated=generated, unmatched=sum(not r["matched"] for r in rows), new_tokens=tokens, seconds=secs,
+        tokens_per_s=tokens / secs if secs else 0.0,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_accepted=(accepted + steps) / steps if steps else 1.0, route_ms=1e3 * route / max(1, n),
+        route_overhead_pct=100 * route / secs if secs else 0.0, output=str(output), unmatched_log=unmatched_log)

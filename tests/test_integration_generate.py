@@ -1,0 +1,181 @@
+"""Routed generation: batch flow, kill + resume, and `mlflow models serve` answering /invocations."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from knnssd import calibration, prompts, tracking
+from knnssd.calibration import ModelSpec
+from knnssd.drafters import DrafterConfig
+from knnssd.skip import SkipMask
+from test_integration_calibrate import small_inputs
+from test_integration_deploy import free_port, wait_http
+
+pytestmark = pytest.mark.integration
+SPEC = ModelSpec("smollm2", "float32")
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory, data_dir):
+    """A bank built without searching (fixed configurations), registered in a fresh sqlite MLflow."""
+    tmp = tmp_path_factory.mktemp("gen")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    os.environ["KNNSSD_WORK"] = str(tmp / "work")
+    rows = calibration.load_prompts(small_inputs(data_dir, tmp / "in", n=6))
+    vectors = calibration.embed(SPEC, rows)
+    clusters = calibration.make_clusters(vectors, k_per_domain=2)
+    configs = {"reasoning": DrafterConfig(kind="hybrid", mask=SkipMask.none(30).to_dict(), max_len=6, threshold=0.5,
+                                          int8=True, adaptive=True),
+               "translation": DrafterConfig(kind="ngram", max_len=8, adaptive=True)}
+    results = [{"cluster": c.id, "config": configs[c.label].to_dict(), "speedup": 1.2, "acceptance_rate": 0.6,
+                "mean_accepted": 2.0} for c in clusters]
+    bank_dir = calibration.build_bank(SPEC, clusters, results, vectors, calibration.router.Pooling(), tmp / "bank")
+    reg = calibration.register(bank_dir, {"test": True}, uri)
+    yield {"uri": uri, "reg": reg, "tmp": tmp}
+    os.environ.pop("KNNSSD_WORK", None)
+
+
+def eval_file(data_dir: Path, out: Path, n=3) -> Path:
+    rows = []
+    for d in ("reasoning", "translation"):
+        rows += [json.loads(x) for x in (data_dir / f"{d}.jsonl").read_text().splitlines() if '"eval"' in x][:n]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def test_batch_flow_routes_each_domain(registered, data_dir, prefect_harness, tmp_path):
+    from flows.generate import generate
+
+    from knnssd.engine import GenerateParams
+
+    inp = eval_file(data_dir, tmp_path / "eval.jsonl")
+    out = tmp_path / "out.parquet"
+    summary = generate("models:/knnssd-smollm2@champion", str(inp), str(out), GenerateParams(max_new_tokens=16),
+                       dtype="float32", tracking_uri=registered["uri"])
+    table = pq.read_table(out).to_pylist()
+    assert summary["rows"] == len(table) == 6 and summary["generated"] == 6
+    assert all(r["label"] == r["domain"] and r["new_tokens"] > 0 for r in table)
+    assert summary["mlflow_run_id"] and summary["route_overhead_pct"] < 5
+    # a rerun has nothing left to do
+    again = generate("models:/knnssd-smollm2@champion", str(inp), str(out), GenerateParams(max_new_tokens=16),
+                     dtype="float32", tracking_uri=registered["uri"])
+    assert again["generated"] == 0 and again["rows"] == 6
+
+
+def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tmp_path):
+    inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=5)
+    out = tmp_path / "out.parquet"
+    args = [sys.executable, "-m", "knnssd.cli", "generate", "--model-uri", "models:/knnssd-smollm2@champion",
+            "--input", str(inp), "--output", str(out), "--max-new-tokens", "24", "--dtype", "float32"]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PREFECT_HOME": str(tmp_path / "prefect")}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    journal = out.with_name(out.name + ".progress.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if journal.exists() and len(journal.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if out.exists():
+        pq.read_table(out)  # never torn
+    done = run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ids = [r["id"] for r in pq.read_table(out).to_pylist()]
+    assert sorted(ids) == sorted(p.id for p in prompts.load(inp)) and len(ids) == len(set(ids))
+    assert json.loads(done.stdout.strip().splitlines()[-1])["generated"] < 10
+    assert not journal.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--input", "/nonexistent.jsonl"], "prompt file not found"),
+    (["--model-uri", "models:/knnssd-nope@champion"], "no alias 'champion'"),
+    (["--model-uri", "models:/knnssd-smollm2@nobody"], "no alias 'nobody'"),
+    (["--model-uri", "models:/knnssd-smollm2/99"], "no version 99"),
+    (["--model-uri", "knnssd-smollm2"], "neither models:/"),
+    (["--max-new-tokens", "0"], "must be >= 1"),
+])
+def test_generate_bad_input_is_one_line(registered, data_dir, tmp_path, args, message):
+    inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=1)
+    argv = ["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp), "--output",
+            str(tmp_path / "o.parquet"), "--max-new-tokens", "4"]
+    for k, v in zip(args[::2], args[1::2]):
+        argv[argv.index(k) + 1] = v
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PREFECT_HOME": str(tmp_path / "prefect")}
+    out = subprocess.run([sys.executable, "-m", "knnssd.cli", *argv], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("knnssd: error:") and message in last
+
+
+def test_bad_prompt_files_and_existing_outputs(registered, tmp_path):
+    from knnssd import batch
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(prompts.PromptError, match="not UTF-8"):
+        prompts.load(bad)
+    bad.write_text('{"text": "hi"}\n')
+    with pytest.raises(prompts.PromptError, match="no 'prompt' field"):
+        prompts.load(bad)
+    bad.write_text("")
+    with pytest.raises(prompts.PromptError, match="no rows"):
+        prompts.load(bad)
+    with pytest.raises(ValueError, match="prompt 'x' is empty"):
+        batch.check([prompts.Prompt("x", "  ")])
+    other = tmp_path / "other.parquet"
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"a": [1]}), other)
+    with pytest.raises(batch.OutputError, match="not a knnssd generation output"):
+        batch.read_done(other)
+    assert pq.read_table(other).num_rows == 1  # untouched
+
+
+def test_foreign_bank_is_refused(registered):
+    from knnssd import bank as banks
+    from knnssd.engine import RoutedGenerator
+
+    folder = tracking.download_bank("models:/knnssd-smollm2@champion", uri=registered["uri"])
+    b = banks.load(folder)
+    b.fingerprint = "0000"
+    b.save(folder)
+    with pytest.raises(banks.BankError, match="fingerprint"):
+        RoutedGenerator.from_bank_dir(folder, dtype="float32")
+
+
+def test_mlflow_models_serve_answers_invocations(registered, tmp_path):
+    port = free_port()
+    bin_dir = str(Path(sys.executable).parent)  # mlflow starts uvicorn from PATH
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "KNNSSD_DTYPE": "float32",
+           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    mlflow_bin = str(Path(bin_dir) / "mlflow")
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen([mlflow_bin, "models", "serve", "-m", "models:/knnssd-smollm2@champion",
+                               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], env=env, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ping", 240, server)
+        body = json.dumps({"dataframe_records": [{"prompt": "Question: What is 12 + 30?\nAnswer:"},
+                                                 {"prompt": "Translate German to English:\nGuten Morgen, Welt."}],
+                           "params": {"max_new_tokens": 12}}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            preds = json.loads(r.read())["predictions"]
+        assert len(preds) == 2 and all(p["new_tokens"] == 12 or p["stop"] == "eos" for p in preds)
+        assert {"text", "label", "acceptance_rate", "route_ms"} <= set(preds[0])
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+        log.close()
+        print((tmp_path / "serve.log").read_text()[-3000:])
