@@ -80,11 +80,54 @@ def _check_inputs(paths: list[str]) -> None:
 
 
 def cmd_demo(a) -> int:
-    from . import bench_engine
+    from .demo import DemoConfig, run
 
-    cfg = bench_engine.EngineBench(model=a.model, dtype=a.dtype, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
-                                   hf=True)
-    print(bench_engine.table(bench_engine.run(cfg)))
+    run(DemoConfig(model=a.model, dtype=a.dtype, trials=a.trials, candidates=a.candidates,
+                   max_new_tokens=a.max_new_tokens))
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from flows.generate import generate
+
+    from .batch import read_done
+    from .engine import GenerateParams
+    from .prompts import load
+
+    params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                                           top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
+    rows = load(a.input, split=a.split)  # fail fast on a bad input, before any server starts
+    if not a.overwrite:
+        read_done(Path(a.output))  # ... and on an output that cannot be resumed
+    if a.model_uri.startswith("models:/"):
+        from .tracking import resolve
+
+        resolve(a.model_uri, a.tracking_uri)
+    elif not Path(a.model_uri).is_dir():
+        raise ValueError(f"--model-uri '{a.model_uri}' is neither models:/<name>@<alias> nor a bank folder")
+    if not rows:
+        raise ValueError("no prompts")
+    summary = generate(a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_ui(a) -> int:
+    import subprocess
+
+    from .tracking import default_uri
+
+    uri = a.tracking_uri or default_uri()
+    print(f"MLflow UI for {uri} on http://{a.host}:{a.port}  (Ctrl-C stops it)", file=sys.stderr)
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
+    return subprocess.call(cmd)
+
+
+def cmd_route_eval(a) -> int:
+    from .evaluate import routing_accuracy
+
+    print(json.dumps(routing_accuracy(a.model_uri, Path(a.data) if a.data else None, a.prompts, a.dtype,
+                                      a.max_new_tokens, a.timed), indent=2))
     return 0
 
 
@@ -141,16 +184,49 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, default=0)
     k.set_defaults(fn=cmd_calibrate)
 
-    d = sub.add_parser("demo", help="the main job on the embedded default model")
+    d = sub.add_parser("demo", help="the main job: calibrate a small bank, register it, generate a mixed stream")
     _model_args(d)
-    d.add_argument("--prompts", type=int, default=1)
-    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--trials", type=int, default=6)
+    d.add_argument("--candidates", type=int, default=2)
+    d.add_argument("--max-new-tokens", type=int, default=64)
     d.set_defaults(fn=cmd_demo)
+
+    g = sub.add_parser("generate", help="routed generation over a prompt file into parquet (Prefect flow, resumable)")
+    g.add_argument("--model-uri", required=True, help="models:/knnssd-<model>@<alias> | models:/<name>/<version> | bank folder")
+    g.add_argument("--input", required=True, help="jsonl/parquet/csv with a 'prompt' field (and optional 'id')")
+    g.add_argument("--output", required=True, help="parquet file; an existing one is resumed (finished ids skipped)")
+    g.add_argument("--overwrite", action="store_true", help="start the output over instead of resuming it")
+    g.add_argument("--split", default=None, help="only rows of this split (e.g. eval)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-prompt-tokens", type=int, default=4096, help="longer prompts keep their last tokens (warned)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--tracking-uri", default=None)
+    g.set_defaults(fn=cmd_generate)
+
+    u = sub.add_parser("ui", help="the MLflow UI on 127.0.0.1")
+    u.add_argument("--tracking-uri", default=None)
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=5000)
+    u.set_defaults(fn=cmd_ui)
+
+    r = sub.add_parser("route-eval", help="routing accuracy and overhead on the eval rows of the five domains")
+    r.add_argument("--model-uri", required=True)
+    r.add_argument("--data", default=None)
+    r.add_argument("--prompts", type=int, default=None, help="eval prompts per domain (default all)")
+    r.add_argument("--timed", type=int, default=2, help="prompts per domain generated to time the overhead")
+    r.add_argument("--max-new-tokens", type=int, default=128)
+    r.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    r.set_defaults(fn=cmd_route_eval)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from .bank import BankError
+    from .batch import OutputError
     from .models import ModelError
     from .prompts import PromptError
     from .skip import MaskError
@@ -164,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     try:
         return a.fn(a)
-    except (ModelError, PromptError, MaskError, BankError, RegistryError, ValueError, FileNotFoundError) as e:
+    except (ModelError, PromptError, MaskError, BankError, RegistryError, OutputError, ValueError, FileNotFoundError) as e:
         print(f"knnssd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
