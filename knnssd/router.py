@@ -8,6 +8,7 @@ pass computes them anyway, so routing costs one faiss search. Anchors are K-mean
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,7 +179,7 @@ def save_vectors(path: Path, ids: list[str], domains: list[str | None], vectors:
     import pyarrow.parquet as pq
 
     table = pa.table({"id": ids, "domain": domains, "vector": [v.tolist() for v in np.asarray(vectors, np.float32)]})
-    tmp = Path(str(path) + ".tmp")
+    tmp = Path(f"{path}.{os.getpid()}.tmp")  # concurrent writers (scale-out workers) never share a temp file
     pq.write_table(table, tmp)
     tmp.replace(path)
 

@@ -25,6 +25,7 @@ import logging
 import math
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,14 @@ class Budget:
     max_new_tokens: int = 64
     context: int = 192  # prompt tokens kept in teacher-forced passes
     seed: int = 0
+    kinds: tuple[str, ...] = ("layer_skip", "ngram", "hybrid")  # drafter kinds searched (plain AR always is)
+    int8: bool = True  # allow int8 draft weights (False: the paper's pure layer skipping)
+
+    def __post_init__(self):
+        unknown = set(self.kinds) - {"layer_skip", "ngram", "hybrid"}
+        if unknown or not self.kinds:
+            raise ValueError(f"unknown drafter kinds {sorted(unknown)}; choose from layer_skip, ngram, hybrid")
+        self.kinds = tuple(self.kinds)
 
 
 @dataclass
@@ -238,7 +247,10 @@ class ClusterResult:
 def _study(storage, name: str, direction: str = "maximize", seed: int = 0):
     import optuna
 
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True, warn_independent_sampling=False)
+    with warnings.catch_warnings():  # multivariate TPE is "experimental"; its per-trial notices are noise here
+        warnings.simplefilter("ignore")
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True,
+                                             warn_independent_sampling=False)
     return optuna.create_study(storage=storage, study_name=name, direction=direction, sampler=sampler,
                                pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1),
                                load_if_exists=True)
@@ -262,56 +274,87 @@ def _done(study) -> list:
     return [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
 
 
+@dataclass
+class Proxy:
+    """Stage 1 of one cluster: its study and the traces' inputs (shared with stage 2)."""
+
+    study: object  # optuna.Study
+    samples: list[Sample]
+    proposals: dict
+    kinds: tuple[str, ...]  # layer-skip kinds searched (empty: none, n-gram / AR only)
+
+
+def proxy_stage(dec, tokenizer, cluster_id: int, texts: list[str], budget: Budget, storage, study_prefix: str,
+                eos: tuple[int, ...], costs: Costs, warm_start: list[dict] | None = None, progress=None,
+                n_trials: int | None = None, deadline: float | None = None) -> Proxy:
+    """Run stage-1 trials: up to ``budget.proxy_trials`` in the study (``n_trials=None``), or exactly
+    ``n_trials`` more (a scale-out worker; several processes or machines may share one study)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    samples = teacher_samples(dec, tokenizer, texts, budget, eos)
+    proposals = {sizes: [_ngram_proposals(s, sizes, max(MAX_LENS)) for s in samples] for sizes in NGRAM_SIZES}
+    n = dec.n_layers
+    kinds = tuple(k for k in ("layer_skip", "hybrid") if k in budget.kinds) if dec.can_skip else ()
+    precisions = [True, False] if budget.int8 else [False]
+    proxy = _study(storage, f"{study_prefix}-c{cluster_id}-proxy", seed=budget.seed)
+    if not kinds:
+        return Proxy(proxy, samples, proposals, kinds)
+    stored = proxy.user_attrs.get("costs")  # every worker of a study scores with the same step costs
+    if stored:
+        costs = Costs(stored["verify"], {k: tuple(v) for k, v in stored["draft"].items()})
+    else:
+        proxy.set_user_attr("costs", asdict(costs))
+    if not proxy.trials:
+        for int8 in precisions:
+            proxy.enqueue_trial({"int8": int8, **{f"a{i}": False for i in range(n)}, **{f"m{i}": False for i in range(n)}})
+        for params in warm_start or []:
+            if budget.int8 or not params.get("int8"):
+                proxy.enqueue_trial(params)
+
+    def objective(trial):
+        int8 = trial.suggest_categorical("int8", precisions)
+        attn = [trial.suggest_categorical(f"a{i}", [False, True]) for i in range(n)]
+        mlp = [trial.suggest_categorical(f"m{i}", [False, True]) for i in range(n)]
+        mask = SkipMask(tuple(attn), tuple(mlp))
+        traces = trace(dec, samples, mask, int8, budget.context)
+        pol, (sp, acc, mean) = best_policy(samples, traces, costs, costs.draft_ms(mask, int8), proposals, kinds)
+        trial.set_user_attr("policy", asdict(pol))
+        trial.set_user_attr("acceptance", acc)
+        trial.set_user_attr("mean_accepted", mean)
+        return sp
+
+    remaining = budget.proxy_trials - len(_done(proxy)) if n_trials is None else n_trials
+    if remaining > 0:
+        timeout = None if deadline is None else max(1.0, 0.6 * (deadline - time.perf_counter()))
+        proxy.optimize(objective, n_trials=remaining, timeout=timeout, callbacks=[progress] if progress else None)
+    return Proxy(proxy, samples, proposals, kinds)
+
+
 def search_cluster(dec, tokenizer, cluster_id: int, texts: list[str], budget: Budget, storage, study_prefix: str,
                    eos: tuple[int, ...], costs: Costs | None = None, warm_start: list[dict] | None = None,
                    progress=None) -> ClusterResult:
     """Search one cluster; rerunning with the same storage and prefix resumes where it stopped."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     t0 = time.perf_counter()
     deadline = t0 + budget.minutes * 60 if budget.minutes else None
     costs = costs or measure_costs(dec)
-    samples = teacher_samples(dec, tokenizer, texts, budget, eos)
-    proposals = {sizes: [_ngram_proposals(s, sizes, max(MAX_LENS)) for s in samples] for sizes in NGRAM_SIZES}
     n = dec.n_layers
-    kinds = ("layer_skip", "hybrid") if dec.can_skip else ()
-
-    # stage 1: masks x precision, each trial keeping its best policy
-    proxy = _study(storage, f"{study_prefix}-c{cluster_id}-proxy", seed=budget.seed)
-    if dec.can_skip:
-        if not proxy.trials:
-            for int8 in (True, False):
-                proxy.enqueue_trial({"int8": int8, **{f"a{i}": False for i in range(n)}, **{f"m{i}": False for i in range(n)}})
-            for params in warm_start or []:
-                proxy.enqueue_trial(params)
-
-        def objective(trial):
-            int8 = trial.suggest_categorical("int8", [True, False])
-            attn = [trial.suggest_categorical(f"a{i}", [False, True]) for i in range(n)]
-            mlp = [trial.suggest_categorical(f"m{i}", [False, True]) for i in range(n)]
-            mask = SkipMask(tuple(attn), tuple(mlp))
-            traces = trace(dec, samples, mask, int8, budget.context)
-            pol, (sp, acc, mean) = best_policy(samples, traces, costs, costs.draft_ms(mask, int8), proposals, kinds)
-            trial.set_user_attr("policy", asdict(pol))
-            trial.set_user_attr("acceptance", acc)
-            trial.set_user_attr("mean_accepted", mean)
-            return sp
-
-        remaining = budget.proxy_trials - len(_done(proxy))
-        if remaining > 0:
-            timeout = None if deadline is None else max(1.0, 0.6 * (deadline - time.perf_counter()))
-            proxy.optimize(objective, n_trials=remaining, timeout=timeout,
-                           callbacks=[progress] if progress else None)
+    stage1 = proxy_stage(dec, tokenizer, cluster_id, texts, budget, storage, study_prefix, eos, costs, warm_start,
+                         progress, deadline=deadline)
+    proxy, samples, proposals, kinds = stage1.study, stage1.samples, stage1.proposals, stage1.kinds
 
     # candidates for stage 2: the best pure n-gram policy + the best distinct proxy configurations
     cands: list[tuple[DrafterConfig, float]] = []
-    pol, (sp, _, _) = best_policy(samples, None, costs, 0.0, proposals, ("ngram",))
-    cands.append((to_config(pol, None, False), sp))
-    ranked = sorted((t for t in proxy.trials if t.value is not None), key=lambda t: -t.value)
-    seen = {json.dumps(cands[0][0].to_dict(), sort_keys=True)}
+    if "ngram" in budget.kinds:
+        pol, (sp, _, _) = best_policy(samples, None, costs, 0.0, proposals, ("ngram",))
+        cands.append((to_config(pol, None, False), sp))
+    ranked = sorted((t for t in proxy.trials if t.value is not None), key=lambda t: -t.value) if kinds else []
+    seen = {json.dumps(c.to_dict(), sort_keys=True) for c, _ in cands}
+    quota = budget.real_candidates + (1 if "ngram" in budget.kinds else 0)
     for t in ranked:
-        if len(cands) > budget.real_candidates:
+        if len(cands) >= quota:
             break
         mask = SkipMask(tuple(t.params[f"a{i}"] for i in range(n)), tuple(t.params[f"m{i}"] for i in range(n)))
         p = t.user_attrs["policy"]
@@ -381,3 +424,14 @@ def search_cluster(dec, tokenizer, cluster_id: int, texts: list[str], budget: Bu
         proxy_trials=len(_done(proxy)), real_trials=len(_done(real)), search_s=time.perf_counter() - t0,
         candidates=results,
     )
+
+
+def warm_params(config: dict, n_layers: int) -> dict | None:
+    """Stage-1 parameters reproducing a configuration's mask and precision (None for n-gram or AR)."""
+    cfg = DrafterConfig.from_dict(config)
+    if cfg.kind not in ("layer_skip", "hybrid") or cfg.mask is None:
+        return None
+    m = SkipMask.from_dict(cfg.mask)
+    m.validate(n_layers)
+    return {"int8": bool(cfg.int8), **{f"a{i}": bool(m.attn[i]) for i in range(n_layers)},
+            **{f"m{i}": bool(m.mlp[i]) for i in range(n_layers)}}

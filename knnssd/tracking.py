@@ -65,8 +65,9 @@ class Registered:
 
 
 def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: str | None = None,
-                  run_name: str | None = None) -> Registered:
-    """Log one calibration run with the bank as a pyfunc model and register a new version."""
+                  run_name: str | None = None, alias: str = "candidate") -> Registered:
+    """Log one calibration run with the bank as a pyfunc model and register a new version, aliased
+    ``alias`` (and ``champion`` when the model has none and ``alias`` is ``candidate``)."""
     import mlflow
     from mlflow import MlflowClient
 
@@ -85,13 +86,14 @@ def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: 
                                        signature=signature(), await_registration_for=60)
         version = str(info.registered_model_version)
     client = MlflowClient()
-    aliases = ["candidate"]
-    client.set_registered_model_alias(name, "candidate", version)
-    try:
-        client.get_model_version_by_alias(name, "champion")
-    except Exception:  # noqa: BLE001 - no champion yet
-        client.set_registered_model_alias(name, "champion", version)
-        aliases.append("champion")
+    aliases = [alias]
+    client.set_registered_model_alias(name, alias, version)
+    if alias == "candidate":
+        try:
+            client.get_model_version_by_alias(name, "champion")
+        except Exception:  # noqa: BLE001 - no champion yet
+            client.set_registered_model_alias(name, "champion", version)
+            aliases.append("champion")
     return Registered(name, version, run.info.run_id, aliases)
 
 
