@@ -1,0 +1,357 @@
+"""``knnssd bench``: the paper's experiment, side by side, on real prompts.
+
+Terms, defined once:
+
+- *method*: one way to generate greedily (``METHODS``). Own-engine methods share one model and
+  one decoder; HF methods call ``model.generate`` on the same weights.
+- *pass*: every prompt once, every method on it back to back (the method order rotates from
+  pass to pass). Pass ``j`` visits the in-domain prompts in the order of a *stream* with mix ratio
+  ``r = ratios[j % len(ratios)]``: after each prompt the next one switches domain with probability
+  ``r`` (the paper's Table 2). A prompt's time is its median over passes.
+- *speedup* of a method over a set of prompts: the reference's summed time / the method's summed
+  time (times are whole generations: tokenize-free prefill + routing + decoding).
+- *agreement*: fraction of prompts whose tokens equal own AR's in every pass.
+
+No method keeps state from one prompt to the next (the router is a pure function of the prompt),
+so a stream's speedup depends on which prompts it holds, not on their order; the per-``r`` numbers
+are measured anyway, each on its own pass.
+
+Measurements are appended to ``<out>/measurements.jsonl`` as they are taken, so a killed bench
+resumes where it stopped (same settings) and a finished one just re-summarises.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import bank as banks
+from . import models, prompts
+from .decode import GenerationConfig, generate
+from .drafters import build
+
+METHODS = ("ar", "hf_generate", "hf_pld", "static_ssd", "oracle", "knn_masks", "knn_routed")
+OOD_METHODS = ("ar", "hf_pld", "static_ssd", "knn_masks", "knn_routed")
+RATIOS = (0.0, 0.3, 0.7, 1.0)
+
+
+@dataclass
+class BenchConfig:
+    bank: str  # routed-drafters bank: model URI or folder
+    masks_bank: str | None = None  # layer-skip-only bank (the paper's method)
+    static_bank: str | None = None  # one configuration for every prompt (a single-cluster bank)
+    model: str | None = None  # default: the bank's model
+    dtype: str = "auto"
+    device: str = "auto"
+    data: Path = field(default_factory=prompts.default_data_dir)
+    domains: tuple[str, ...] = prompts.DOMAINS
+    ood: tuple[str, ...] = prompts.OOD
+    prompts: int = 4  # eval prompts per domain
+    ood_prompts: int = 2  # prompts per out-of-domain set
+    max_new_tokens: int = 128
+    repeats: int = 4  # passes (>= len(ratios) so every ratio gets its own pass)
+    ratios: tuple[float, ...] = RATIOS
+    pld_tokens: int = 10  # HF prompt_lookup_num_tokens
+    hf: bool = True
+    seed: int = 0
+    out: Path = Path("artifacts/bench")
+    tracking_uri: str | None = None
+
+    def key(self) -> str:
+        d = {k: str(v) for k, v in asdict(self).items() if k not in ("out", "tracking_uri")}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def stream_order(rows: list[prompts.Prompt], r: float, seed: int) -> list[prompts.Prompt]:
+    """All ``rows`` in an order where the next prompt switches domain with probability ``r``
+    (it must switch when the current domain has none left)."""
+    rng = random.Random(seed)
+    left: dict[str, list[prompts.Prompt]] = {}
+    for p in rows:
+        left.setdefault(p.domain, []).append(p)
+    out, cur = [], rng.choice(sorted(left))
+    while left:
+        others = sorted(d for d in left if d != cur)
+        if cur not in left or (others and rng.random() < r):
+            cur = rng.choice(others) if others else cur
+        out.append(left[cur].pop(0))
+        if not left[cur]:
+            del left[cur]
+    return out
+
+
+class Runner:
+    """Every method as ``run(method, prompt) -> measurement dict``, over one loaded model."""
+
+    def __init__(self, cfg: BenchConfig):
+        from . import tracking
+        from .engine import RoutedGenerator
+
+        def folder(uri):
+            return Path(uri) if Path(uri).is_dir() else tracking.download_bank(uri, uri=cfg.tracking_uri)
+
+        bank = banks.load(folder(cfg.bank))
+        self.lm = models.load(cfg.model or bank.model, cfg.dtype, cfg.device)
+        self.cfg = cfg
+        self.routed = RoutedGenerator(self.lm, bank)
+        self.dec = self.routed.decoder
+        self.masks = RoutedGenerator(self.lm, banks.load(folder(cfg.masks_bank))) if cfg.masks_bank else None
+        static = banks.load(folder(cfg.static_bank)) if cfg.static_bank else None
+        if static is not None:
+            static.check_model(self.lm.fingerprint, self.dec.n_layers)
+            if len(static.clusters) != 1:
+                raise banks.BankError(f"static bank must hold one cluster, it holds {len(static.clusters)}")
+        n, can = self.dec.n_layers, self.dec.can_skip
+        self.drafters = {"ar": None}
+        if static is not None:
+            self.drafters["static_ssd"] = build(static.clusters[0].drafter, n, can)
+        self.oracle = {}  # domain -> drafter of its largest own-domain cluster
+        for c in sorted(bank.clusters, key=lambda c: c.members):
+            self.oracle[c.label] = build(c.drafter, n, can)
+        self.gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_ids=self.routed.eos)
+        self.methods = [m for m in METHODS if self.available(m)]
+        self.ood_methods = [m for m in OOD_METHODS if self.available(m)]
+
+    def available(self, method: str) -> bool:
+        return {"hf_generate": self.cfg.hf, "hf_pld": self.cfg.hf, "static_ssd": "static_ssd" in self.drafters,
+                "knn_masks": self.masks is not None}.get(method, True)
+
+    @torch.inference_mode()
+    def run(self, method: str, p: prompts.Prompt) -> dict:
+        from .engine import GenerateParams
+
+        if method in ("knn_routed", "knn_masks"):
+            g = self.routed if method == "knn_routed" else self.masks
+            res = g.generate(p.prompt, GenerateParams(max_new_tokens=self.cfg.max_new_tokens))
+            s = res.stats
+            return {"tokens": res.tokens, "s": res.latency_s, "route_s": res.route_s, "drafted": s.drafted,
+                    "accepted": sum(s.accepted), "steps": s.steps, "label": res.label}
+        ids = self.lm.tokenizer(p.prompt).input_ids
+        if method.startswith("hf_"):
+            x = torch.tensor([ids], device=self.lm.device)
+            extra = {"prompt_lookup_num_tokens": self.cfg.pld_tokens} if method == "hf_pld" else {}
+            t = time.perf_counter()
+            out = self.lm.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=self.cfg.max_new_tokens,
+                                         do_sample=False, pad_token_id=self.lm.tokenizer.pad_token_id or 0, **extra)
+            s = time.perf_counter() - t
+            toks = out[0, len(ids):].tolist()
+            eos = set(self.routed.eos)
+            cut = next((i + 1 for i, t_ in enumerate(toks) if t_ in eos), len(toks))  # HF pads after EOS
+            return {"tokens": toks[:cut], "s": s}
+        drafter = self.oracle.get(p.domain) if method == "oracle" else self.drafters[method]
+        toks, st = generate(self.dec, ids, drafter, self.gen)
+        return {"tokens": toks, "s": st.total_s, "drafted": st.drafted, "accepted": sum(st.accepted),
+                "steps": st.steps}
+
+
+def _journal(path: Path) -> dict[tuple, dict]:
+    done = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                m = json.loads(line)
+            except json.JSONDecodeError:  # a line torn by a kill
+                continue
+            done[(m["phase"], m["pass"], m["id"], m["method"])] = m
+    return done
+
+
+def run(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
+    from tqdm import tqdm
+
+    if cfg.repeats < 1 or not cfg.ratios:
+        raise ValueError("repeats must be >= 1 and ratios non-empty")
+    rows = prompts.load_domains(cfg.data, cfg.domains, "eval", cfg.prompts)
+    ood_rows = prompts.load_domains(cfg.data, cfg.ood, None, cfg.ood_prompts) if cfg.ood_prompts else []
+    runner = Runner(cfg)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    jpath = cfg.out / f"measurements-{cfg.key()}.jsonl"
+    done = _journal(jpath)
+    log(f"bench: {runner.lm.name} ({runner.lm.dtype}, {runner.lm.device}, {torch.get_num_threads()} threads); "
+        f"{len(rows)} eval prompts x {len(runner.methods)} methods x {cfg.repeats} passes, {len(ood_rows)} OOD prompts, "
+        f"{cfg.max_new_tokens} new tokens; {len(done)} measurements resumed from {jpath}")
+    warm = prompts.Prompt("warm", rows[0].prompt[:200], rows[0].domain)
+    for m in runner.methods:
+        runner.run(m, warm)
+
+    plan = []
+    for j in range(cfg.repeats):
+        order = stream_order(rows, cfg.ratios[j % len(cfg.ratios)], cfg.seed + j)
+        plan += [("eval", j, p, runner.methods) for p in order]
+        plan += [("ood", j, p, runner.ood_methods) for p in ood_rows] if j < 3 else []
+    with open(jpath, "a") as fh:
+        for phase, j, p, methods in tqdm(plan, desc="bench", file=sys.stderr, mininterval=5):
+            rot = j % len(methods)
+            for m in methods[rot:] + methods[:rot]:
+                if (phase, j, p.id, m) in done:
+                    continue
+                meas = {"phase": phase, "pass": j, "id": p.id, "domain": p.domain, "method": m, **runner.run(m, p)}
+                fh.write(json.dumps(meas) + "\n")
+                fh.flush()
+                done[(phase, j, p.id, m)] = meas
+    report = summarise(done, cfg, runner)
+    write_outputs(report, cfg)
+    return report
+
+
+def _agg(ms: dict[str, list[dict]], ids: list[str], method: str, ref: str = "ar") -> dict | None:
+    """Metrics of ``method`` over prompts ``ids`` (``ms[(id)][method]`` = per-pass measurements)."""
+    if not ids or any(method not in ms[i] or ref not in ms[i] for i in ids):
+        return None
+    t = sum(statistics.median(x["s"] for x in ms[i][method]) for i in ids)
+    t_ref = sum(statistics.median(x["s"] for x in ms[i][ref]) for i in ids)
+    tokens = sum(len(ms[i][method][0]["tokens"]) for i in ids)
+    first = [ms[i][method][0] for i in ids]
+    drafted = sum(x.get("drafted", 0) for x in first)
+    acc = sum(x.get("accepted", 0) for x in first)
+    steps = sum(x.get("steps", 0) for x in first)
+    agree = [all(x["tokens"] == ms[i]["ar"][0]["tokens"] for x in ms[i][method]) for i in ids]
+    out = {"speedup_vs_ar": t_ref / t, "tokens_per_s": tokens / t, "seconds": t, "prompts": len(ids),
+           "acceptance_rate": acc / drafted if drafted else None,
+           "mean_accepted": (acc + steps) / steps if steps else None, "agreement_with_ar": sum(agree) / len(agree)}
+    if "route_s" in first[0]:
+        route = sum(statistics.median(x["route_s"] for x in ms[i][method]) for i in ids)
+        out["routing_overhead_pct"] = 100 * route / t
+    if all("hf_generate" in ms[i] for i in ids):
+        out["speedup_vs_hf"] = sum(statistics.median(x["s"] for x in ms[i]["hf_generate"]) for i in ids) / t
+    return out
+
+
+def summarise(done: dict, cfg: BenchConfig, runner: Runner) -> dict:
+    eval_ms: dict[str, dict[str, list[dict]]] = {}
+    ood_ms: dict[str, dict[str, list[dict]]] = {}
+    domain_of, set_of = {}, {}
+    for (phase, _, pid, m), x in sorted(done.items(), key=lambda kv: kv[0][1]):
+        (eval_ms if phase == "eval" else ood_ms).setdefault(pid, {}).setdefault(m, []).append(x)
+        (domain_of if phase == "eval" else set_of)[pid] = x["domain"]
+    methods, report = runner.methods, {}
+    ids = sorted(eval_ms)
+    report["settings"] = {**{k: str(v) for k, v in asdict(cfg).items()}, "model": runner.lm.name,
+                          "dtype_loaded": str(runner.lm.dtype).replace("torch.", ""), "device": str(runner.lm.device),
+                          "threads": torch.get_num_threads(), "methods": methods,
+                          "ood_methods": runner.ood_methods}
+    report["mixed"] = {m: _agg(eval_ms, ids, m) for m in methods}
+    report["per_domain"] = {d: {m: _agg(eval_ms, [i for i in ids if domain_of[i] == d], m) for m in methods}
+                            for d in cfg.domains}
+    by_pass: dict[int, dict] = {}
+    for (phase, j, pid, m), x in done.items():
+        if phase == "eval":
+            by_pass.setdefault(j, {}).setdefault(pid, {}).setdefault(m, []).append(x)
+    report["streams"] = {}
+    for j, ms in sorted(by_pass.items()):
+        r = cfg.ratios[j % len(cfg.ratios)]
+        report["streams"].setdefault(str(r), {})[f"pass{j}"] = {m: (_agg(ms, sorted(ms), m) or {}).get("speedup_vs_ar")
+                                                                  for m in methods}
+    routed = [eval_ms[i]["knn_routed"][0] for i in ids if "knn_routed" in eval_ms[i]]
+    report["routing_accuracy"] = sum(x["label"] == domain_of[x["id"]] for x in routed) / len(routed) if routed else None
+    oods = sorted(set(set_of.values()))
+    report["ood"] = {s: {m: _agg(ood_ms, [i for i in ood_ms if set_of[i] == s], m) for m in runner.ood_methods}
+                     for s in oods}
+    for s in oods:
+        rs = [ood_ms[i]["knn_routed"][0] for i in ood_ms if set_of[i] == s and "knn_routed" in ood_ms[i]]
+        if rs:
+            report["ood"][s]["routed_labels"] = {lab: sum(x["label"] == lab for x in rs) for lab in {x["label"] for x in rs}}
+    report["targets"] = targets(report)
+    return report
+
+
+def targets(rep: dict) -> dict:
+    """The issue's targets, checked on what was measured (None where a method is missing)."""
+    mix = rep["mixed"]
+    kr = mix.get("knn_routed") or {}
+    sp = lambda m: (mix.get(m) or {}).get("speedup_vs_ar")  # noqa: E731
+    worst = min(((v.get("knn_routed") or {}).get("speedup_vs_ar", 0) for v in rep["per_domain"].values()), default=None)
+    r1 = rep["streams"].get("1.0", {})
+    r1_gap = None
+    if r1:
+        p = next(iter(r1.values()))
+        if p.get("knn_routed") and p.get("static_ssd"):
+            r1_gap = p["knn_routed"] - p["static_ssd"]
+    return {
+        "routed_mixed_speedup": sp("knn_routed"), "routed_worst_domain": worst,
+        "routed_over_pld": sp("knn_routed") / sp("hf_pld") if sp("knn_routed") and sp("hf_pld") else None,
+        "routed_minus_static_r1": r1_gap,
+        "routed_over_oracle": sp("knn_routed") / sp("oracle") if sp("knn_routed") and sp("oracle") else None,
+        "routing_overhead_pct": kr.get("routing_overhead_pct"), "masks_only_mixed_speedup": sp("knn_masks"),
+    }
+
+
+def markdown(rep: dict) -> str:
+    methods = rep["settings"]["methods"]
+    f = lambda v, p=2: "–" if v is None else f"{v:.{p}f}"  # noqa: E731
+    lines = [f"# knnssd bench: {rep['settings']['model']} {rep['settings']['dtype_loaded']}, "
+             f"{rep['settings']['max_new_tokens']} new tokens, {rep['settings']['threads']} threads", "",
+             "## Speedup vs own AR (eval prompts; mixed = all domains)", "",
+             "| domain | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for d, row in [("**mixed**", rep["mixed"]), *rep["per_domain"].items()]:
+        lines.append(f"| {d} | " + " | ".join(f((row.get(m) or {}).get("speedup_vs_ar")) for m in methods) + " |")
+    lines += ["", "## Mixed stream details", "", "| method | tok/s | vs HF generate | mean accepted | acceptance | agreement | routing overhead % |",
+              "|---|---|---|---|---|---|---|"]
+    for m in methods:
+        x = rep["mixed"].get(m) or {}
+        lines.append(f"| {m} | {f(x.get('tokens_per_s'), 1)} | {f(x.get('speedup_vs_hf'))} | {f(x.get('mean_accepted'))} | "
+                     f"{f(x.get('acceptance_rate'))} | {f(x.get('agreement_with_ar'))} | {f(x.get('routing_overhead_pct'), 3)} |")
+    lines += ["", "## Streams by mix ratio r (speedup vs own AR, each its own pass)", "",
+              "| r | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for r, passes in rep["streams"].items():
+        for name, row in passes.items():
+            lines.append(f"| {r} ({name}) | " + " | ".join(f(row.get(m)) for m in methods) + " |")
+    if rep["ood"]:
+        om = rep["settings"]["ood_methods"]
+        lines += ["", "## Out of domain (bank calibrated on the five domains only)", "",
+                  "| set | " + " | ".join(om) + " | routed to |", "|---" * (len(om) + 2) + "|"]
+        for s, row in rep["ood"].items():
+            lines.append(f"| {s} | " + " | ".join(f((row.get(m) or {}).get("speedup_vs_ar")) for m in om)
+                         + f" | {row.get('routed_labels', {})} |")
+    lines += ["", f"routing accuracy (eval): {f(rep['routing_accuracy'], 3)}", "",
+              "## Targets", "", *[f"- {k}: {f(v, 3)}" for k, v in rep["targets"].items()]]
+    return "\n".join(lines) + "\n"
+
+
+def plots(rep: dict, out: Path) -> list[Path]:
+    from .pictures import _plt
+
+    plt = _plt()
+    methods = rep["settings"]["methods"]
+    rows = [("mixed", rep["mixed"]), *rep["per_domain"].items()]
+    paths = []
+    for metric, name, ms in (("speedup_vs_ar", "speedup.png", methods),
+                             ("mean_accepted", "acceptance.png", [m for m in methods if m not in ("ar", "hf_generate", "hf_pld")])):
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        w = 0.8 / max(1, len(ms))
+        for k, m in enumerate(ms):
+            ax.bar([i + k * w for i in range(len(rows))], [((r.get(m) or {}).get(metric) or 0) for _, r in rows], w, label=m)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(rows))], [d for d, _ in rows], fontsize=8)
+        if metric == "speedup_vs_ar":
+            ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylabel("speedup vs own AR" if metric == "speedup_vs_ar" else "mean accepted tokens per step")
+        ax.legend(fontsize=7, ncol=4)
+        ax.set_title(f"{rep['settings']['model']} {rep['settings']['dtype_loaded']}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
+
+
+def write_outputs(rep: dict, cfg: BenchConfig) -> None:
+    from . import tracking
+
+    out = cfg.out
+    (out / "bench.json").write_text(json.dumps(rep, indent=2))
+    (out / "bench.md").write_text(markdown(rep))
+    pics = plots(rep, out)
+    metrics = {f"{m}_speedup": v["speedup_vs_ar"] for m, v in rep["mixed"].items() if v}
+    metrics.update({f"{m}_agreement": v["agreement_with_ar"] for m, v in rep["mixed"].items() if v})
+    metrics.update({f"target_{k}": v for k, v in rep["targets"].items() if v is not None})
+    rep["mlflow_run_id"] = tracking.log_run("knnssd-bench", rep["settings"], metrics,
+                                            [str(out / "bench.json"), str(out / "bench.md"), *map(str, pics)],
+                                            cfg.tracking_uri, run_name=f"bench-{cfg.key()}")
+    (out / "bench.json").write_text(json.dumps(rep, indent=2))

@@ -1,0 +1,86 @@
+"""A reduced `knnssd bench` through its flow: output files, MLflow run, fp32 agreement 1.0, resume."""
+import json
+import os
+
+import pytest
+
+from knnssd import bench, calibration
+from knnssd.calibration import ModelSpec
+from knnssd.drafters import DrafterConfig
+from knnssd.skip import SkipMask
+from test_integration_calibrate import small_inputs
+
+pytestmark = pytest.mark.integration
+SPEC = ModelSpec("smollm2", "float32")
+
+
+@pytest.fixture(scope="module")
+def banks(tmp_path_factory, data_dir):
+    """Three banks with fixed configurations (no search): routed drafters, masks only, static."""
+    tmp = tmp_path_factory.mktemp("bench")
+    os.environ["KNNSSD_WORK"] = str(tmp / "work")
+    rows = calibration.load_prompts(small_inputs(data_dir, tmp / "in", n=6))
+    vectors = calibration.embed(SPEC, rows)
+    skip = SkipMask.from_layers(30, attn=[20, 24], mlp=[26]).to_dict()
+    routed = {"reasoning": DrafterConfig(kind="hybrid", mask=SkipMask.none(30).to_dict(), max_len=6, threshold=0.5,
+                                         int8=True, adaptive=True),
+              "translation": DrafterConfig(kind="ngram", max_len=8, adaptive=True)}
+    masks = DrafterConfig(kind="layer_skip", mask=skip, max_len=4, threshold=0.6)
+
+    def make(name, clusters, cfg_of):
+        results = [{"cluster": c.id, "config": cfg_of(c).to_dict(), "speedup": 1.1, "acceptance_rate": 0.5,
+                    "mean_accepted": 2.0} for c in clusters]
+        return str(calibration.build_bank(SPEC, clusters, results, vectors, calibration.router.Pooling(), tmp / name))
+
+    labelled = calibration.make_clusters(vectors, k_per_domain=2)
+    out = {"bank": make("routed", labelled, lambda c: routed[c.label]),
+           "masks_bank": make("masks", labelled, lambda c: masks),
+           "static_bank": make("static", calibration.make_clusters(vectors, n_clusters=1, labelled=False),
+                               lambda c: routed["reasoning"])}
+    yield out, tmp
+    os.environ.pop("KNNSSD_WORK", None)
+
+
+def test_reduced_bench_through_flow(banks, data_dir, prefect_harness, tmp_path):
+    from flows.bench import bench as bench_flow
+
+    paths, tmp = banks
+    cfg = bench.BenchConfig(**paths, dtype="float32", data=data_dir, domains=("reasoning", "translation"),
+                            ood=("ood_math",), prompts=1, ood_prompts=1, max_new_tokens=12, repeats=2,
+                            ratios=(0.0, 1.0), out=tmp_path / "results", tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    summary = bench_flow(cfg)
+    out = tmp_path / "results"
+    for name in ("bench.json", "bench.md", "speedup.png", "acceptance.png"):
+        assert (out / name).stat().st_size > 0, name
+    rep = json.loads((out / "bench.json").read_text())
+    assert rep["settings"]["methods"] == list(bench.METHODS)
+    for m in bench.METHODS:
+        assert rep["mixed"][m]["agreement_with_ar"] == 1.0, m  # fp32: every method is exact
+        assert rep["mixed"][m]["prompts"] == 2
+    assert set(rep["streams"]) == {"0.0", "1.0"} and rep["routing_accuracy"] == 1.0
+    assert rep["ood"]["ood_math"]["knn_routed"]["agreement_with_ar"] == 1.0
+    assert 0 <= rep["targets"]["routing_overhead_pct"] < 5
+    assert summary["mlflow_run_id"] == rep["mlflow_run_id"]
+    assert "| **mixed** |" in (out / "bench.md").read_text()
+
+    # a rerun with the same settings resumes the journal: nothing is measured again
+    journal = next(out.glob("measurements-*.jsonl"))
+    lines = journal.read_text().count("\n")
+    bench.run(cfg)
+    assert journal.read_text().count("\n") == lines
+
+
+def test_stream_order_keeps_every_prompt_and_switch_rate():
+    from knnssd.prompts import Prompt
+
+    rows = [Prompt(f"{d}{i}", "x", d) for d in "abcde" for i in range(20)]
+    for r in (0.0, 0.3, 0.7, 1.0):
+        order = bench.stream_order(rows, r, seed=1)
+        assert sorted(p.id for p in order) == sorted(p.id for p in rows)
+        switches = sum(a.domain != b.domain for a, b in zip(order, order[1:])) / (len(order) - 1)
+        if r == 0.0:
+            assert switches == 4 / 99  # one block per domain
+        elif r == 1.0:
+            assert switches > 0.9
+        else:
+            assert abs(switches - r) < 0.2
