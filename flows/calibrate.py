@@ -29,6 +29,10 @@ class CalibrateParams(BaseModel):
     storage: str | None = None
     tracking_uri: str | None = None
     seed: int = 0
+    kinds: list[str] = Field(default_factory=lambda: ["layer_skip", "ngram", "hybrid"],
+                             description="drafter kinds searched; plain AR is always a candidate")
+    int8: bool = True
+    alias: str = Field("candidate", description="alias of the new version (e.g. a baseline's own name)")
 
 
 @flow(name="calibrate", log_prints=True)
@@ -37,7 +41,8 @@ def calibrate(params: CalibrateParams = CalibrateParams()) -> dict:
     paths = params.inputs or [str(prompts.default_data_dir() / f"{d}.jsonl") for d in prompts.DOMAINS]
     pooling = router.Pooling(params.pooling, params.layer)
     budget = search.Budget(params.proxy_trials, params.real_candidates, params.minutes, params.proxy_prompts,
-                           params.real_prompts, params.max_new_tokens, seed=params.seed)
+                           params.real_prompts, params.max_new_tokens, seed=params.seed,
+                           kinds=tuple(params.kinds), int8=params.int8)
     storage = params.storage or calibration.default_storage()
 
     rows = load_prompts(paths, "calib", params.domain_from_file)
@@ -48,7 +53,7 @@ def calibrate(params: CalibrateParams = CalibrateParams()) -> dict:
     results = [f.result() for f in futures]
     bank_dir = build_bank(spec, clusters, results, vectors, pooling, str(calibration.work_dir() / "banks" / prefix),
                           {"inputs": paths, "study_prefix": prefix, "storage": storage})
-    return register_bank(bank_dir, params.model_dump(), params.tracking_uri)
+    return register_bank(bank_dir, params.model_dump(), params.tracking_uri, params.alias)
 
 
 if __name__ == "__main__":

@@ -144,6 +144,20 @@ def default_storage() -> str:
     return str(work_dir() / "optuna" / "studies.journal")
 
 
+def cluster_texts(cluster: router.Cluster, rows: list[prompts.Prompt]) -> list[str]:
+    """The cluster's member prompts, round-robin over their domains (a pooled cluster's first
+    prompts, which the search samples, then cover every domain)."""
+    members = set(cluster.members)
+    by_domain: dict[str | None, list[str]] = {}
+    for r in rows:
+        if r.id in members:
+            by_domain.setdefault(r.domain, []).append(r.prompt)
+    out, queues = [], list(by_domain.values())
+    for i in range(max((len(q) for q in queues), default=0)):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out
+
+
 def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: search.Budget,
                storage: str, study_prefix: str, warm_start: list[dict] | None = None) -> dict:
     """Search one cluster (resumable through ``storage``); returns ``ClusterResult.to_dict()``."""
@@ -159,6 +173,20 @@ def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budge
                                        progress=lambda study, trial: bar.update(1))
         bar.close()
     return result.to_dict()
+
+
+def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: search.Budget, storage: str,
+                 study_prefix: str, n_trials: int) -> dict:
+    """Add exactly ``n_trials`` stage-1 trials to a cluster's study, which other processes or machines
+    may be working at the same time (no machine lock: stage-1 trials time nothing)."""
+    from tqdm import tqdm
+
+    lm, dec = runtime(spec)
+    bar = tqdm(total=n_trials, desc=f"worker {cluster.label}", file=sys.stderr, mininterval=2)
+    pr = search.proxy_stage(dec, lm.tokenizer, cluster.id, texts, budget, search.storage_for(storage), study_prefix,
+                            eos_ids(lm), step_costs(spec), n_trials=n_trials, progress=lambda s, t: bar.update(1))
+    bar.close()
+    return {"cluster": cluster.id, "label": cluster.label, "added": n_trials, "study_trials": len(pr.study.trials)}
 
 
 def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[dict], vectors: Path,
@@ -182,11 +210,11 @@ def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[di
     out_dir = Path(out_dir)
     bank.save(out_dir)
     pictures.skip_heatmap(bank, out_dir / "skip_heatmap.png")
-    pictures.anchor_map(bank, x, domains, out_dir / "anchor_map.png")
+    pictures.anchor_map(bank, router.centered(x, center), domains, out_dir / "anchor_map.png")
     return out_dir
 
 
-def register(bank_dir: Path, params: dict, uri: str | None = None) -> dict:
+def register(bank_dir: Path, params: dict, uri: str | None = None, alias: str = "candidate") -> dict:
     bank = banks.load(bank_dir)
     metrics = {}
     for c in bank.clusters:
@@ -197,5 +225,5 @@ def register(bank_dir: Path, params: dict, uri: str | None = None) -> dict:
             metrics[f"search_s_{tag}"] = c.search["search_s"]
     total = sum(c.members for c in bank.clusters)
     metrics["speedup_weighted"] = sum(c.speedup * c.members for c in bank.clusters) / max(1, total)
-    reg = tracking.register_bank(bank_dir, bank.model, params, metrics, uri)
+    reg = tracking.register_bank(bank_dir, bank.model, params, metrics, uri, alias=alias)
     return {"name": reg.name, "version": reg.version, "run_id": reg.run_id, "aliases": reg.aliases, "uri": reg.uri}

@@ -56,18 +56,71 @@ def cmd_complete(a) -> int:
     return 0
 
 
-def cmd_calibrate(a) -> int:
-    from flows.calibrate import CalibrateParams, calibrate
+def _calibrate_params(a):
+    from flows.calibrate import CalibrateParams
 
-    params = CalibrateParams(
+    from .search import Budget
+
+    params = dict(
         model=a.model, dtype=a.dtype, inputs=a.input or [], domain_from_file=a.domain_from_file,
         labelled=not a.unlabelled, k_per_domain=a.k_per_domain, n_clusters=a.clusters, pooling=a.pooling,
         layer=a.layer, proxy_trials=a.trials, real_candidates=a.candidates, minutes=a.minutes,
         proxy_prompts=a.proxy_prompts, real_prompts=a.real_prompts, max_new_tokens=a.max_new_tokens,
-        storage=a.storage, tracking_uri=a.tracking_uri, seed=a.seed,
+        storage=a.storage, tracking_uri=a.tracking_uri, seed=a.seed, kinds=a.kinds.split(","), int8=not a.no_int8,
+        alias=a.alias,
     )
-    _check_inputs(params.inputs)
-    print(json.dumps(calibrate(params)))
+    _check_inputs(params["inputs"])
+    Budget(kinds=tuple(params["kinds"]))  # validates before any server starts
+    return params
+
+
+def cmd_calibrate(a) -> int:
+    from flows.calibrate import CalibrateParams, calibrate
+
+    print(json.dumps(calibrate(CalibrateParams(**_calibrate_params(a)))))
+    return 0
+
+
+def cmd_search_worker(a) -> int:
+    from flows.search_worker import WorkerParams, search_worker
+
+    params = WorkerParams(**_calibrate_params(a), trials=a.worker_trials, clusters=a.cluster or [])
+    print(json.dumps(search_worker(params)))
+    return 0
+
+
+def cmd_add_domain(a) -> int:
+    from flows.add_domain import AddDomainParams, add_domain
+
+    _check_inputs(a.input)
+    params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
+                             k_per_domain=a.k_per_domain, warm=a.warm, proxy_trials=a.trials,
+                             real_candidates=a.candidates, minutes=a.minutes, max_new_tokens=a.max_new_tokens,
+                             storage=a.storage, tracking_uri=a.tracking_uri, seed=a.seed)
+    print(json.dumps(add_domain(params)))
+    return 0
+
+
+def cmd_promote(a) -> int:
+    from flows.promote import PromoteParams, promote
+
+    _check_inputs(a.input or [])
+    params = PromoteParams(model=a.model, candidate=a.candidate, champion=a.champion, inputs=a.input or [],
+                           per_file=a.per_file, dtype=a.dtype, max_new_tokens=a.max_new_tokens,
+                           tolerance=a.tolerance, tracking_uri=a.tracking_uri)
+    print(json.dumps(promote(params), default=str))
+    return 0
+
+
+def cmd_watch(a) -> int:
+    from flows.watch import WatchParams, watch
+
+    if not Path(a.drop).is_dir():
+        raise FileNotFoundError(f"drop folder not found: {a.drop}")
+    params = WatchParams(drop=a.drop, model=a.model, min_prompts=a.min_prompts, use_unmatched=not a.no_unmatched,
+                         dtype=a.dtype, search=json.loads(a.search), promote=json.loads(a.promote),
+                         tracking_uri=a.tracking_uri)
+    print(json.dumps(watch(params), default=str))
     return 0
 
 
@@ -77,6 +130,26 @@ def _check_inputs(paths: list[str]) -> None:
 
     for p in paths:
         load(p)
+
+
+def cmd_bench(a) -> int:
+    from .bench import BenchConfig, markdown, run
+
+    cfg = BenchConfig(
+        bank=a.bank, masks_bank=a.masks_bank, static_bank=a.static_bank, model=a.model, dtype=a.dtype,
+        data=Path(a.data) if a.data else BenchConfig.__dataclass_fields__["data"].default_factory(),
+        domains=tuple(a.domains.split(",")), ood=tuple(x for x in a.ood.split(",") if x), prompts=a.prompts,
+        ood_prompts=a.ood_prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
+        ratios=tuple(float(x) for x in a.ratios.split(",")), hf=not a.no_hf, seed=a.seed, out=Path(a.out),
+        tracking_uri=a.tracking_uri,
+    )
+    if a.flow:
+        from flows.bench import bench
+
+        print(json.dumps(bench(cfg)))
+    else:
+        print(markdown(run(cfg)))
+    return 0
 
 
 def cmd_demo(a) -> int:
@@ -131,6 +204,29 @@ def cmd_route_eval(a) -> int:
     return 0
 
 
+def _calibrate_args(k: argparse.ArgumentParser) -> None:
+    _model_args(k)
+    k.add_argument("--input", action="append", help="prompt file (jsonl/parquet/csv); repeat; default: the five domains")
+    k.add_argument("--domain-from-file", action="store_true", help="rows without a domain take the file name")
+    k.add_argument("--unlabelled", action="store_true", help="ignore domains: cluster the pool, K by silhouette")
+    k.add_argument("--k-per-domain", type=int, default=10, help="anchors per labelled domain")
+    k.add_argument("--clusters", type=int, default=None, help="clusters for an unlabelled pool (default: silhouette)")
+    k.add_argument("--pooling", default="mean", choices=["mean", "last"])
+    k.add_argument("--layer", type=int, default=-1, help="hidden state to pool (-1: after the final norm)")
+    k.add_argument("--trials", type=int, default=40, help="proxy-stage trials per cluster")
+    k.add_argument("--candidates", type=int, default=4, help="configurations timed for real per cluster")
+    k.add_argument("--minutes", type=float, default=None, help="time cap per cluster search")
+    k.add_argument("--proxy-prompts", type=int, default=8)
+    k.add_argument("--real-prompts", type=int, default=4)
+    k.add_argument("--max-new-tokens", type=int, default=64)
+    k.add_argument("--storage", default=None, help="Optuna storage: journal file path or URL (sqlite:///, postgresql://)")
+    k.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///artifacts/mlflow.db)")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--kinds", default="layer_skip,ngram,hybrid", help="drafter kinds to search (comma-separated)")
+    k.add_argument("--no-int8", action="store_true", help="full-precision drafts only (the paper's layer skipping)")
+    k.add_argument("--alias", default="candidate", help="alias for the new version (default candidate)")
+
+
 def parser() -> argparse.ArgumentParser:
     from .prompts import DOMAINS
 
@@ -165,24 +261,53 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_complete)
 
     k = sub.add_parser("calibrate", help="prompts -> anchors -> per-cluster search -> a new bank version (Prefect flow)")
-    _model_args(k)
-    k.add_argument("--input", action="append", help="prompt file (jsonl/parquet/csv); repeat; default: the five domains")
-    k.add_argument("--domain-from-file", action="store_true", help="rows without a domain take the file name")
-    k.add_argument("--unlabelled", action="store_true", help="ignore domains: cluster the pool, K by silhouette")
-    k.add_argument("--k-per-domain", type=int, default=10, help="anchors per labelled domain")
-    k.add_argument("--clusters", type=int, default=None, help="clusters for an unlabelled pool (default: silhouette)")
-    k.add_argument("--pooling", default="mean", choices=["mean", "last"])
-    k.add_argument("--layer", type=int, default=-1, help="hidden state to pool (-1: after the final norm)")
-    k.add_argument("--trials", type=int, default=40, help="proxy-stage trials per cluster")
-    k.add_argument("--candidates", type=int, default=4, help="configurations timed for real per cluster")
-    k.add_argument("--minutes", type=float, default=None, help="time cap per cluster search")
-    k.add_argument("--proxy-prompts", type=int, default=8)
-    k.add_argument("--real-prompts", type=int, default=4)
-    k.add_argument("--max-new-tokens", type=int, default=64)
-    k.add_argument("--storage", default=None, help="Optuna storage: journal file path or URL (sqlite:///, postgresql://)")
-    k.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///artifacts/mlflow.db)")
-    k.add_argument("--seed", type=int, default=0)
+    _calibrate_args(k)
     k.set_defaults(fn=cmd_calibrate)
+
+    w = sub.add_parser("search-worker", help="add stage-1 trials to a calibration's shared studies (scale-out)")
+    _calibrate_args(w)
+    w.add_argument("--worker-trials", type=int, default=8, help="trials this worker adds per cluster")
+    w.add_argument("--cluster", action="append", help="cluster label to work on (repeat; default all)")
+    w.set_defaults(fn=cmd_search_worker)
+
+    n = sub.add_parser("add-domain", help="a new version = a base version + a new domain's clusters (Prefect flow)")
+    _model_args(n)
+    n.add_argument("--name", required=True, help="the new domain's name")
+    n.add_argument("--input", action="append", required=True, help="the new domain's prompt file(s)")
+    n.add_argument("--model-uri", default=None, help="base version (default models:/knnssd-<model>@champion)")
+    n.add_argument("--k-per-domain", type=int, default=10)
+    n.add_argument("--warm", type=int, default=3, help="nearest old clusters to warm-start from (0: cold)")
+    n.add_argument("--trials", type=int, default=40)
+    n.add_argument("--candidates", type=int, default=4)
+    n.add_argument("--minutes", type=float, default=None)
+    n.add_argument("--max-new-tokens", type=int, default=64)
+    n.add_argument("--storage", default=None)
+    n.add_argument("--tracking-uri", default=None)
+    n.add_argument("--seed", type=int, default=0)
+    n.set_defaults(fn=cmd_add_domain)
+
+    o = sub.add_parser("promote", help="time candidate vs champion on eval prompts; move champion if not worse")
+    o.add_argument("--model", default="smollm2")
+    o.add_argument("--candidate", default="candidate", help="alias or version")
+    o.add_argument("--champion", default="champion", help="alias or version")
+    o.add_argument("--input", action="append", help="prompt files (eval rows; default: the five domains)")
+    o.add_argument("--per-file", type=int, default=4)
+    o.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    o.add_argument("--max-new-tokens", type=int, default=64)
+    o.add_argument("--tolerance", type=float, default=0.03, help="promote when candidate >= (1 - tolerance) x champion speed")
+    o.add_argument("--tracking-uri", default=None)
+    o.set_defaults(fn=cmd_promote)
+
+    t = sub.add_parser("watch", help="once: add new drop-folder files / unmatched prompts as domains, then promote")
+    t.add_argument("--drop", required=True, help="drop folder")
+    t.add_argument("--model", default="smollm2")
+    t.add_argument("--min-prompts", type=int, default=20)
+    t.add_argument("--no-unmatched", action="store_true", help="ignore the unmatched-prompts log")
+    t.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    t.add_argument("--search", default="{}", help='add-domain settings as JSON, e.g. \'{"proxy_trials": 16}\'')
+    t.add_argument("--promote", default="{}", help='promote settings as JSON, e.g. \'{"per_file": 2}\'')
+    t.add_argument("--tracking-uri", default=None)
+    t.set_defaults(fn=cmd_watch)
 
     d = sub.add_parser("demo", help="the main job: calibrate a small bank, register it, generate a mixed stream")
     _model_args(d)
@@ -212,6 +337,29 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=5000)
     u.set_defaults(fn=cmd_ui)
+
+    from .prompts import OOD
+
+    e = sub.add_parser("bench", help="all methods side by side on eval streams and OOD sets (the paper's tables)")
+    e.add_argument("--bank", required=True, help="routed-drafters bank: models:/... URI or bank folder")
+    e.add_argument("--masks-bank", default=None, help="layer-skip-only bank (calibrate --kinds layer_skip --no-int8)")
+    e.add_argument("--static-bank", default=None, help="single-cluster bank (calibrate --unlabelled --clusters 1)")
+    e.add_argument("--model", default=None, help="default: the bank's model")
+    e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    e.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
+    e.add_argument("--domains", default=",".join(DOMAINS))
+    e.add_argument("--ood", default=",".join(OOD), help="out-of-domain sets (empty: none)")
+    e.add_argument("--prompts", type=int, default=4, help="eval prompts per domain")
+    e.add_argument("--ood-prompts", type=int, default=2, help="prompts per OOD set")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--repeats", type=int, default=4, help="passes; pass j runs the stream with ratio r[j %% len(r)]")
+    e.add_argument("--ratios", default="0.0,0.3,0.7,1.0", help="mix ratios r (probability of switching domain)")
+    e.add_argument("--no-hf", action="store_true")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", default="artifacts/bench", help="results folder (resumes its measurement journal)")
+    e.add_argument("--tracking-uri", default=None)
+    e.add_argument("--flow", action="store_true", help="run as the Prefect flow `bench`")
+    e.set_defaults(fn=cmd_bench)
 
     r = sub.add_parser("route-eval", help="routing accuracy and overhead on the eval rows of the five domains")
     r.add_argument("--model-uri", required=True)

@@ -35,9 +35,16 @@ def cluster_prompts(vectors: str, k_per_domain: int, n_clusters: int | None, lab
 def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: search.Budget, storage: str,
                    study_prefix: str, warm_start: list[dict] | None = None) -> dict:
     """A retry (or a rerun after a kill) resumes the cluster's Optuna studies from ``storage``."""
-    members = set(cluster.members)
-    texts = [r.prompt for r in rows if r.id in members]
+    texts = calibration.cluster_texts(cluster, rows)
     return calibration.search_one(spec, cluster, texts, budget, storage, study_prefix, warm_start)
+
+
+@task(retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE, task_run_name="proxy-worker-{cluster.label}")
+def proxy_trials(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: search.Budget, storage: str,
+                 study_prefix: str, n_trials: int) -> dict:
+    """Scale-out: add ``n_trials`` stage-1 trials to the cluster's shared study."""
+    return calibration.proxy_worker(spec, cluster, calibration.cluster_texts(cluster, rows), budget, storage,
+                                    study_prefix, n_trials)
 
 
 @task(cache_policy=NO_CACHE)
@@ -47,8 +54,8 @@ def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[di
 
 
 @task(retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
-def register_bank(bank_dir: str, params: dict, tracking_uri: str | None) -> dict:
-    return calibration.register(Path(bank_dir), params, tracking_uri)
+def register_bank(bank_dir: str, params: dict, tracking_uri: str | None, alias: str = "candidate") -> dict:
+    return calibration.register(Path(bank_dir), params, tracking_uri, alias)
 
 
 @task(cache_policy=NO_CACHE)

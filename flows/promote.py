@@ -1,0 +1,34 @@
+"""promote: time the candidate against the champion on eval prompts; move `champion` only if the
+candidate is not slower beyond a tolerance (and its outputs are identical); log the comparison."""
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+from prefect import flow
+
+from tasks.extend import compare_banks, eval_prompts, fetch_bank, log_and_promote
+
+
+class PromoteParams(BaseModel):
+    model: str = "smollm2"
+    candidate: str = Field("candidate", description="alias or version number")
+    champion: str = "champion"
+    inputs: list[str] = Field(default_factory=list, description="prompt files (default: the five domains' data files)")
+    extra_inputs: list[str] = Field(default_factory=list, description="more files (e.g. a new domain's)")
+    per_file: int = 4
+    dtype: str = "auto"
+    max_new_tokens: int = 64
+    tolerance: float = 0.03
+    tracking_uri: str | None = None
+
+
+@flow(name="promote", log_prints=True)
+def promote(params: PromoteParams = PromoteParams()) -> dict:
+    from knnssd.promote import version_uri
+
+    cand = fetch_bank(version_uri(params.model, params.candidate), params.tracking_uri)
+    champ = fetch_bank(version_uri(params.model, params.champion), params.tracking_uri)
+    if cand["version"] == champ["version"]:
+        return {"promote": False, "reason": f"version {cand['version']} already is the champion"}
+    rows = eval_prompts(params.inputs, params.per_file, params.extra_inputs)
+    comparison = compare_banks(cand, champ, rows, params.dtype, params.max_new_tokens, params.tolerance)
+    return log_and_promote(params.model, comparison, params.tracking_uri)

@@ -1,0 +1,41 @@
+"""watch-drop-folder (scheduled): new domain files in the drop folder, or enough unmatched prompts,
+-> add-domain for each -> promote the result. Each input is processed once (a state file records it)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+from prefect import flow
+
+from flows.add_domain import AddDomainParams, add_domain
+from flows.promote import PromoteParams, promote
+from tasks.extend import mark_done, pending_inputs
+
+
+class WatchParams(BaseModel):
+    drop: str = Field(description="folder where new domain files (jsonl/parquet/csv) are dropped")
+    model: str = "smollm2"
+    state: str | None = Field(None, description="record of processed inputs (default <drop>/.knnssd-processed.json)")
+    min_prompts: int = Field(20, description="a new domain needs at least this many prompts")
+    use_unmatched: bool = True
+    dtype: str = "auto"
+    search: dict = Field(default_factory=dict, description="add-domain settings (proxy_trials, k_per_domain, ...)")
+    promote: dict = Field(default_factory=dict, description="promote settings (per_file, tolerance, inputs, ...)")
+    tracking_uri: str | None = None
+
+
+@flow(name="watch-drop-folder", log_prints=True)
+def watch(params: WatchParams) -> dict:
+    state = params.state or f"{params.drop.rstrip('/')}/.knnssd-processed.json"
+    items = pending_inputs(params.drop, state, params.model, params.min_prompts, params.use_unmatched)
+    if not items:
+        return {"added": [], "promotion": None}
+    added, base_uri = [], None
+    for it in items:
+        reg = add_domain(AddDomainParams(name=it["name"], inputs=[it["path"]], model=params.model, model_uri=base_uri,
+                                         dtype=params.dtype, tracking_uri=params.tracking_uri, **params.search))
+        mark_done(state, [it], reg)
+        added.append({"name": it["name"], **reg})
+        base_uri = reg["uri"]  # the next domain extends this version
+    result = promote(PromoteParams(model=params.model, candidate=added[-1]["version"], dtype=params.dtype,
+                                   tracking_uri=params.tracking_uri, extra_inputs=[it["path"] for it in items],
+                                   **params.promote))
+    return {"added": added, "promotion": result}

@@ -1,0 +1,88 @@
+"""Growing a bank with a new domain: new clusters beside the old ones, searched warm-started from
+the nearest old clusters' configurations. The base version is only read; the result is a new bank.
+
+    base bank + new prompts -> embed (the base bank's pooling) -> new clusters (anchors in the base
+    router's space) -> warm starts -> search new clusters only -> merged bank
+"""
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import numpy as np
+
+from . import bank as banks
+from . import router, search
+
+
+def new_clusters(bank: banks.Bank, vectors: Path, name: str, k_per_domain: int = 10, seed: int = 0
+                 ) -> list[router.Cluster]:
+    """One cluster for domain ``name`` (``k_per_domain`` anchors), its id after the bank's last."""
+    if any(c.label == name for c in bank.clusters):
+        raise banks.BankError(f"domain '{name}' is already in the bank; pick another name or recalibrate")
+    ids, _, x = router.load_vectors(vectors)
+    anchors, _ = router.kmeans(router.centered(x, bank.center), k_per_domain, seed)
+    cid = max(c.id for c in bank.clusters) + 1
+    return [router.Cluster(cid, name, anchors, list(ids), {name: len(ids)})]
+
+
+def nearest(bank: banks.Bank, cluster: router.Cluster, n: int = 3) -> list[tuple[int, float]]:
+    """The bank's clusters nearest to ``cluster`` (mean best anchor similarity), nearest first."""
+    sims = cluster.anchors @ bank.anchors.T  # (k_new, N), both normalised in the same space
+    out = []
+    for c in bank.clusters:
+        own = sims[:, bank.anchor_cluster == c.id]
+        out.append((c.id, float(own.max(1).mean())))
+    return sorted(out, key=lambda t: -t[1])[:n]
+
+
+def warm_start(bank: banks.Bank, cluster: router.Cluster, n: int = 3) -> list[dict]:
+    """Stage-1 trial parameters of the nearest clusters' configurations (those with a mask)."""
+    out = []
+    for cid, _ in nearest(bank, cluster, n):
+        p = search.warm_params(bank.cluster(cid).config, bank.n_layers)
+        if p is not None and p not in out:
+            out.append(p)
+    return out
+
+
+def merged(bank: banks.Bank, clusters: list[router.Cluster], results: list[dict], source: str) -> banks.Bank:
+    """The base bank plus the new clusters (router space, threshold and pooling kept)."""
+    add = banks.from_clusters(clusters, {r["cluster"]: r for r in results}, bank.model, bank.fingerprint,
+                              bank.n_layers, bank.dtype, bank.pooling, bank.min_similarity, "", None, bank.center)
+    all_clusters = [*bank.clusters, *add.clusters]
+    fallback = max(all_clusters, key=lambda b: (b.speedup - 1.0) * b.members).id
+    extra = {**bank.extra, "extended_from": source, "added": [*bank.extra.get("added", []), *[c.label for c in add.clusters]]}
+    out = banks.Bank(bank.model, bank.fingerprint, bank.n_layers, bank.dtype, all_clusters,
+                     np.concatenate([bank.anchors, add.anchors]), np.concatenate([bank.anchor_cluster, add.anchor_cluster]),
+                     bank.pooling, bank.router_k, bank.min_similarity, fallback,
+                     dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), extra=extra, center=bank.center)
+    banks.validate(out)
+    return out
+
+
+def split_rows(rows: list, name: str) -> tuple[list, list]:
+    """(calib, eval) rows of a new domain's file, every row labelled ``name``: by their ``split``
+    field when they have one, else the first two thirds calibrate and the rest evaluate."""
+    from dataclasses import replace
+
+    rows = [replace(r, domain=name) for r in rows]
+    if any(r.split for r in rows):
+        return [r for r in rows if r.split == "calib"], [r for r in rows if r.split == "eval"]
+    cut = max(1, (2 * len(rows)) // 3)
+    return rows[:cut], rows[cut:]
+
+
+def build(base_dir: Path, clusters: list[router.Cluster], results: list[dict], vectors: Path, out_dir: Path,
+          source: str) -> Path:
+    """Write the merged bank (and its pictures) to ``out_dir``."""
+    from . import pictures
+
+    base = banks.load(base_dir)
+    bank = merged(base, clusters, results, source)
+    out_dir = Path(out_dir)
+    bank.save(out_dir)
+    _, domains, x = router.load_vectors(vectors)
+    pictures.skip_heatmap(bank, out_dir / "skip_heatmap.png")
+    pictures.anchor_map(bank, router.centered(x, bank.center), domains, out_dir / "anchor_map.png")
+    return out_dir

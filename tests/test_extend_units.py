@@ -1,0 +1,74 @@
+"""Units of bank growth (no model): new clusters, warm starts, merged banks, the drop-folder record."""
+import json
+
+import numpy as np
+import pytest
+
+from knnssd import bank as banks
+from knnssd import extend, router, watch
+from knnssd.prompts import Prompt
+from test_router_bank import blobs, make_bank
+
+
+def test_new_domain_clusters_merge_and_route(tmp_path):
+    base, _ = make_bank(tmp_path, n_layers=4)
+    x, _ = blobs(n_per=8, dim=8, centers=4, seed=0)
+    new_x = x[-8:]  # the fourth blob: a domain the bank has not seen
+    path = tmp_path / "v.parquet"
+    router.save_vectors(path, [f"n{i}" for i in range(8)], ["new"] * 8, new_x)
+    clusters = extend.new_clusters(base, path, "new", k_per_domain=2)
+    assert [c.id for c in clusters] == [3] and clusters[0].members == [f"n{i}" for i in range(8)]
+    with pytest.raises(banks.BankError, match="already in the bank"):
+        extend.new_clusters(base, path, "d0")
+    warm = extend.warm_start(base, clusters[0])
+    assert warm and warm[0]["int8"] is True and warm[0]["m1"] is True and warm[0]["a0"] is False
+    results = [{"cluster": 3, "config": {"kind": "ngram", "max_len": 6}, "speedup": 1.9, "acceptance_rate": 0.5,
+                "mean_accepted": 2.0}]
+    merged = extend.merged(base, clusters, results, "models:/x/1")
+    assert [c.label for c in merged.clusters] == ["d0", "d1", "d2", "new"]
+    assert len(merged.anchors) == len(base.anchors) + 2 and merged.extra["added"] == ["new"]
+    r = merged.router()
+    assert all(r.route(v).cluster == 3 for v in new_x)
+    assert all(r.route(v).cluster in (0, 1, 2) for v in x[:24])
+
+
+def test_split_rows():
+    rows = [Prompt(str(i), "p") for i in range(9)]
+    calib, ev = extend.split_rows(rows, "code")
+    assert len(calib) == 6 and len(ev) == 3 and {r.domain for r in calib + ev} == {"code"}
+    rows = [Prompt("a", "p", split="calib"), Prompt("b", "p", split="eval"), Prompt("c", "p", split="calib")]
+    calib, ev = extend.split_rows(rows, "code")
+    assert [r.id for r in calib] == ["a", "c"] and [r.id for r in ev] == ["b"]
+
+
+def test_drop_folder_record(tmp_path):
+    drop, work = tmp_path / "drop", tmp_path / "work"
+    drop.mkdir()
+    (drop / "Code Set.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(5)))
+    (drop / "tiny.jsonl").write_text(json.dumps({"prompt": "p"}) + "\n")
+    (drop / "broken.jsonl").write_text("{not json\n")
+    (drop / "notes.txt").write_text("ignored")
+    state = drop / ".state.json"
+    items = watch.pending(drop, state, "m", min_prompts=3, use_unmatched=False, work=work)
+    assert [(i.name, i.rows) for i in items] == [("code-set", 5)]
+    watch.mark(state, items, {"version": "7"})
+    assert watch.pending(drop, state, "m", 3, False, work) == []  # processed once
+    (drop / "Code Set.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(5)))
+    assert len(watch.pending(drop, state, "m", 3, False, work)) == 1  # changed content is new again
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    log = work / "unmatched" / "m"
+    log.mkdir(parents=True)
+    for k in range(2):
+        pq.write_table(pa.table({"id": [f"u{k}{i}" for i in range(2)], "prompt": ["x"] * 2, "similarity": [0.1] * 2}),
+                       log / f"unmatched-{k}.parquet")
+    items = watch.pending(drop, state, "m", 3, True, work)
+    un = [i for i in items if i.kind == "unmatched"]
+    assert len(un) == 1 and un[0].rows == 4 and len(un[0].sources) == 2
+    watch.mark(state, un, {})
+    assert [i.kind for i in watch.pending(drop, state, "m", 3, True, work)] == ["file"]
+    state.write_text("{torn")
+    with pytest.raises(ValueError, match="corrupt"):
+        watch.pending(drop, state, "m", 3, True, work)

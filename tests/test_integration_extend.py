@@ -1,0 +1,175 @@
+"""Growing banks: add-domain + promote through their flows, the scheduled drop-folder watch on a real
+Prefect server and process worker, two search workers sharing one study, a real `mlflow server`."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from knnssd import bank as banks
+from knnssd import calibration, tracking
+from knnssd.calibration import ModelSpec
+from knnssd.drafters import DrafterConfig
+from knnssd.skip import SkipMask
+from test_integration_calibrate import small_inputs
+from test_integration_deploy import PREFECT, ROOT, free_port, prefect_server, wait_http  # noqa: F401
+
+pytestmark = pytest.mark.integration
+SPEC = ModelSpec("smollm2", "float32")
+TINY = {"k_per_domain": 2, "proxy_trials": 2, "real_candidates": 1, "proxy_prompts": 1, "real_prompts": 1,
+        "max_new_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def base_bank(tmp_path_factory, data_dir):
+    """A two-domain bank with fixed configurations (no search), as a folder."""
+    tmp = tmp_path_factory.mktemp("extend")
+    os.environ["KNNSSD_WORK"] = str(tmp / "work")
+    rows = calibration.load_prompts(small_inputs(data_dir, tmp / "in", n=6))
+    vectors = calibration.embed(SPEC, rows)
+    clusters = calibration.make_clusters(vectors, k_per_domain=2)
+    configs = {"reasoning": DrafterConfig(kind="hybrid", mask=SkipMask.from_layers(30, attn=[25]).to_dict(), max_len=6,
+                                          threshold=0.5, int8=True, adaptive=True),
+               "translation": DrafterConfig(kind="ngram", max_len=8, adaptive=True)}
+    results = [{"cluster": c.id, "config": configs[c.label].to_dict(), "speedup": 1.2, "acceptance_rate": 0.6,
+                "mean_accepted": 2.0} for c in clusters]
+    yield calibration.build_bank(SPEC, clusters, results, vectors, calibration.router.Pooling(), tmp / "bank"), tmp
+    os.environ.pop("KNNSSD_WORK", None)
+
+
+def new_domain_file(data_dir: Path, path: Path, n=9) -> Path:
+    """text_to_sql rows without a split field (the file is split 2/3 calib, 1/3 eval)."""
+    rows = [json.loads(x) for x in (data_dir / "text_to_sql.jsonl").read_text().splitlines()][:n]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": r["id"], "prompt": r["prompt"]}) + "\n" for r in rows))
+    return path
+
+
+def test_add_domain_then_promote(base_bank, data_dir, prefect_harness, tmp_path):
+    from flows.add_domain import AddDomainParams, add_domain
+    from flows.promote import PromoteParams, promote
+
+    bank_dir, tmp = base_bank
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    v1 = calibration.register(bank_dir, {"base": True}, uri)
+    before = (tracking.download_bank(v1["uri"], tmp_path / "v1-before", uri=uri) / "bank.json").read_text()
+
+    sql = new_domain_file(data_dir, tmp_path / "drop" / "sql.jsonl")
+    reg = add_domain(AddDomainParams(name="sql", inputs=[str(sql)], dtype="float32", warm=3, tracking_uri=uri,
+                                     storage=str(tmp_path / "studies.journal"), **TINY))
+    assert reg["version"] == "2" and reg["aliases"] == ["candidate"]
+    new = banks.load(tracking.download_bank(reg["uri"], tmp_path / "v2", uri=uri))
+    assert [c.label for c in new.clusters] == ["reasoning", "translation", "sql"]
+    assert new.clusters[2].members == 6 and new.clusters[2].search["proxy_trials"] >= 2
+    after = (tracking.download_bank(v1["uri"], tmp_path / "v1-after", uri=uri) / "bank.json").read_text()
+    assert before == after  # the base version is untouched
+    # the new domain's eval prompts route to the new cluster
+    from knnssd.engine import GenerateParams, RoutedGenerator
+
+    gen = RoutedGenerator(calibration.runtime(SPEC)[0], new)
+    assert gen.generate(json.loads(sql.read_text().splitlines()[-1])["prompt"], GenerateParams(max_new_tokens=2)).label == "sql"
+
+    inputs = [str(data_dir / "reasoning.jsonl"), str(data_dir / "translation.jsonl")]
+    out = promote(PromoteParams(candidate="candidate", inputs=inputs, extra_inputs=[str(sql)], per_file=1,
+                                dtype="float32", max_new_tokens=12, tolerance=0.5, tracking_uri=uri))
+    assert out["identical"] and out["prompts"] == 3 and out["promote"] and out["mlflow_run_id"]
+    assert str(tracking.resolve("models:/knnssd-smollm2@champion", uri).version) == "2"
+    again = promote(PromoteParams(candidate="candidate", inputs=inputs, per_file=1, tracking_uri=uri))
+    assert again["promote"] is False  # the candidate already is the champion
+
+
+def test_watch_deployment_adds_a_dropped_domain_once(base_bank, data_dir, prefect_server, tmp_path):
+    bank_dir, tmp = base_bank
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    calibration.register(bank_dir, {"base": True}, uri)
+    drop = tmp_path / "drop"
+    new_domain_file(data_dir, drop / "sql.jsonl")
+    env = {**prefect_server, "KNNSSD_HOME": str(ROOT), "KNNSSD_WORK": str(tmp_path / "work"), "MLFLOW_TRACKING_URI": uri,
+           "KNNSSD_DROP": str(drop), "KNNSSD_DATA": str(data_dir)}
+    run = lambda *a, **kw: subprocess.run([PREFECT, *a], env=env, cwd=ROOT, capture_output=True, text=True,  # noqa: E731
+                                          timeout=kw.get("timeout", 120))
+    assert run("work-pool", "create", "knnssd-process", "--type", "process").returncode == 0
+    out = run("--no-prompt", "deploy", "-n", "watch-drop-folder-smollm2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    params = {"params": {"drop": str(drop), "min_prompts": 5, "dtype": "float32", "use_unmatched": False,
+                         "search": {**TINY, "storage": str(tmp_path / "studies.journal")},
+                         "promote": {"inputs": [str(data_dir / "reasoning.jsonl")], "per_file": 1, "max_new_tokens": 8}}}
+    for attempt in range(2):
+        out = run("deployment", "run", "watch-drop-folder/watch-drop-folder-smollm2", "--params", json.dumps(params))
+        assert out.returncode == 0, out.stdout + out.stderr
+        out = run("worker", "start", "--pool", "knnssd-process", "--run-once", timeout=900)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        versions = tracking.versions("smollm2", uri)
+        assert len(versions) == 2, (attempt, out.stdout[-3000:] + out.stderr[-3000:])  # the second run adds nothing
+    latest = banks.load(tracking.download_bank("models:/knnssd-smollm2/2", tmp_path / "v2", uri=uri))
+    assert "sql" in [c.label for c in latest.clusters]
+    state = json.loads((drop / ".knnssd-processed.json").read_text())
+    assert list(state) == ["sql.jsonl"] and state["sql.jsonl"]["result"]["version"] == "2"
+
+
+def test_two_workers_share_one_study_then_one_version(data_dir, prefect_harness, tmp_path):
+    import optuna
+
+    from flows.calibrate import CalibrateParams, calibrate
+    from knnssd.search import storage_for
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    journal = tmp_path / "studies.journal"
+    inputs = small_inputs(data_dir, tmp_path / "in", domains=("translation",), n=4)
+    common = ["--model", "smollm2", "--dtype", "float32", "--input", inputs[0], "--k-per-domain", "2", "--trials", "6",
+              "--candidates", "1", "--proxy-prompts", "1", "--real-prompts", "1", "--max-new-tokens", "12",
+              "--storage", str(journal), "--tracking-uri", uri]
+    env = {**os.environ, "KNNSSD_WORK": str(tmp_path / "work")}
+    procs = [subprocess.Popen([sys.executable, "-m", "knnssd.cli", "search-worker", *common, "--worker-trials", "3"],
+                              env={**env, "PREFECT_HOME": str(tmp_path / f"prefect{i}")}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out[-3000:]
+    storage = storage_for(str(journal))
+    (name,) = [n for n in optuna.get_all_study_names(storage) if n.endswith("-proxy")]
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 3 + 3  # the sum of both workers
+    assert len({t.number for t in trials}) == len(trials)  # no trial number repeats
+
+    os.environ["KNNSSD_WORK"] = str(tmp_path / "work")
+    try:
+        reg = calibrate(CalibrateParams(model="smollm2", dtype="float32", inputs=inputs, k_per_domain=2, proxy_trials=6,
+                                        real_candidates=1, proxy_prompts=1, real_prompts=1, max_new_tokens=12,
+                                        storage=str(journal), tracking_uri=uri))
+    finally:
+        os.environ.pop("KNNSSD_WORK", None)
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    assert len([t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]) == 6  # the budget was already met
+    assert reg["version"] == "1" and len(tracking.versions("smollm2", uri)) == 1
+
+
+def test_against_a_real_mlflow_server(base_bank, tmp_path):
+    bank_dir, _ = base_bank
+    port = free_port()
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    log = open(tmp_path / "mlflow.log", "w")
+    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
+                               str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                               "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "1"],
+                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 120, server)
+        uri = f"http://127.0.0.1:{port}"
+        reg = calibration.register(bank_dir, {"server": True}, uri)
+        assert reg["aliases"] == ["candidate", "champion"]
+        from knnssd.engine import GenerateParams, RoutedGenerator
+
+        gen = RoutedGenerator.from_model_uri("models:/knnssd-smollm2@champion", dtype="float32", tracking_uri=uri)
+        res = gen.generate("Translate German to English: Guten Morgen.", GenerateParams(max_new_tokens=4))
+        assert res.tokens and res.label in ("reasoning", "translation")
+        run_id = tracking.log_run("knnssd-generation", {"k": 1}, {"m": 1.0}, uri=uri)
+        from mlflow import MlflowClient
+
+        assert MlflowClient(uri).get_run(run_id).data.metrics["m"] == 1.0
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(30)
