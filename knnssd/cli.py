@@ -56,9 +56,7 @@ def cmd_complete(a) -> int:
     return 0
 
 
-def _calibrate_params(a):
-    from flows.calibrate import CalibrateParams
-
+def _calibrate_params(a) -> dict:
     from .search import Budget
 
     params = dict(

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .sampling import Warp, probs, sample
+from .sampling import probs, sample
 from .skip import MaskError, SkipMask
 
 if TYPE_CHECKING:

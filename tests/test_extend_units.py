@@ -1,7 +1,6 @@
 """Units of bank growth (no model): new clusters, warm starts, merged banks, the drop-folder record."""
 import json
 
-import numpy as np
 import pytest
 
 from knnssd import bank as banks

@@ -4,14 +4,12 @@ import os
 
 import pytest
 
-from knnssd import bench, calibration
-from knnssd.calibration import ModelSpec
+from knnssd import bench
 from knnssd.drafters import DrafterConfig
 from knnssd.skip import SkipMask
-from test_integration_calibrate import small_inputs
+from test_integration_calibrate import fixed_bank
 
 pytestmark = pytest.mark.integration
-SPEC = ModelSpec("smollm2", "float32")
 
 
 @pytest.fixture(scope="module")
@@ -19,24 +17,14 @@ def banks(tmp_path_factory, data_dir):
     """Three banks with fixed configurations (no search): routed drafters, masks only, static."""
     tmp = tmp_path_factory.mktemp("bench")
     os.environ["KNNSSD_WORK"] = str(tmp / "work")
-    rows = calibration.load_prompts(small_inputs(data_dir, tmp / "in", n=6))
-    vectors = calibration.embed(SPEC, rows)
     skip = SkipMask.from_layers(30, attn=[20, 24], mlp=[26]).to_dict()
     routed = {"reasoning": DrafterConfig(kind="hybrid", mask=SkipMask.none(30).to_dict(), max_len=6, threshold=0.5,
                                          int8=True, adaptive=True),
               "translation": DrafterConfig(kind="ngram", max_len=8, adaptive=True)}
     masks = DrafterConfig(kind="layer_skip", mask=skip, max_len=4, threshold=0.6)
-
-    def make(name, clusters, cfg_of):
-        results = [{"cluster": c.id, "config": cfg_of(c).to_dict(), "speedup": 1.1, "acceptance_rate": 0.5,
-                    "mean_accepted": 2.0} for c in clusters]
-        return str(calibration.build_bank(SPEC, clusters, results, vectors, calibration.router.Pooling(), tmp / name))
-
-    labelled = calibration.make_clusters(vectors, k_per_domain=2)
-    out = {"bank": make("routed", labelled, lambda c: routed[c.label]),
-           "masks_bank": make("masks", labelled, lambda c: masks),
-           "static_bank": make("static", calibration.make_clusters(vectors, n_clusters=1, labelled=False),
-                               lambda c: routed["reasoning"])}
+    out = {"bank": str(fixed_bank(tmp, data_dir, "routed", lambda c: routed[c.label])),
+           "masks_bank": str(fixed_bank(tmp, data_dir, "masks", lambda c: masks)),
+           "static_bank": str(fixed_bank(tmp, data_dir, "static", lambda c: routed["reasoning"], labelled=False))}
     yield out, tmp
     os.environ.pop("KNNSSD_WORK", None)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from knnssd import bank as banks
-from knnssd import tracking
+from knnssd import calibration, tracking
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +27,21 @@ def small_inputs(data_dir: Path, out: Path, domains=("reasoning", "translation")
         p.write_text("".join(json.dumps(r) + "\n" for r in rows))
         paths.append(str(p))
     return paths
+
+
+def fixed_bank(tmp: Path, data_dir: Path, name: str, cfg_of, labelled: bool = True, n: int = 6) -> Path:
+    """A bank of the first n calib prompts of reasoning + translation with fixed configurations (no
+    search): ``cfg_of(cluster) -> DrafterConfig``; one cluster per domain, or one for all."""
+    from knnssd.calibration import ModelSpec
+
+    spec = ModelSpec("smollm2", "float32")
+    rows = calibration.load_prompts(small_inputs(data_dir, tmp / "in", n=n))
+    vectors = calibration.embed(spec, rows)
+    clusters = (calibration.make_clusters(vectors, k_per_domain=2) if labelled
+                else calibration.make_clusters(vectors, n_clusters=1, labelled=False))
+    results = [{"cluster": c.id, "config": cfg_of(c).to_dict(), "speedup": 1.2, "acceptance_rate": 0.6,
+                "mean_accepted": 2.0} for c in clusters]
+    return calibration.build_bank(spec, clusters, results, vectors, calibration.router.Pooling(), tmp / name)
 
 
 @pytest.fixture()

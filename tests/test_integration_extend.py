@@ -13,7 +13,7 @@ from knnssd import calibration, tracking
 from knnssd.calibration import ModelSpec
 from knnssd.drafters import DrafterConfig
 from knnssd.skip import SkipMask
-from test_integration_calibrate import small_inputs
+from test_integration_calibrate import fixed_bank, small_inputs
 from test_integration_deploy import PREFECT, ROOT, free_port, prefect_server, wait_http  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -27,15 +27,10 @@ def base_bank(tmp_path_factory, data_dir):
     """A two-domain bank with fixed configurations (no search), as a folder."""
     tmp = tmp_path_factory.mktemp("extend")
     os.environ["KNNSSD_WORK"] = str(tmp / "work")
-    rows = calibration.load_prompts(small_inputs(data_dir, tmp / "in", n=6))
-    vectors = calibration.embed(SPEC, rows)
-    clusters = calibration.make_clusters(vectors, k_per_domain=2)
     configs = {"reasoning": DrafterConfig(kind="hybrid", mask=SkipMask.from_layers(30, attn=[25]).to_dict(), max_len=6,
                                           threshold=0.5, int8=True, adaptive=True),
                "translation": DrafterConfig(kind="ngram", max_len=8, adaptive=True)}
-    results = [{"cluster": c.id, "config": configs[c.label].to_dict(), "speedup": 1.2, "acceptance_rate": 0.6,
-                "mean_accepted": 2.0} for c in clusters]
-    yield calibration.build_bank(SPEC, clusters, results, vectors, calibration.router.Pooling(), tmp / "bank"), tmp
+    yield fixed_bank(tmp, data_dir, "bank", lambda c: configs[c.label]), tmp
     os.environ.pop("KNNSSD_WORK", None)
 
 

@@ -12,14 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from knnssd import calibration, prompts, tracking
-from knnssd.calibration import ModelSpec
 from knnssd.drafters import DrafterConfig
 from knnssd.skip import SkipMask
-from test_integration_calibrate import small_inputs
+from test_integration_calibrate import fixed_bank
 from test_integration_deploy import free_port, wait_http
 
 pytestmark = pytest.mark.integration
-SPEC = ModelSpec("smollm2", "float32")
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +26,10 @@ def registered(tmp_path_factory, data_dir):
     tmp = tmp_path_factory.mktemp("gen")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     os.environ["KNNSSD_WORK"] = str(tmp / "work")
-    rows = calibration.load_prompts(small_inputs(data_dir, tmp / "in", n=6))
-    vectors = calibration.embed(SPEC, rows)
-    clusters = calibration.make_clusters(vectors, k_per_domain=2)
     configs = {"reasoning": DrafterConfig(kind="hybrid", mask=SkipMask.none(30).to_dict(), max_len=6, threshold=0.5,
                                           int8=True, adaptive=True),
                "translation": DrafterConfig(kind="ngram", max_len=8, adaptive=True)}
-    results = [{"cluster": c.id, "config": configs[c.label].to_dict(), "speedup": 1.2, "acceptance_rate": 0.6,
-                "mean_accepted": 2.0} for c in clusters]
-    bank_dir = calibration.build_bank(SPEC, clusters, results, vectors, calibration.router.Pooling(), tmp / "bank")
+    bank_dir = fixed_bank(tmp, data_dir, "bank", lambda c: configs[c.label])
     reg = calibration.register(bank_dir, {"test": True}, uri)
     yield {"uri": uri, "reg": reg, "tmp": tmp}
     os.environ.pop("KNNSSD_WORK", None)

@@ -4,7 +4,6 @@ Tolerance: a chi-square goodness-of-fit test against the exact distribution (enu
 the model) must not reject at p < 0.001; cells with expected count < 5 are pooled. Seeds are
 fixed, so a pass or fail is reproducible, not flaky.
 """
-import itertools
 
 import numpy as np
 import pytest
