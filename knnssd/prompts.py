@@ -67,13 +67,32 @@ def _rows(path: Path) -> list[dict]:
     raise PromptError(f"{path}: unknown format '{suffix}' (use .jsonl, .parquet or .csv)")
 
 
+def _hf_rows(spec: str) -> list[dict]:
+    """``hf:<dataset>[:<config>][@<hf split>]`` through the ``datasets`` package (needs the network
+    or a local HF datasets cache; ``HF_HUB_OFFLINE=1`` allows only the cache)."""
+    name, _, hf_split = spec[3:].partition("@")
+    name, _, config = name.partition(":")
+    try:
+        import datasets
+    except ImportError:
+        raise PromptError(f"{spec}: reading HF datasets needs `pip install datasets`") from None
+    try:
+        ds = datasets.load_dataset(name, config or None, split=hf_split or "train")
+    except Exception as e:  # noqa: BLE001 - network, unknown name, offline: one line
+        raise PromptError(f"{spec}: cannot load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    return [dict(r) for r in ds]
+
+
 def load(path: str | os.PathLike, split: str | None = None, fields: Fields = Fields(),
          domain: str | None = None) -> list[Prompt]:
     """Read prompts; keep only rows of ``split`` when given; ``domain`` fills rows that have none."""
-    path = Path(path)
-    if not path.is_file():
-        raise PromptError(f"prompt file not found: {path}")
-    rows = _rows(path)
+    if str(path).startswith("hf:"):
+        rows, path = _hf_rows(str(path)), Path(str(path)[3:].replace("/", "_").replace(":", "_"))
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise PromptError(f"prompt file not found: {path}")
+        rows = _rows(path)
     if not rows:
         raise PromptError(f"{path}: no rows")
     out: list[Prompt] = []

@@ -1,0 +1,62 @@
+"""Prompt files: formats, splits, and one-line errors for every bad input."""
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from knnssd import calibration, prompts
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_formats_fields_and_splits(tmp_path):
+    rows = [{"id": "a", "prompt": "x", "domain": "d", "split": "calib"}, {"id": "b", "prompt": "y", "split": "eval"}]
+    j = write_jsonl(tmp_path / "p.jsonl", rows)
+    pq.write_table(pa.table({"q": ["x", "y"], "key": ["a", "b"]}), tmp_path / "p.parquet")
+    (tmp_path / "p.csv").write_text("prompt,domain\nx,d\ny,e\n")
+    assert [r.id for r in prompts.load(j, split="calib")] == ["a"]
+    assert prompts.load(j, domain="fill")[1].domain == "fill"
+    got = prompts.load(tmp_path / "p.parquet", fields=prompts.Fields(prompt="q", id="key"))
+    assert [(r.id, r.prompt) for r in got] == [("a", "x"), ("b", "y")]
+    assert [r.id for r in prompts.load(tmp_path / "p.csv")] == ["p-00000", "p-00001"]
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "no rows"),
+    (b'{"text": "x"}\n', "has no 'prompt' field"),
+    (b'{"prompt": 3}\n', "is not text"),
+    (b'{"prompt": "caf\xe9"}\n', "not UTF-8"),
+    (b'{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "duplicate id '1'"),
+    (b'{"prompt": "a"\n', "line 1 is not JSON"),
+])
+def test_bad_files_fail_in_one_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(prompts.PromptError, match=message) as e:
+        prompts.load(path)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_unknown_and_cross_file_duplicates(tmp_path):
+    with pytest.raises(prompts.PromptError, match="not found"):
+        prompts.load(tmp_path / "nope.jsonl")
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(prompts.PromptError, match="unknown format"):
+        prompts.load(tmp_path / "x.txt")
+    a = write_jsonl(tmp_path / "a.jsonl", [{"id": "1", "prompt": "x", "split": "calib"}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"id": "1", "prompt": "y", "split": "calib"}])
+    with pytest.raises(prompts.PromptError, match="duplicate id '1'"):
+        calibration.load_prompts([str(a), str(b)])
+    with pytest.raises(prompts.PromptError, match="no rows with split 'calib'"):
+        prompts.load(write_jsonl(tmp_path / "e.jsonl", [{"prompt": "x", "split": "eval"}]), split="calib")
+
+
+def test_hf_dataset_names_fail_clearly_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(prompts.PromptError, match="^hf:owner/none@test: ") as e:
+        prompts.load("hf:owner/none@test")
+    assert "\n" not in str(e.value)
