@@ -195,14 +195,8 @@ def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[di
     lm, dec = runtime(spec)
     ids, domains, x = router.load_vectors(vectors)
     by_cluster = {r["cluster"]: r for r in results}
-    # unmatched: below the 1% quantile of calib prompts' similarity to their own cluster's anchors,
-    # minus a quarter of the distance to the median (slack for small calib sets)
     center = router.center_of(x)
-    r = router.Router.from_clusters(clusters, k=1, center=center)
-    own = {m: c.id for c in clusters for m in c.members}
-    sims = [float(np.max(r.anchors[r.anchor_cluster == own[i]] @ v)) for i, v in zip(ids, router.centered(x, center))]
-    q01, q50 = np.quantile(sims, [0.01, 0.5])
-    min_sim = float(q01 - 0.25 * (q50 - q01))
+    min_sim = router.unmatched_threshold(ids, router.centered(x, center), clusters)
     bank = banks.from_clusters(clusters, by_cluster, lm.name, lm.fingerprint, dec.n_layers,
                                str(lm.dtype).replace("torch.", ""), pooling, min_sim,
                                dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), extra, center)

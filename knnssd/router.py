@@ -133,6 +133,27 @@ def build_clusters(ids: list[str], domains: list[str | None], vectors: np.ndarra
     return out
 
 
+def unmatched_threshold(ids: list[str], vectors: np.ndarray, clusters: list[Cluster]) -> float:
+    """The similarity below which a prompt counts as unmatched: the 1% quantile of calib prompts'
+    *held-out* similarity to their own cluster (each to the mean of the other members, since an
+    anchor fit on a prompt flatters it: with few prompts per anchor, unseen in-domain prompts
+    would fall below an in-sample threshold), minus a quarter of its distance to the median.
+    ``vectors`` are normalised (and centered like the anchors)."""
+    row = {pid: i for i, pid in enumerate(ids)}
+    sims = []
+    for c in clusters:
+        v = vectors[[row[m] for m in c.members if m in row]]
+        if len(v) < 2:
+            sims.extend(float(np.max(c.anchors @ x)) for x in v)
+            continue
+        total = v.sum(0)
+        sims.extend(float(x @ normalize(total - x)) for x in v)
+    if not sims:
+        return -1.0
+    q01, q50 = np.quantile(sims, [0.01, 0.5])
+    return float(q01 - 0.25 * (q50 - q01))
+
+
 @dataclass(frozen=True)
 class Route:
     cluster: int | None  # None: no anchor is close enough (use the fallback configuration)

@@ -90,3 +90,18 @@ def test_pictures(tmp_path):
     assert pictures.skip_heatmap(b, tmp_path / "h.png").stat().st_size > 1000
     x, labels = blobs(n_per=6, dim=8)
     assert pictures.anchor_map(b, router.normalize(x), labels, tmp_path / "m.png").stat().st_size > 1000
+
+
+def test_threshold_is_held_out_so_unseen_in_domain_prompts_match_with_few_calib_prompts():
+    x, labels = blobs(n_per=12, dim=16, centers=3, seed=3)
+    calib = [i for i in range(len(x)) if i % 12 < 4]  # 4 calib prompts per domain, 2 anchors each
+    held = [i for i in range(len(x)) if i % 12 >= 4]
+    ids = [str(i) for i in calib]
+    center = router.center_of(x[calib])
+    clusters = router.build_clusters(ids, [labels[i] for i in calib], x[calib], k_per_domain=2, center=center)
+    thr = router.unmatched_threshold(ids, router.centered(x[calib], center), clusters)
+    r = router.Router.from_clusters(clusters, k=3, min_similarity=thr, center=center)
+    routed = [r.route(x[i]) for i in held]
+    assert all(rt.cluster is not None for rt in routed)
+    assert [clusters[rt.cluster].label for rt in routed] == [labels[i] for i in held]
+    assert r.route(-x[0]).cluster is None
