@@ -95,7 +95,7 @@ def run(cfg: EngineBench, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     lm = models.load(cfg.model, cfg.dtype, cfg.device)
     dec = make_decoder(lm.model)
     rows = prompt_sets.load_domains(cfg.data, cfg.domains, "eval", cfg.prompts)
-    gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_ids=_eos(lm))
+    gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_ids=models.eos_ids(lm))
     configs = fixed_drafters(dec.n_layers, dec.can_skip)
     drafters = {name: build(c, dec.n_layers, dec.can_skip) for name, c in configs.items()}
     methods = ["ar", *(["hf_generate"] if cfg.hf else []), *drafters]
@@ -183,13 +183,6 @@ def _per_domain(res, ar) -> dict:
         t = sum(x[2] for x in res if x[3] == d)
         out[d] = t_ar / t
     return out
-
-
-def _eos(lm: models.LoadedModel) -> tuple[int, ...]:
-    eos = lm.model.generation_config.eos_token_id
-    if eos is None:
-        eos = lm.tokenizer.eos_token_id
-    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
 
 
 def table(report: dict) -> str:

@@ -61,10 +61,7 @@ def _step_costs(spec: ModelSpec) -> search.Costs:
     return search.measure_costs(runtime(spec)[1])
 
 
-def eos_ids(lm: models.LoadedModel) -> tuple[int, ...]:
-    eos = lm.model.generation_config.eos_token_id
-    eos = lm.tokenizer.eos_token_id if eos is None else eos
-    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+eos_ids = models.eos_ids
 
 
 def code_version(modules=("search", "decode", "drafters", "sampling", "skip", "stack", "cache", "calibration")) -> str:

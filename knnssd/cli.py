@@ -45,9 +45,8 @@ def cmd_complete(a) -> int:
     dec = make_decoder(lm.model)
     mask = SkipMask.from_json(Path(a.mask).read_text()) if a.mask else SkipMask.none(dec.n_layers)
     cfg = DrafterConfig(kind=a.drafter, mask=mask.to_dict(), max_len=a.max_draft, threshold=a.threshold, int8=a.int8)
-    eos = lm.model.generation_config.eos_token_id
     gen = GenerationConfig(max_new_tokens=a.max_new_tokens, warp=Warp(a.temperature, a.top_k, a.top_p), seed=a.seed,
-                           eos_ids=tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ())
+                           eos_ids=models.eos_ids(lm))
     out, stats = generate(dec, lm.tokenizer(a.prompt).input_ids, build(cfg, dec.n_layers, dec.can_skip), gen)
     print(lm.tokenizer.decode(out, skip_special_tokens=True))
     s = stats.to_dict()

@@ -80,9 +80,7 @@ class RoutedGenerator:
         bank.check_model(lm.fingerprint, self.decoder.n_layers)
         self.router = bank.router()
         self.drafters = {c.id: build(c.drafter, self.decoder.n_layers, self.decoder.can_skip) for c in bank.clusters}
-        eos = lm.model.generation_config.eos_token_id
-        eos = lm.tokenizer.eos_token_id if eos is None else eos
-        self.eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        self.eos = models.eos_ids(lm)
 
     @classmethod
     def from_model_uri(cls, model_uri: str, model: str | None = None, dtype: str = "auto", device: str = "auto",

@@ -253,3 +253,10 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def eos_ids(lm: "LoadedModel") -> tuple[int, ...]:
+    """The token ids that end a generation: the generation config's, else the tokenizer's."""
+    eos = lm.model.generation_config.eos_token_id
+    eos = lm.tokenizer.eos_token_id if eos is None else eos
+    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
