@@ -105,3 +105,19 @@ def test_threshold_is_held_out_so_unseen_in_domain_prompts_match_with_few_calib_
     assert all(rt.cluster is not None for rt in routed)
     assert [clusters[rt.cluster].label for rt in routed] == [labels[i] for i in held]
     assert r.route(-x[0]).cluster is None
+
+
+def test_bank_tuned_in_another_dtype_warns_and_still_loads(tmp_path, caplog):
+    from dataclasses import replace
+
+    from knnssd import models
+    from knnssd.engine import RoutedGenerator
+    from tiny import tiny
+
+    b, _ = make_bank(tmp_path)
+    lm = models.LoadedModel(name="tiny", model=tiny("llama"), tokenizer=None, source="tiny", fingerprint="abc")
+    with caplog.at_level("WARNING", logger="knnssd.engine"):
+        RoutedGenerator(lm, b)
+        assert not caplog.records
+        RoutedGenerator(lm, replace(b, dtype="bfloat16"))
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["bank was tuned in bfloat16 and runs in float32"]
