@@ -234,7 +234,7 @@ def summarise(done: dict, cfg: BenchConfig, runner: Runner) -> dict:
     methods, report = runner.methods, {}
     ids = sorted(eval_ms)
     report["settings"] = {**{k: str(v) for k, v in asdict(cfg).items()}, "model": runner.lm.name,
-                          "dtype_loaded": str(runner.lm.dtype).replace("torch.", ""), "device": str(runner.lm.device),
+                          "dtype_loaded": runner.lm.dtype_name, "device": str(runner.lm.device),
                           "threads": torch.get_num_threads(), "methods": methods,
                           "ood_methods": runner.ood_methods}
     report["mixed"] = {m: _agg(eval_ms, ids, m) for m in methods}

@@ -127,7 +127,7 @@ def run(cfg: EngineBench, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
             out, st, _ = runs[m][0]
             results[m].append((out, st, statistics.median(x[2] for x in runs[m]), p.domain))
     report = {
-        "model": lm.name, "dtype": str(lm.dtype).replace("torch.", ""), "device": str(lm.device),
+        "model": lm.name, "dtype": lm.dtype_name, "device": str(lm.device),
         "threads": torch.get_num_threads(), "backend": type(dec).__name__, "prompts": len(rows),
         "domains": list(cfg.domains), "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
         **({"steps": step_costs(dec)} if isinstance(dec, Decoder) else {}),

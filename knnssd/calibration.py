@@ -195,7 +195,7 @@ def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[di
     center = router.center_of(x)
     min_sim = router.unmatched_threshold(ids, router.centered(x, center), clusters)
     bank = banks.from_clusters(clusters, by_cluster, lm.name, lm.fingerprint, dec.n_layers,
-                               str(lm.dtype).replace("torch.", ""), pooling, min_sim,
+                               lm.dtype_name, pooling, min_sim,
                                dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), extra, center)
     banks.validate(bank)
     out_dir = Path(out_dir)

@@ -78,10 +78,9 @@ class RoutedGenerator:
         self.lm, self.bank = lm, bank
         self.decoder = make_decoder(lm.model)
         bank.check_model(lm.fingerprint, self.decoder.n_layers)
-        run_dtype = str(lm.dtype).replace("torch.", "")
-        if bank.dtype and bank.dtype != run_dtype:
+        if bank.dtype and bank.dtype != lm.dtype_name:
             log.warning("bank was tuned in %s and runs in %s: outputs stay exact, its speedups may not hold "
-                        "(calibrate with --dtype %s for this setting)", bank.dtype, run_dtype, run_dtype)
+                        "(calibrate with --dtype %s for this setting)", bank.dtype, lm.dtype_name, lm.dtype_name)
         self.router = bank.router()
         self.drafters = {c.id: build(c.drafter, self.decoder.n_layers, self.decoder.can_skip) for c in bank.clusters}
         self.eos = models.eos_ids(lm)

@@ -68,6 +68,11 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
     @property
+    def dtype_name(self) -> str:
+        """``float32``/``bfloat16``/...: the dtype as banks and reports record it."""
+        return str(self.dtype).replace("torch.", "")
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
