@@ -20,6 +20,7 @@ from . import prompts as prompt_sets
 from .decode import GenerationConfig, generate
 from .drafters import DrafterConfig, build
 from .skip import Decoder, SkipMask, make_decoder
+from .timing import median_ms
 
 
 @dataclass
@@ -56,29 +57,22 @@ def fixed_drafters(n_layers: int, can_skip: bool) -> dict[str, DrafterConfig]:
     return out
 
 
-def _time(fn, repeats: int = 7) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
-
-
 def step_costs(dec: Decoder, context: int = 128, max_k: int = 12) -> dict:
     """ms per full step, per draft step for several mask sizes, and verify cost for k = 1..max_k tokens."""
     vocab = dec.stack.embed.shape[0]
     ids = torch.randint(0, vocab, (context + max_k,), generator=torch.Generator().manual_seed(0)).to(dec.stack.device)
+    dev = dec.stack.device
+    dec.reserve(context + max_k)
     dec.forward(ids[:context], 0)
-    one = lambda k, **kw: (lambda: dec.forward(ids[context : context + k], context, last=k == 1, **kw))  # noqa: E731
-    full = _time(one(1))
-    verify = {k: _time(one(k)) for k in range(1, max_k + 1)}
+    one = lambda k, **kw: (lambda: median_ms(  # noqa: E731
+        lambda: dec.forward(ids[context : context + k], context, last=k == 1, **kw), dev, repeats=7))
+    full = one(1)()
+    verify = {k: one(k)() for k in range(1, max_k + 1)}
     draft = {}
     for frac in (0.0, 0.25, 0.5):
         mask = even_mask(dec.n_layers, frac)
-        draft[f"skip_{int(frac * 100)}"] = _time(one(1, mask=mask))
-        draft[f"int8_skip_{int(frac * 100)}"] = _time(one(1, mask=mask, stack=dec.int8_stack()))
+        draft[f"skip_{int(frac * 100)}"] = one(1, mask=mask)()
+        draft[f"int8_skip_{int(frac * 100)}"] = one(1, mask=mask, stack=dec.int8_stack())()
     return {
         "context": context,
         "ms_per_full_step": full,

@@ -1,42 +1,65 @@
-"""Static KV cache: one preallocated K and V buffer per layer.
+"""Static KV cache: one preallocated K and V buffer per layer, read at a fixed length.
 
-Rolling back is free: a position past the committed length is never read (every read is the
-slice ``[:start + T]`` of the call that wrote it), and the next call overwrites it. Drafts write
-K/V for the layers they run; verification rewrites every layer for the same positions.
+``reserve(n)`` is called once per generation (at the prefill). It fixes the *key length* that
+every attention call of that generation reads: ``n`` rounded up to a bucket of ``BUCKET``
+positions, a function of the prompt length and the generation budget only, so a speculative
+run and a plain run of the same request read keys of the same length. Buffers are allocated
+zeroed when they are too small and reused otherwise; nothing is reallocated mid-generation.
+
+Rolling back is free: attention masks every position past a query's own, and the next call
+overwrites it. Drafts write K/V for the layers they run; verification rewrites every layer for
+the same positions. Masked slots always hold finite values (zeros, or an earlier call's K/V),
+so a zero attention weight times them is an exact zero.
+
+``dtype`` may be wider than the model's (fp32 K/V for a bf16 model): values are stored exactly
+and an fp32 attention then reads them without a conversion per call.
 """
 from __future__ import annotations
 
 import torch
+
+BUCKET = 256
+
+
+class CacheFull(RuntimeError):
+    """A call writes past the key length reserved for this generation."""
 
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.shape = (n_layers, n_kv, head_dim)
         self.dtype, self.device = dtype, device
-        self.capacity = 0
+        self.capacity = 0  # allocated positions
+        self.length = 0  # positions every attention call of this generation reads
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
-    def ensure(self, n: int) -> bool:
-        """Make room for ``n`` positions (keeping contents); True if the buffers were reallocated."""
-        if n <= self.capacity:
+    @staticmethod
+    def bucket(n: int) -> int:
+        return max(BUCKET, -(-n // BUCKET) * BUCKET)
+
+    def reserve(self, n: int) -> bool:
+        """Fix this generation's key length at ``bucket(n)``; True if buffers were (re)allocated."""
+        self.length = self.bucket(n)
+        if self.length <= self.capacity:
             return False
-        cap = max(n, 2 * self.capacity, 256)
         n_layers, n_kv, d = self.shape
-        k = [torch.empty(1, n_kv, cap, d, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
-        v = [torch.empty(1, n_kv, cap, d, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
-        for old, new in zip(self.k + self.v, k + v):
-            new[:, :, : self.capacity] = old
-        self.k, self.v, self.capacity = k, v, cap
+        z = lambda: torch.zeros(1, n_kv, self.length, d, dtype=self.dtype, device=self.device)  # noqa: E731
+        self.k = [z() for _ in range(n_layers)]
+        self.v = [z() for _ in range(n_layers)]
+        self.capacity = self.length
         return True
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (1, KV, T, D) at positions start..start+T-1; return views of positions 0..start+T-1."""
-        end = start + k.shape[2]
+    def check(self, end: int) -> None:
+        if end > self.length:
+            raise CacheFull(f"positions up to {end - 1} do not fit the {self.length} reserved for this generation")
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (1, KV, T, D) at positions ``pos`` (T,); return the (1, KV, length, D) views attention reads."""
         kc, vc = self.k[layer], self.v[layer]
-        kc[:, :, start:end] = k
-        vc[:, :, start:end] = v
-        return kc[:, :, :end], vc[:, :, :end]
+        kc.index_copy_(2, pos, k.to(self.dtype))
+        vc.index_copy_(2, pos, v.to(self.dtype))
+        return kc[:, :, : self.length], vc[:, :, : self.length]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -48,6 +48,8 @@ class DecodeStats:
     verify_s: float = 0.0
     total_s: float = 0.0
     stop: str = ""  # "eos" | "length" | "stop_string"
+    exact: bool = False  # the decoder's verify pass was measured row-invariant (exactness.py): output == plain
+    step: str = ""  # the attention implementation the decoder runs
 
     @property
     def acceptance_rate(self) -> float:
@@ -123,7 +125,7 @@ def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int |
     if not config.warp.greedy:
         gen = torch.Generator(device=device)
         gen.manual_seed(config.seed if config.seed is not None else torch.seed())
-    decoder.reserve(len(prompt_ids) + config.max_new_tokens + 64)
+    decoder.reserve(len(prompt_ids) + config.max_new_tokens)  # the key length: the same for every drafter
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     out = decoder.forward(ids, 0, last=True, tap=tap)
     seq = Sequence(list(prompt_ids), len(prompt_ids), decoder, config.warp, gen, device)
@@ -134,10 +136,12 @@ def decode(
     seq: Sequence, first_logits: torch.Tensor, drafter: Drafter | None, config: GenerationConfig, tokenizer=None
 ) -> tuple[list[int], DecodeStats]:
     """Continue a prefilled sequence until EOS, max_new_tokens or a stop string."""
-    stats = DecodeStats(prompt_tokens=seq.n_prompt)
-    stopper = _Stopper(config, tokenizer)
     warp, dec = config.warp, seq.decoder
-    k = drafter.max_len if drafter is not None else 0  # draft length; adapts when drafter.adaptive
+    ex = dec.exactness
+    stats = DecodeStats(prompt_tokens=seq.n_prompt, exact=bool(ex and ex.exact), step=ex.step if ex else "")
+    stopper = _Stopper(config, tokenizer)
+    max_draft = ex.max_t - 1 if ex else 1 << 30  # longer passes were not probed
+    k = drafter.max_len if drafter is not None else 0  # draft length; the drafter's feedback adapts it
     first = int(first_logits.argmax().item()) if warp.greedy else sample(probs(first_logits, warp), seq.generator)
     new = [first]
     seq.tokens.append(first)
@@ -145,7 +149,7 @@ def decode(
     while not stats.stop:
         t0 = time.perf_counter()
         room = config.max_new_tokens - len(new) - 1  # drafts beyond this could never be emitted
-        draft = drafter.propose(seq, min(k, room)) if drafter is not None and room > 0 else None
+        draft = drafter.propose(seq, min(k, room, max_draft)) if drafter is not None and room > 0 else None
         drafted = draft.tokens if draft is not None else []
         t1 = time.perf_counter()
         start = len(seq.tokens) - 1
@@ -161,8 +165,8 @@ def decode(
         stats.steps += 1
         stats.drafted += len(drafted)
         stats.accepted.append(n)
-        if drafted and drafter.adaptive:  # HF's schedule: +2 after a fully accepted draft, else -1
-            k = min(drafter.max_len, k + 2) if n == len(drafted) else max(1, k - 1)
+        if drafter is not None:
+            k = drafter.next_len(k, len(drafted), n)
         for tok in (*drafted[:n], nxt):
             new.append(tok)
             seq.tokens.append(tok)

@@ -36,13 +36,32 @@ class Draft:
 
 class Drafter(Protocol):
     max_len: int  # most tokens per draft
-    adaptive: bool  # the loop shortens/lengthens drafts after rejections/full acceptances
+    adaptive: bool  # shorten/lengthen drafts after rejections/full acceptances
 
     def propose(self, seq: "Sequence", k: int) -> Draft: ...
 
+    def next_len(self, k: int, drafted: int, accepted: int) -> int: ...
 
-class LayerSkip:
+
+def adapt_length(k: int, max_len: int, drafted: int, accepted: int) -> int:
+    """HF's schedule (``candidate_generator.py``): +2 after a fully accepted draft, else -1, within 1..max_len."""
+    if not drafted:
+        return k
+    return min(max_len, k + 2) if accepted == drafted else max(1, k - 1)
+
+
+class _Feedback:
+    """The draft-length feedback every drafter shares: the loop and the search's simulator call it."""
+
+    max_len: int
     adaptive = False
+
+    def next_len(self, k: int, drafted: int, accepted: int) -> int:
+        """The next draft length after a step that drafted ``drafted`` tokens and accepted ``accepted``."""
+        return adapt_length(k, self.max_len, drafted, accepted) if self.adaptive else k
+
+
+class LayerSkip(_Feedback):
 
     def __init__(self, mask: SkipMask, max_len: int = 8, threshold: float = 0.0, int8: bool = False):
         self.mask, self.max_len, self.threshold, self.int8 = mask, max_len, threshold, int8
@@ -73,10 +92,8 @@ class LayerSkip:
         return Draft(out, torch.stack(qs) if qs else None)
 
 
-class NGram:
+class NGram(_Feedback):
     """Prompt lookup with an incremental index: n-gram -> position after its latest occurrence."""
-    adaptive = False
-
 
     def __init__(self, sizes: tuple[int, ...] = (3, 2, 1), max_len: int = 8):
         self.sizes = tuple(sorted(set(sizes), reverse=True))
@@ -111,9 +128,7 @@ class NGram:
         return []
 
 
-class Hybrid:
-    adaptive = False
-
+class Hybrid(_Feedback):
     def __init__(self, ngram: NGram, layer_skip: LayerSkip):
         self.ngram, self.layer_skip = ngram, layer_skip
         self.max_len = max(ngram.max_len, layer_skip.max_len)

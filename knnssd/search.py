@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from .decode import GenerationConfig, generate
-from .drafters import DrafterConfig, NGram, build
+from .drafters import DrafterConfig, NGram, adapt_length, build
 from .skip import Decoder, SkipMask
+from .timing import median_ms
 
 log = logging.getLogger(__name__)
 
@@ -78,22 +79,14 @@ class Costs:
         return self.verify[min(t, len(self.verify)) - 1]
 
 
-def _median_ms(fn, n: int = 5) -> float:
-    fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
-
-
 @torch.inference_mode()
 def measure_costs(dec: Decoder, max_t: int = 11, context: int = 128) -> Costs:
     vocab = dec.stack.embed.shape[0]
     ids = torch.randint(0, vocab, (context + max_t,), generator=torch.Generator().manual_seed(0)).to(dec.stack.device)
+    dev = dec.stack.device
+    dec.reserve(context + max_t)
     dec.forward(ids[:context], 0)
-    verify = [_median_ms(lambda t=t: dec.forward(ids[context : context + t], context, last=t == 1))
+    verify = [median_ms(lambda t=t: dec.forward(ids[context : context + t], context, last=t == 1), dev)
               for t in range(1, max_t + 1)]
     n = dec.n_layers
     draft = {}
@@ -104,7 +97,7 @@ def measure_costs(dec: Decoder, max_t: int = 11, context: int = 128) -> Costs:
         for key, mask in (("none", SkipMask.none(n)), ("attn", SkipMask.from_layers(n, attn=range(n))),
                           ("mlp", SkipMask.from_layers(n, mlp=range(n))),
                           ("all", SkipMask.from_layers(n, attn=range(n), mlp=range(n)))):
-            t[key] = _median_ms(lambda m=mask, s=stack: dec.forward(ids[context : context + 1], context, m, s, True))
+            t[key] = median_ms(lambda m=mask, s=stack: dec.forward(ids[context : context + 1], context, m, s, True), dev)
         attn = max(0.0, (t["none"] - t["attn"] + t["mlp"] - t["all"]) / (2 * n))
         mlp = max(0.0, (t["none"] - t["mlp"] + t["attn"] - t["all"]) / (2 * n))
         draft[name] = (t["all"], attn, mlp)
@@ -197,8 +190,8 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
             drafted += len(d_tokens)
             accepted += a
             steps += 1
-            if d_tokens and policy.adaptive:
-                k = min(policy.max_len, k + 2) if a == len(d_tokens) else max(1, k - 1)
+            if policy.adaptive:
+                k = adapt_length(k, policy.max_len, len(d_tokens), a)
             j += a + 1
     speedup = ar_t / spec_t if spec_t else 1.0
     return speedup, (accepted / drafted if drafted else 0.0), ((accepted + steps) / steps if steps else 1.0)

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .attention import SDPA, Attention
 from .cache import KVCache
 from .stack import Layer, Stack, UnsupportedArchitecture, from_hf
 
@@ -138,20 +139,30 @@ def _rope_pair(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 class Decoder:
-    """The lean forward of a ``Stack`` over a static ``KVCache``.
+    """The lean forward of a ``Stack`` over a static ``KVCache`` (gpt-fast's shape).
 
-    ``forward(ids, start)`` runs tokens ``ids`` (T,) at positions start..start+T-1, reading the
-    cache for positions < start, and returns logits for each (or only the last) position.
-    ``stack`` swaps in another set of weights with the same shape (e.g. ``stack.int8()`` for drafts).
+    ``forward(ids, start)`` runs tokens ``ids`` (T,) at positions start..start+T-1 (``start``: an
+    int, or the positions as a tensor), reading the cache for earlier positions, and returns
+    logits for each (or only the last) position. Attention reads the fixed key length reserved
+    for the generation, with a position mask. ``stack`` swaps in another set of weights with the
+    same shape (e.g. ``stack.int8()`` for drafts). ``attention`` and ``exactness`` are set by
+    ``exactness.choose`` at load.
     """
 
     can_skip = True
 
-    def __init__(self, stack: Stack):
+    def __init__(self, stack: Stack, attention: Attention = SDPA):
         self.stack = stack.packed()
-        self.cache = KVCache(stack.n_layers, stack.n_kv, stack.head_dim, stack.dtype, stack.device)
-        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.exactness = None  # exactness.Exactness once probed
         self._int8: Stack | None = None
+        self.set_attention(attention)
+
+    def set_attention(self, attention: Attention) -> None:
+        s = self.stack
+        self.attention = attention
+        dtype = torch.float32 if attention.cache_fp32 else s.dtype
+        self.cache = KVCache(s.n_layers, s.n_kv, s.head_dim, dtype, s.device)
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def n_layers(self) -> int:
@@ -163,32 +174,40 @@ class Decoder:
         return self._int8
 
     def reserve(self, n: int) -> None:
-        """Room for n positions; cached rope tables follow the cache's capacity."""
-        if self.cache.ensure(n):
+        """Start a generation of up to n positions: fixes the key length every call reads."""
+        if self.cache.reserve(n):
             self._tables.clear()
 
     def rollback(self, length: int) -> None:
-        """Forget positions >= length (nothing to do: they are never read and get overwritten)."""
+        """Forget positions >= length (nothing to do: they are masked and get overwritten)."""
 
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack: Stack | None = None,
+        self, ids: torch.Tensor, start: int | torch.Tensor, mask: SkipMask | None = None, stack: Stack | None = None,
         last: bool = False, tap: int | None = None,
     ) -> Output:
         s = stack or self.stack
         tapped = None
         T = ids.shape[0]
-        self.reserve(start + T)
+        if isinstance(start, torch.Tensor):
+            pos = start
+        else:
+            if start == 0 and T > self.cache.length:  # a fresh sequence nobody reserved for
+                self.reserve(T)
+            self.cache.check(start + T)
+            pos = torch.arange(start, start + T, device=ids.device)
         h = F.embedding(ids, s.embed)[None]
         if s.embed_scale is not None:
             h = h * s.embed_scale
-        rope = self._rope(start, T, h)
-        masks: dict[int | None, torch.Tensor] = {}
+        rope = self._rope(pos, h)
+        masks: dict[int | None, object] = {}
         skip_a = mask.attn if mask is not None else None
         skip_m = mask.mlp if mask is not None else None
         for i, layer in enumerate(s.layers):
             if skip_a is None or not skip_a[i]:
-                h = h + self._attention(layer, i, h, start, rope[layer.rope], masks)
+                if layer.window not in masks:
+                    masks[layer.window] = self.attention.mask(pos, self.cache.length, layer.window)
+                h = h + self._attention(layer, i, h, pos, rope[layer.rope], masks[layer.window])
             if skip_m is None or not skip_m[i]:
                 gate, up = layer.gate_up(layer.mlp_norm(h)).chunk(2, dim=-1)
                 y = layer.down(layer.act(gate) * up)
@@ -203,7 +222,7 @@ class Decoder:
             logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
         return Output(logits.float(), hidden, tapped)
 
-    def _attention(self, layer: Layer, i: int, h: torch.Tensor, start: int, rope, masks) -> torch.Tensor:
+    def _attention(self, layer: Layer, i: int, h: torch.Tensor, pos: torch.Tensor, rope, mask) -> torch.Tensor:
         s, T = self.stack, h.shape[1]
         H, KV, D = s.n_heads, s.n_kv, s.head_dim
         qkv = layer.qkv(layer.attn_norm(h)).view(T, H + 2 * KV, D)
@@ -212,49 +231,26 @@ class Decoder:
         else:
             qk = qkv[:, : H + KV]
         qk = _rope(qk, *rope)  # (T, H+KV, D)
-        kc, vc = self.cache.write(i, start, qk[:, H:].transpose(0, 1)[None], qkv[:, H + KV :].transpose(0, 1)[None])
-        if T == 1:
-            if layer.window is not None and start + 1 > layer.window:
-                kc, vc = kc[:, :, start + 1 - layer.window :], vc[:, :, start + 1 - layer.window :]
-            # one query: the H/KV query heads of each KV head become rows (no repeated K/V, no mask)
-            o = F.scaled_dot_product_attention(qk[0, :H].view(1, KV, H // KV, D), kc, vc, scale=s.scale)
-            o = o.view(1, 1, H * D)
-        else:
-            if layer.window not in masks:
-                masks[layer.window] = _causal_mask(start, T, layer.window, h.device)
-            q = qk[:, :H].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=masks[layer.window], scale=s.scale, enable_gqa=H != KV)
-            o = o.transpose(1, 2).reshape(1, T, H * D)
-        o = layer.o(o)
+        kc, vc = self.cache.write(i, pos, qk[:, H:].transpose(0, 1)[None], qkv[:, H + KV :].transpose(0, 1)[None])
+        o = layer.o(self.attention.attend(qk[:, :H], kc, vc, mask, s.scale))
         if layer.attn_post_norm is not None:
             o = layer.attn_post_norm(o)
         return o
 
-    def _rope(self, start: int, T: int, h: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _rope(self, pos: torch.Tensor, h: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         s = self.stack
         if not s.rope_static:  # e.g. dynamic NTK / longrope: cos/sin depend on the sequence length
-            pos = torch.arange(start, start + T, device=h.device)[None]
-            return {key: _rope_pair(*self._rotary(h, pos, key)) for key in s.rope_keys}
+            return {key: _rope_pair(*self._rotary(h, pos[None], key)) for key in s.rope_keys}
         if not self._tables:
-            pos = torch.arange(self.cache.capacity, device=h.device)[None]
+            table_pos = torch.arange(self.cache.capacity, device=h.device)[None]
             dummy = torch.empty(0, dtype=s.dtype, device=h.device)
-            self._tables = {key: _rope_pair(*self._rotary(dummy, pos, key)) for key in s.rope_keys}
-        return {key: (c[start : start + T], si[start : start + T]) for key, (c, si) in self._tables.items()}
+            self._tables = {key: _rope_pair(*self._rotary(dummy, table_pos, key)) for key in s.rope_keys}
+        return {key: (c[pos], si[pos]) for key, (c, si) in self._tables.items()}
 
     def _rotary(self, x: torch.Tensor, pos: torch.Tensor, key: str):
         if key == "all":
             return self.stack.rotary(x, pos)
         return self.stack.rotary(x, pos, key)
-
-
-def _causal_mask(start: int, T: int, window: int | None, device) -> torch.Tensor:
-    """(T, start+T) bool: query i (at position start+i) sees key j iff j <= start+i (and j > start+i-window)."""
-    q = torch.arange(start, start + T, device=device)[:, None]
-    k = torch.arange(start + T, device=device)[None, :]
-    allowed = k <= q
-    if window is not None:
-        allowed &= k > q - window
-    return allowed
 
 
 class HFDecoder:
@@ -269,6 +265,7 @@ class HFDecoder:
         self._new_cache = lambda: DynamicCache(config=model.config)
         self.cache = self._new_cache()
         self.n_layers = model.config.num_hidden_layers
+        self.exactness = None
 
     def int8_stack(self):
         raise MaskError("this model runs on the plain HF fallback, which has no int8 draft weights")
@@ -300,17 +297,32 @@ class HFDecoder:
 
 
 def make_decoder(model: torch.nn.Module, check: bool = True) -> Decoder | HFDecoder:
-    """The lean ``Decoder`` when the architecture is known and matches HF on a probe, else ``HFDecoder``."""
+    """The lean ``Decoder`` when the architecture is known and matches HF on a probe, else ``HFDecoder``.
+
+    Either way the verify pass is probed for exactness (``exactness.py``) and the result kept in
+    ``decoder.exactness``; the lean decoder also takes the fastest exact attention it measured.
+    """
+    from . import exactness
+
     try:
         dec = Decoder(from_hf(model))
     except UnsupportedArchitecture as e:
         log.warning("lean forward unavailable (%s); using plain HF forwards (no layer skipping)", e)
-        return HFDecoder(model)
+        return _fallback(model)
+    dec.exactness = exactness.choose(dec)
     if check:
         err = probe_error(dec, model)
         if err is not None:
             log.warning("lean forward differs from HF on %s (%s); using plain HF forwards", type(model).__name__, err)
-            return HFDecoder(model)
+            return _fallback(model)
+    return dec
+
+
+def _fallback(model: torch.nn.Module) -> "HFDecoder":
+    from . import exactness
+
+    dec = HFDecoder(model)
+    dec.exactness = exactness.probe_fixed(dec, "hf")
     return dec
 
 

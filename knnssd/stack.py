@@ -53,13 +53,17 @@ class Linear:
 
 class PackedLinear:
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None):
-        self.packed, self.bias = packed, bias
+        self.packed_weight, self.bias = packed, bias
+        self.weight = packed  # oneDNN's packed tensor keeps the logical (out, in) shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def packed(self) -> "PackedLinear":
+        return self
 
     def int8(self) -> "Int8Linear":
-        return Int8Linear.from_weight(self.packed.to_dense(), self.bias)
+        return Int8Linear.from_weight(self.packed_weight.to_dense(), self.bias)
 
 
 class Int8Linear:
@@ -86,6 +90,31 @@ class Int8Linear:
         y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.q, self.scales)
         y = y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
+
+
+class RowPadded:
+    """Runs a one-row call as two rows (the row twice) and keeps the first.
+
+    Some GEMM libraries take another kernel for a single row, which rounds differently: oneDNN
+    did for fp32 and bf16 with 1152+ inputs on the dev machine. From two rows up the rows of a
+    call were bitwise independent of how many there were; ``exactness.py`` wraps only the
+    linears that need it.
+    """
+
+    def __init__(self, inner: "Linear | PackedLinear"):
+        self.inner = inner
+        self.weight = inner.weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2] != 1:
+            return self.inner(x)
+        return self.inner(torch.cat((x, x), dim=-2)).narrow(-2, 0, 1)
+
+    def int8(self) -> "Int8Linear":
+        return self.inner.int8()
+
+    def packed(self) -> "RowPadded":
+        return self
 
 
 @dataclass
@@ -148,17 +177,18 @@ class Stack:
     def device(self) -> torch.device:
         return self.embed.device
 
-    def _map_linears(self, fn) -> "Stack":
+    def map_linears(self, fn) -> "Stack":
+        """A copy with ``fn`` applied to every projection and the head (other tensors shared)."""
         layers = [dataclasses.replace(l, qkv=fn(l.qkv), o=fn(l.o), gate_up=fn(l.gate_up), down=fn(l.down)) for l in self.layers]
         return dataclasses.replace(self, layers=layers, lm_head=fn(self.lm_head))
 
     def packed(self) -> "Stack":
         """Same weights, prepacked for this CPU's fastest GEMM (a second copy in memory)."""
-        return self._map_linears(lambda lin: lin.packed())
+        return self.map_linears(lambda lin: lin.packed())
 
     def int8(self) -> "Stack":
         """A copy whose projections and head are int8; norms, rope and embeddings are shared."""
-        return self._map_linears(lambda lin: lin.int8())
+        return self.map_linears(lambda lin: lin.int8())
 
 
 def _norm(module: torch.nn.Module) -> Norm:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from knnssd import models
-from knnssd.cache import KVCache
+from knnssd.cache import CacheFull, KVCache
 from knnssd.decode import GenerationConfig, Sequence, generate
 from knnssd.drafters import DrafterConfig, NGram, build
 from knnssd.sampling import Warp
@@ -42,14 +42,17 @@ def test_drafter_config_errors():
         build(cfg, 5)
 
 
-def test_kv_cache_growth_keeps_contents():
+def test_kv_cache_is_static_per_generation():
     c = KVCache(2, 1, 4, torch.float32, torch.device("cpu"))
-    c.ensure(3)
+    assert c.reserve(3) and c.length == c.capacity == 256  # one bucket, zeroed
+    assert torch.count_nonzero(c.k[0]) == 0
     k = torch.arange(12.0).view(1, 1, 3, 4)
-    c.write(1, 0, k, -k)
-    c.ensure(1000)
-    kc, vc = c.write(1, 3, k[:, :, :1], k[:, :, :1])
-    assert c.capacity >= 1000 and torch.equal(kc[:, :, :3], k) and torch.equal(vc[:, :, :3], -k)
+    kc, vc = c.write(1, torch.arange(5, 8), k, -k)
+    assert kc.shape[2] == 256 and torch.equal(kc[:, :, 5:8], k) and torch.equal(vc[:, :, 5:8], -k)
+    assert not c.reserve(100) and c.length == 256  # same bucket: buffers reused, key length unchanged
+    assert c.reserve(300) and c.length == 512
+    with pytest.raises(CacheFull):
+        c.check(513)
 
 
 def test_ngram_lookup_uses_latest_match_and_never_itself():

@@ -1,0 +1,121 @@
+"""Attention over the static KV cache, in the implementations the exactness probe chooses from.
+
+Terms: T queries at positions ``pos`` (T,), H query heads in KV groups of G = H / KV, D head
+dim, L the key length this generation reads (``KVCache.length``). Every implementation maps
+q (T, H, D) and the cache views k, v (1, KV, L, D) to (1, T, H * D); query t sees key j iff
+j <= pos[t] (and j > pos[t] - window for a sliding-window layer).
+
+Which one gives the rows of a T-token pass bitwise equal to T one-token steps depends on the
+device, the dtype and the model's shapes (``exactness.py`` measures it at load):
+
+    sdpa          SDPA over all L keys with a boolean position mask (static shapes)
+    fp32          fp32 bmm, additive -inf mask, softmax, bmm over all L keys (static shapes;
+                  the cache is kept in fp32 so nothing is converted per call)
+    sdpa_dynamic  the pre-static step: SDPA over keys 0..pos[-1] only, no mask for T = 1
+                  (shapes change with the position; needs the position on the host)
+
+and ``padded(impl, R)`` of the static ones: the queries of a call with fewer than R tokens are
+padded with zero rows to R (gpt-fast's verification at a fixed length), so one-token steps and
+verify passes run the same kernel shape. On the dev machine's CPU (fp32 and bf16) only the
+padded ones were row-invariant: MKL and oneDNN pick kernels by the row count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def allowed(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """(T, length) bool: query at pos[t] may read key j."""
+    k = torch.arange(length, device=pos.device)[None, :]
+    q = pos[:, None]
+    ok = k <= q
+    if window is not None:
+        ok &= k > q - window
+    return ok
+
+
+def _sdpa_mask(pos, length, window):
+    return allowed(pos, length, window)
+
+
+def _sdpa(q, k, v, mask, scale):
+    T, H, D = q.shape
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=H != k.shape[1])
+    return o.transpose(1, 2).reshape(1, T, H * D)
+
+
+def _fp32_mask(pos, length, window):
+    return torch.zeros(pos.shape[0], length, device=pos.device).masked_fill_(~allowed(pos, length, window), float("-inf"))
+
+
+def _fp32(q, k, v, mask, scale):
+    T, H, D = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    qg = q.float().view(T, KV, G, D).permute(1, 2, 0, 3).reshape(KV, G * T, D)  # rows g-major: (g, t)
+    s = torch.bmm(qg, k[0].float().transpose(1, 2)).mul_(scale).view(KV, G, T, -1).add_(mask)
+    p = s.softmax(-1).view(KV, G * T, -1)
+    o = torch.bmm(p, v[0].float()).view(KV, G, T, D).permute(2, 0, 1, 3).reshape(1, T, H * D)
+    return o.to(q.dtype)
+
+
+def _dynamic_mask(pos, length, window):
+    end = int(pos[-1]) + 1
+    if pos.shape[0] == 1:
+        lo = end - window if window is not None and end > window else 0
+        return slice(lo, end), None
+    return slice(0, end), allowed(pos, end, window)
+
+
+def _dynamic(q, k, v, mask, scale):
+    keys, m = mask
+    k, v = k[:, :, keys], v[:, :, keys]
+    T, H, D = q.shape
+    KV = k.shape[1]
+    if m is None:  # one query: the G query heads of each KV head become rows (no repeated K/V, no mask)
+        o = F.scaled_dot_product_attention(q[0].view(1, KV, H // KV, D), k, v, scale=scale)
+        return o.view(1, 1, H * D)
+    return _sdpa(q, k, v, m, scale)
+
+
+@dataclass(frozen=True)
+class Attention:
+    name: str
+    mask: Callable  # (pos, length, window) -> whatever ``attend`` takes; built once per call and window
+    attend: Callable  # (q, k, v, mask, scale) -> (1, T, H * D)
+    cache_fp32: bool  # keep K/V in fp32
+    static: bool  # shapes do not depend on the position (CUDA-graph capturable)
+
+
+SDPA = Attention("sdpa", _sdpa_mask, _sdpa, cache_fp32=False, static=True)
+FP32 = Attention("fp32", _fp32_mask, _fp32, cache_fp32=True, static=True)
+SDPA_DYNAMIC = Attention("sdpa_dynamic", _dynamic_mask, _dynamic, cache_fp32=False, static=False)
+
+
+
+def padded(impl: Attention, rows: int) -> Attention:
+    """``impl`` with the queries of calls shorter than ``rows`` padded to ``rows`` (prefills are not padded)."""
+
+    def mask(pos, length, window):
+        T = pos.shape[0]
+        if T < rows:  # padding rows sit at the first query's position: never a row with no visible key
+            pos = torch.cat((pos, pos[:1].expand(rows - T)))
+        return T, impl.mask(pos, length, window)
+
+    def attend(q, k, v, m, scale):
+        T, inner = m
+        if T < rows:
+            q = torch.cat((q, q.new_zeros(rows - T, *q.shape[1:])))
+        return impl.attend(q, k, v, inner, scale)[:, :T]
+
+    return Attention(f"{impl.name}_pad{rows}", mask, attend, impl.cache_fp32, impl.static)
+
+
+def implementations(rows: int) -> tuple[Attention, ...]:
+    """The candidates the exactness probe measures, for passes of up to ``rows`` tokens."""
+    return (SDPA, FP32, SDPA_DYNAMIC, padded(SDPA, rows), padded(FP32, rows))

@@ -1,0 +1,193 @@
+"""Is the verify pass exact? Measured at load, for the loaded model, dtype and device.
+
+Speculative output equals plain decoding exactly when every row of a T-token pass is bitwise
+equal to what T one-token steps give (the logits, and the K/V later steps read). Whether it is
+depends on the kernels: a GEMM may round one row differently from many, and attention over a
+different key length or mask path may too. So the probe measures it:
+
+1. **Linears.** Each projection shape is run on random rows, M = 1..max_t, against M = 1
+   calls; a shape that differs only at M = 1 is wrapped in ``stack.RowPadded``.
+2. **Attention.** The implementations in ``attention.implementations(max_t)`` are timed (a
+   one-token step plus a max_t-token pass, to the device's end), then checked fastest first,
+   each over the whole model:
+   a random context, then one-token steps for positions c..c+max_t-1 as the reference, then
+   passes of T = 2..max_t tokens at c, each followed by a one-token step at c+T (which reads the
+   K/V the pass wrote). Rows must be bitwise equal.
+3. The first exact one (the fastest) is kept and slower ones are not checked. If none
+   is exact, the fastest is kept, ``exact`` is False, and the reason is logged once.
+
+The result (``Exactness``) goes into ``DecodeStats``, the bench report and bank metadata.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .attention import Attention, implementations
+from .stack import RowPadded, Stack
+from .timing import median_ms
+
+log = logging.getLogger(__name__)
+
+MAX_T = 12  # longest pass checked: the longest draft (11) plus the bonus position
+CONTEXT = 37
+_warned: set[tuple] = set()
+
+
+@dataclass(frozen=True)
+class Exactness:
+    exact: bool  # every row of T = 2..max_t passes equals one-token steps, bitwise
+    step: str  # the attention implementation in use ("hf": plain HF forwards)
+    max_t: int
+    dtype: str
+    device: str
+    padded_linears: int = 0  # projections run with >= 2 rows (RowPadded)
+    tried: tuple[tuple[str, str], ...] = ()  # (implementation, what the probe saw)
+    note: str = ""  # why not exact, in one line
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tried"] = dict(self.tried)
+        return d
+
+    def describe(self) -> str:
+        state = "exact" if self.exact else "NOT exact"
+        pad = f", {self.padded_linears} linears row-padded" if self.padded_linears else ""
+        return f"{state} ({self.step} attention{pad}; {self.dtype} on {self.device}, T=1..{self.max_t})"
+
+
+def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a == b).all(-1).sum())
+
+
+@torch.inference_mode()
+def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, stop_early: bool = False
+              ) -> tuple[int, int]:
+    """(rows bitwise equal to one-token steps, rows compared) for passes of T = 2..max_t tokens
+    (``stop_early``: stop at the first pass with a differing row)."""
+    vocab = _vocab(dec)
+    device = _device(dec)
+    ids = torch.randint(0, vocab, (context + max_t,), generator=torch.Generator().manual_seed(seed)).to(device)
+    x = ids[context:]
+    dec.reserve(context + max_t)
+    dec.forward(ids[:context], 0)
+    ref = torch.cat([dec.forward(x[i : i + 1], context + i).logits for i in range(max_t)])
+    equal = total = 0
+    for t in range(2, max_t + 1):
+        equal += _rows_equal(dec.forward(x[:t], context).logits, ref[:t])
+        total += t
+        if t < max_t:  # the next one-token step reads the K/V this pass wrote
+            equal += _rows_equal(dec.forward(x[t : t + 1], context + t).logits, ref[t : t + 1])
+            total += 1
+        if stop_early and equal < total:
+            break
+    return equal, total
+
+
+def _linear_invariant(lin, max_t: int, dtype: torch.dtype, device: torch.device) -> bool:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, max_t, lin.weight.shape[-1], generator=g).to(dtype=dtype, device=device)
+    with torch.inference_mode():
+        ref = torch.cat([lin(x[:, i : i + 1]) for i in range(max_t)], dim=1)
+        return all(torch.equal(lin(x[:, :m]), ref[:, :m]) for m in range(2, max_t + 1))
+
+
+def pad_linears(stack: Stack, max_t: int = MAX_T) -> tuple[Stack, int]:
+    """Wrap in ``RowPadded`` every projection whose rows depend on the row count only through M = 1."""
+    verdict: dict[tuple, bool] = {}
+
+    def key(lin) -> tuple:
+        return type(lin).__name__, tuple(lin.weight.shape), getattr(lin, "bias", None) is not None
+
+    count = 0
+
+    def wrap(lin):
+        nonlocal count
+        k = key(lin)
+        if k not in verdict:
+            verdict[k] = (not _linear_invariant(lin, max_t, stack.dtype, stack.device)
+                          and _linear_invariant(RowPadded(lin), max_t, stack.dtype, stack.device))
+        if verdict[k]:
+            count += 1
+            return RowPadded(lin)
+        return lin
+
+    return stack.map_linears(wrap), count
+
+
+def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = None) -> "Exactness":
+    """Probe ``dec`` (a ``skip.Decoder``), set its fastest exact step, and return what was measured."""
+    candidates = candidates or implementations(max_t)
+    dtype, device = str(dec.stack.dtype).replace("torch.", ""), str(dec.stack.device)
+    dec.stack, padded = pad_linears(dec.stack, max_t)
+    dec._int8 = None
+    timed = []
+    for impl in candidates:
+        dec.set_attention(impl)
+        timed.append((_step_ms(dec, max_t), impl))
+    timed.sort(key=lambda x: x[0])
+    tried, chosen = [], None
+    for ms, impl in timed:  # fastest first; stop at the first exact one
+        if chosen is not None and chosen[2]:
+            tried.append((impl.name, f"not checked (slower), {ms:.2f} ms"))
+            continue
+        dec.set_attention(impl)
+        equal, total = row_check(dec, max_t, stop_early=True)
+        exact = equal == total
+        tried.append((impl.name, f"{'exact' if exact else f'{equal}/{total} rows equal'}, {ms:.2f} ms"))
+        if chosen is None or exact:
+            chosen = (ms, impl, exact)
+    _, impl, exact = chosen
+    dec.set_attention(impl)
+    note = "" if exact else (
+        "no attention implementation gives rows bitwise equal to one-token steps here ("
+        + "; ".join(f"{n}: {r}" for n, r in tried) + "), so speculative output may differ from plain decoding "
+        "where two tokens nearly tie" + ("; use --dtype float32 for exact output" if dtype != "float32" else "")
+    )
+    result = Exactness(exact, impl.name, max_t, dtype, device, padded, tuple(tried), note)
+    _report(result)
+    return result
+
+
+def probe_fixed(dec, step: str, max_t: int = MAX_T) -> "Exactness":
+    """Measure a decoder whose step cannot be changed (the HF fallback)."""
+    equal, total = row_check(dec, max_t)
+    exact = equal == total
+    p = next(dec.model.parameters())
+    dtype = str(p.dtype).replace("torch.", "")
+    note = "" if exact else (f"the {step} step gives {equal}/{total} rows bitwise equal to one-token steps, so "
+                             "speculative output may differ from plain decoding where two tokens nearly tie")
+    result = Exactness(exact, step, max_t, dtype, str(p.device), 0, ((step, f"{equal}/{total} rows equal"),), note)
+    _report(result)
+    return result
+
+
+def _report(result: Exactness) -> None:
+    if result.exact:
+        log.info("verify pass %s", result.describe())
+        return
+    key = (result.step, result.dtype, result.device)
+    if key not in _warned:  # once per process and setting
+        _warned.add(key)
+        log.warning("verify pass is not exact: %s", result.note)
+
+
+def _step_ms(dec, max_t: int) -> float:
+    device = _device(dec)
+    ids = torch.zeros(max_t, dtype=torch.long, device=device)
+    dec.reserve(CONTEXT + max_t)
+    one = median_ms(lambda: dec.forward(ids[:1], CONTEXT, last=True), device, repeats=5)
+    many = median_ms(lambda: dec.forward(ids, CONTEXT), device, repeats=3)
+    return one + many
+
+
+def _vocab(dec) -> int:
+    stack = getattr(dec, "stack", None)
+    return stack.embed.shape[0] if stack is not None else dec.model.get_input_embeddings().weight.shape[0]
+
+
+def _device(dec) -> torch.device:
+    stack = getattr(dec, "stack", None)
+    return stack.device if stack is not None else next(dec.model.parameters()).device
