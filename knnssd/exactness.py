@@ -43,7 +43,7 @@ class Exactness:
     max_t: int
     dtype: str
     device: str
-    padded_linears: int = 0  # projections run with >= 2 rows (RowPadded)
+    linears_adjusted: int = 0  # projections changed to a row-invariant form (packed, RowPadded)
     tried: tuple[tuple[str, str], ...] = ()  # (implementation, what the probe saw)
     note: str = ""  # why not exact, in one line
 
@@ -54,7 +54,7 @@ class Exactness:
 
     def describe(self) -> str:
         state = "exact" if self.exact else "NOT exact"
-        pad = f", {self.padded_linears} linears row-padded" if self.padded_linears else ""
+        pad = f", {self.linears_adjusted} linears adjusted" if self.linears_adjusted else ""
         return f"{state} ({self.step} attention{pad}; {self.dtype} on {self.device}, T=1..{self.max_t})"
 
 
@@ -95,24 +95,35 @@ def _linear_invariant(lin, max_t: int, dtype: torch.dtype, device: torch.device)
 
 
 def pad_linears(stack: Stack, max_t: int = MAX_T) -> tuple[Stack, int]:
-    """Wrap in ``RowPadded`` every projection whose rows depend on the row count only through M = 1."""
-    verdict: dict[tuple, bool] = {}
+    """Give every projection shape the first row-invariant form of: as is, ``RowPadded``, oneDNN-packed
+    (small weights are not packed by default), packed and ``RowPadded``. Returns the stack and how
+    many projections changed form (a shape with no invariant form stays as is)."""
+    chosen: dict[tuple, object] = {}
 
     def key(lin) -> tuple:
         return type(lin).__name__, tuple(lin.weight.shape), getattr(lin, "bias", None) is not None
 
     count = 0
 
+    def forms(lin):
+        yield lambda x: x
+        yield RowPadded
+        if lin.packed(force=True) is not lin:
+            yield lambda x: x.packed(force=True)
+            yield lambda x: RowPadded(x.packed(force=True))
+
     def wrap(lin):
         nonlocal count
         k = key(lin)
-        if k not in verdict:
-            verdict[k] = (not _linear_invariant(lin, max_t, stack.dtype, stack.device)
-                          and _linear_invariant(RowPadded(lin), max_t, stack.dtype, stack.device))
-        if verdict[k]:
-            count += 1
-            return RowPadded(lin)
-        return lin
+        if k not in chosen:
+            chosen[k] = next((f for f in forms(lin) if _linear_invariant(f(lin), max_t, stack.dtype, stack.device)),
+                             None)
+        form = chosen[k]
+        if form is None:
+            return lin
+        out = form(lin)
+        count += out is not lin
+        return out
 
     return stack.map_linears(wrap), count
 

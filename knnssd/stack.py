@@ -37,10 +37,11 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def packed(self) -> "Linear | PackedLinear":
+    def packed(self, force: bool = False) -> "Linear | PackedLinear":
         """oneDNN-prepacked copy on CPU for large weights (MKL's small-batch GEMMs were 1.5-4x slower
-        on the 2-core dev machine), else self (small ones: the packed call's ~30 us overhead wins)."""
-        if self.weight.device.type != "cpu" or self.weight.numel() < PACK_MIN_NUMEL:
+        on the 2-core dev machine), else self (small ones: the packed call's ~30 us overhead wins,
+        unless ``force``: MKL's fp32 rows depend on the row count, oneDNN's did not)."""
+        if self.weight.device.type != "cpu" or (self.weight.numel() < PACK_MIN_NUMEL and not force):
             return self
         try:
             return PackedLinear(torch.ops.mkldnn._reorder_linear_weight(self.weight, 16), self.bias)
@@ -59,7 +60,7 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
-    def packed(self) -> "PackedLinear":
+    def packed(self, force: bool = False) -> "PackedLinear":
         return self
 
     def int8(self) -> "Int8Linear":
@@ -113,7 +114,7 @@ class RowPadded:
     def int8(self) -> "Int8Linear":
         return self.inner.int8()
 
-    def packed(self) -> "RowPadded":
+    def packed(self, force: bool = False) -> "RowPadded":
         return self
 
 

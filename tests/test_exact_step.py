@@ -1,0 +1,146 @@
+"""The verify pass is exact: bitwise row-invariance of the chosen step, and speculative greedy
+output token-identical to the decoder's own plain decoding, in bf16 as well as fp32.
+
+A bf16 test skips (printing the probe's reason) only where the probe finds no row-invariant
+implementation on this machine; fp32 must be exact everywhere.
+"""
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from knnssd import exactness
+from knnssd.attention import SDPA, Attention
+from knnssd.decode import GenerationConfig, generate
+from knnssd.drafters import DrafterConfig, build
+from knnssd.skip import Decoder, SkipMask, make_decoder
+from tiny import ARCHS, prompt_ids, tiny
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MAX_NEW = 24
+
+
+@functools.lru_cache(maxsize=None)
+def decoder(arch: str, dtype: str):
+    return make_decoder(tiny(arch, dtype=DTYPES[dtype]))
+
+
+def exact_or_skip(dec, dtype: str):
+    ex = dec.exactness
+    assert ex is not None
+    if dtype == "float32":
+        assert ex.exact, ex.note
+    elif not ex.exact:
+        pytest.skip(f"no exact bf16 step on this machine: {ex.note}")
+    return ex
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_chosen_step_is_row_invariant(arch, dtype):
+    dec = decoder(arch, dtype)
+    assert isinstance(dec, Decoder), f"{arch} {dtype} fell back to HF forwards"
+    exact_or_skip(dec, dtype)
+    for seed in (1, 2):  # other random tokens than the probe's
+        equal, total = exactness.row_check(dec, exactness.MAX_T, seed=seed)
+        assert equal == total, f"{dec.exactness.step}: {equal}/{total} rows equal"
+
+
+def _perturbed(impl: Attention) -> Attention:
+    """An attention whose rows depend on how many there are: never row-invariant."""
+    return Attention("perturbed", impl.mask, lambda q, k, v, m, s: impl.attend(q, k, v, m, s) * (1 + 0.01 * q.shape[0]),
+                     impl.cache_fp32, impl.static)
+
+
+def test_probe_reports_not_exact_for_an_implementation_that_is_not_row_invariant(caplog):
+    dec = make_decoder(tiny("llama"))
+    ex = exactness.choose(dec, candidates=(_perturbed(SDPA),))
+    assert not ex.exact and ex.step == "perturbed" and "rows equal" in ex.note
+    assert dec.exactness is not ex  # choose() reports; make_decoder stores
+    dec.exactness = ex
+    _, stats = generate(dec, prompt_ids("llama", 0), None, GenerationConfig(max_new_tokens=4))
+    assert stats.exact is False and stats.step == "perturbed"
+
+
+def _drafters(n_layers: int):
+    @st.composite
+    def make(draw):
+        p = draw(st.sampled_from([0.0, 0.15, 0.5, 0.9]))
+        bits = draw(st.lists(st.floats(0, 1), min_size=2 * n_layers, max_size=2 * n_layers))
+        return DrafterConfig(
+            kind=draw(st.sampled_from(["layer_skip", "ngram", "hybrid"])),
+            mask=SkipMask.from_bits([b < p for b in bits]).to_dict(),
+            max_len=draw(st.integers(1, 11)),
+            threshold=draw(st.sampled_from([0.0, 0.0, 0.3, 0.8])),
+            int8=draw(st.booleans()),
+            ngram_sizes=draw(st.lists(st.integers(1, 4), min_size=1, max_size=3, unique=True)),
+            adaptive=draw(st.booleans()),
+        )
+
+    return make()
+
+
+@functools.lru_cache(maxsize=None)
+def plain(arch: str, dtype: str, prompt: int) -> tuple[int, ...]:
+    return tuple(generate(decoder(arch, dtype), prompt_ids(arch, prompt), None, GenerationConfig(max_new_tokens=MAX_NEW))[0])
+
+
+@given(arch=st.sampled_from(sorted(ARCHS)), prompt=st.integers(0, 3), data=st.data())
+def test_bf16_speculative_greedy_equals_own_plain_decoding(arch, prompt, data):
+    dec = decoder(arch, "bfloat16")
+    exact_or_skip(dec, "bfloat16")
+    cfg = data.draw(_drafters(dec.n_layers))
+    out, stats = generate(dec, prompt_ids(arch, prompt), build(cfg, dec.n_layers), GenerationConfig(max_new_tokens=MAX_NEW))
+    assert tuple(out) == plain(arch, "bfloat16", prompt), cfg.describe()
+    assert stats.exact
+
+
+# SmolLM2 in bf16: real prompts, 64 tokens.
+
+SMOL_NEW = 64
+
+
+@pytest.fixture(scope="module")
+def smol_bf16(data_dir):
+    from knnssd import models
+    from knnssd import prompts as prompt_sets
+
+    lm = models.load("smollm2", dtype="bfloat16")
+    dec = make_decoder(lm.model)
+    rows = prompt_sets.load_domains(data_dir, prompt_sets.DOMAINS, "eval", 1)
+    ids = [lm.tokenizer(r.prompt).input_ids for r in rows]
+    cfg = GenerationConfig(max_new_tokens=SMOL_NEW, eos_ids=models.eos_ids(lm))
+    ref = [generate(dec, x, None, cfg)[0] for x in ids]
+    return dec, ids, cfg, ref
+
+
+@pytest.mark.integration
+def test_smollm2_bf16_step_is_row_invariant(smol_bf16):
+    dec = smol_bf16[0]
+    exact_or_skip(dec, "bfloat16")
+    equal, total = exactness.row_check(dec, exactness.MAX_T, seed=3)
+    assert equal == total
+
+
+@pytest.mark.integration
+@settings(max_examples=12)
+@given(data=st.data())
+def test_smollm2_bf16_speculative_greedy_equals_own_plain_decoding(smol_bf16, data):
+    dec, ids, cfg, ref = smol_bf16
+    assert len(ids) >= 5
+    exact_or_skip(dec, "bfloat16")
+    i = data.draw(st.integers(0, len(ids) - 1))
+    drafter = data.draw(_drafters(dec.n_layers).filter(lambda c: c.kind == "ngram" or c.int8 or c.mask["skip_attn"]
+                                                       or c.mask["skip_mlp"]))
+    out, _ = generate(dec, ids[i], build(drafter, dec.n_layers), cfg)
+    assert out == ref[i], drafter.describe()
+
+
+@pytest.mark.integration
+def test_smollm2_fp32_step_is_row_invariant(smollm2):
+    dec = make_decoder(smollm2.model)
+    exact_or_skip(dec, "float32")
+    equal, total = exactness.row_check(dec, exactness.MAX_T, seed=3)
+    assert equal == total
