@@ -237,6 +237,8 @@ def summarise(done: dict, cfg: BenchConfig, runner: Runner) -> dict:
                           "dtype_loaded": runner.lm.dtype_name, "device": str(runner.lm.device),
                           "threads": torch.get_num_threads(), "methods": methods,
                           "ood_methods": runner.ood_methods}
+    ex = runner.dec.exactness
+    report["exactness"] = ex.to_dict() if ex is not None else None
     report["mixed"] = {m: _agg(eval_ms, ids, m) for m in methods}
     report["per_domain"] = {d: {m: _agg(eval_ms, [i for i in ids if domain_of[i] == d], m) for m in methods}
                             for d in cfg.domains}
@@ -283,11 +285,19 @@ def targets(rep: dict) -> dict:
     }
 
 
+def _exactness_line(ex: dict | None) -> str:
+    if not ex:
+        return "Verify pass: not probed."
+    state = "exact (rows bitwise equal to one-token steps)" if ex["exact"] else f"NOT exact: {ex['note']}"
+    return f"Verify pass: {state}; {ex['step']} attention, T = 1..{ex['max_t']}, {ex['dtype']} on {ex['device']}."
+
+
 def markdown(rep: dict) -> str:
     methods = rep["settings"]["methods"]
     f = lambda v, p=2: "–" if v is None else f"{v:.{p}f}"  # noqa: E731
     lines = [f"# knnssd bench: {rep['settings']['model']} {rep['settings']['dtype_loaded']}, "
              f"{rep['settings']['max_new_tokens']} new tokens, {rep['settings']['threads']} threads", "",
+             _exactness_line(rep.get("exactness")), "",
              "## Speedup vs own AR (eval prompts; mixed = all domains)", "",
              "| domain | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
     for d, row in [("**mixed**", rep["mixed"]), *rep["per_domain"].items()]:

@@ -123,6 +123,7 @@ def run(cfg: EngineBench, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     report = {
         "model": lm.name, "dtype": lm.dtype_name, "device": str(lm.device),
         "threads": torch.get_num_threads(), "backend": type(dec).__name__, "prompts": len(rows),
+        "exactness": dec.exactness.to_dict() if dec.exactness is not None else None,
         "domains": list(cfg.domains), "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
         **({"steps": step_costs(dec)} if isinstance(dec, Decoder) else {}),
     }
@@ -188,6 +189,10 @@ def table(report: dict) -> str:
         + (f"   HF generate: {report['hf_generate']['tokens_per_s']:.1f} tok/s "
            f"(own AR {report['hf_generate']['own_ar_speedup_vs_hf']:.2f}x)" if "hf_generate" in report else ""),
     ]
+    if report.get("exactness"):
+        ex = report["exactness"]
+        lines.append(f"verify pass: {'exact' if ex['exact'] else 'NOT exact'} ({ex['step']} attention); "
+                     + "probe: " + "; ".join(f"{k} {v}" for k, v in ex["tried"].items()))
     if "steps" in report:
         s = report["steps"]
         lines.append(f"full step {s['ms_per_full_step']:.1f} ms; draft step / full: "

@@ -194,6 +194,8 @@ def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[di
     by_cluster = {r["cluster"]: r for r in results}
     center = router.center_of(x)
     min_sim = router.unmatched_threshold(ids, router.centered(x, center), clusters)
+    extra = {**(extra or {}), "device": str(lm.device),
+             "exactness": dec.exactness.to_dict() if dec.exactness is not None else None}
     bank = banks.from_clusters(clusters, by_cluster, lm.name, lm.fingerprint, dec.n_layers,
                                lm.dtype_name, pooling, min_sim,
                                dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), extra, center)

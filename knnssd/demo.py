@@ -88,6 +88,9 @@ def run(cfg: DemoConfig) -> dict:
     print("\n".join(lines))
     print(f"\n{cfg.model} · {gen.lm.dtype} · {len(rows)} eval prompts x {cfg.max_new_tokens} tokens · "
           f"calibration {t1 - t0:.0f} s, stream {t2 - t1:.0f} s")
+    ex = gen.decoder.exactness
+    if ex is not None:
+        print(f"verify pass: {ex.describe()}" + ("" if ex.exact else f" — {ex.note}"))
     print("Browse the bank (masks, speedups, pictures) in the MLflow UI:  .venv/bin/knnssd ui   "
           "then open http://127.0.0.1:5000")
     return {"registered": reg, "per_domain": per, "speedup": total}

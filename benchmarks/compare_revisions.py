@@ -1,0 +1,98 @@
+"""Old vs new engine, side by side in one process: same model weights, dtype, threads and prompts.
+
+    .venv/bin/python benchmarks/compare_revisions.py --rev f70dd47 --dtype bfloat16 --prompts 2
+
+The engine of git revision ``--rev`` is extracted into a temporary package ``knnssd_rev`` and
+both decoders are built over one loaded model. Each eval prompt runs own AR, n-gram and hybrid
+(the engine bench's fixed configurations) on both, interleaved, the order rotating per prompt.
+Prints tok/s, speedups vs each engine's own AR, and agreement with its own AR.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def extract(rev: str, dest: Path) -> None:
+    pkg = dest / "knnssd_rev"
+    pkg.mkdir(parents=True)
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "knnssd/"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    for f in files:
+        if f.endswith(".py"):
+            src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{f}"], check=True, capture_output=True,
+                                 text=True).stdout
+            (pkg / Path(f).name).write_text(src)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rev", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompts", type=int, default=2, help="eval prompts per domain")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    a = ap.parse_args()
+    from knnssd import bench_engine, models
+    from knnssd import prompts as prompt_sets
+    from knnssd.decode import GenerationConfig, generate
+    from knnssd.drafters import build
+    from knnssd.skip import make_decoder
+
+    with tempfile.TemporaryDirectory(prefix="knnssd-rev-") as tmp:
+        extract(a.rev, Path(tmp))
+        sys.path.insert(0, tmp)
+        import knnssd_rev.decode as old_decode
+        import knnssd_rev.drafters as old_drafters
+        import knnssd_rev.skip as old_skip
+
+        lm = models.load("smollm2", a.dtype)
+        engines = {"old": (old_skip.make_decoder(lm.model), old_decode, old_drafters),
+                   "new": (make_decoder(lm.model), None, None)}
+        configs = bench_engine.fixed_drafters(engines["new"][0].n_layers, True)
+        methods = ["ar", "ngram", "hybrid"]
+        runs = {}
+        for eng, (dec, dmod, drmod) in engines.items():
+            for m in methods:
+                if dmod is None:
+                    runs[(eng, m)] = (lambda d=dec, m=m: (lambda ids, cfg: generate(
+                        d, ids, build(configs[m], d.n_layers) if m != "ar" else None, cfg)))()
+                else:
+                    runs[(eng, m)] = (lambda d=dec, m=m, dm=dmod, drm=drmod: (lambda ids, cfg: dm.generate(
+                        d, ids, drm.build(drm.DrafterConfig(**configs[m].to_dict()), d.n_layers) if m != "ar" else None,
+                        dm.GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_ids=cfg.eos_ids))))()
+        rows = prompt_sets.load_domains(prompt_sets.default_data_dir(), prompt_sets.DOMAINS, "eval", a.prompts)
+        cfg = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_ids=models.eos_ids(lm))
+        keys = list(runs)
+        warm = lm.tokenizer(rows[0].prompt).input_ids[:32]
+        for k in keys:
+            runs[k](warm, cfg)
+        res = {k: [] for k in keys}
+        for i, r in enumerate(rows):
+            ids = lm.tokenizer(r.prompt).input_ids
+            for k in keys[i % len(keys):] + keys[: i % len(keys)]:
+                out, st = runs[k](ids, cfg)
+                res[k].append((list(out), st.total_s))
+            print(f"prompt {i + 1}/{len(rows)}", file=sys.stderr, flush=True)
+        report = {"rev": a.rev, "dtype": a.dtype, "threads": torch.get_num_threads(), "prompts": len(rows),
+                  "max_new_tokens": a.max_new_tokens, "new_step": engines["new"][0].exactness.to_dict()}
+        for eng in engines:
+            ar_t = sum(t for _, t in res[(eng, "ar")])
+            ar_tok = sum(len(o) for o, _ in res[(eng, "ar")])
+            report[eng] = {"ar_tok_per_s": ar_tok / ar_t}
+            for m in methods[1:]:
+                t = sum(t for _, t in res[(eng, m)])
+                agree = sum(o == ao for (o, _), (ao, _) in zip(res[(eng, m)], res[(eng, "ar")])) / len(rows)
+                report[eng][m] = {"speedup_vs_own_ar": ar_t / t, "agreement_with_own_ar": agree}
+        print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
