@@ -10,7 +10,7 @@ different key length or mask path may too. So the probe measures it:
 2. **Attention.** The implementations in ``attention.implementations(max_t)`` are timed (a
    one-token step plus a max_t-token pass, to the device's end), then checked fastest first,
    each over the whole model:
-   a random context, then one-token steps for positions c..c+max_t-1 as the reference, then
+   for each of ``SEEDS`` random token sets, a random context, then one-token steps for positions c..c+max_t-1 as the reference, then
    passes of T = 2..max_t tokens at c, each followed by a one-token step at c+T (which reads the
    K/V the pass wrote). Rows must be bitwise equal.
 3. The first exact one (the fastest) is kept and slower ones are not checked. If none
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_T = 12  # longest pass checked: the longest draft (11) plus the bonus position
 CONTEXT = 37
+SEEDS = 3  # random token sets the probe checks (one wrongly passed a step that a second set failed)
 _warned: set[tuple] = set()
 
 
@@ -145,7 +146,12 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
             tried.append((impl.name, f"not checked (slower), {ms:.2f} ms"))
             continue
         dec.set_attention(impl)
-        equal, total = row_check(dec, max_t, stop_early=True)
+        equal = total = 0
+        for seed in range(SEEDS):  # rounding ties are data-dependent: several token sets and context lengths
+            e, t = row_check(dec, max_t, CONTEXT + 23 * seed, seed, stop_early=True)
+            equal, total = equal + e, total + t
+            if e < t:
+                break
         exact = equal == total
         tried.append((impl.name, f"{'exact' if exact else f'{equal}/{total} rows equal'}, {ms:.2f} ms"))
         if chosen is None or exact:

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from knnssd import exactness
@@ -43,7 +43,7 @@ def test_chosen_step_is_row_invariant(arch, dtype):
     dec = decoder(arch, dtype)
     assert isinstance(dec, Decoder), f"{arch} {dtype} fell back to HF forwards"
     exact_or_skip(dec, dtype)
-    for seed in (1, 2):  # other random tokens than the probe's
+    for seed in (11, 12):  # other random tokens than the probe's
         equal, total = exactness.row_check(dec, exactness.MAX_T, seed=seed)
         assert equal == total, f"{dec.exactness.step}: {equal}/{total} rows equal"
 
@@ -90,7 +90,7 @@ def plain(arch: str, dtype: str, prompt: int) -> tuple[int, ...]:
 @given(arch=st.sampled_from(sorted(ARCHS)), prompt=st.integers(0, 3), data=st.data())
 def test_bf16_speculative_greedy_equals_own_plain_decoding(arch, prompt, data):
     dec = decoder(arch, "bfloat16")
-    exact_or_skip(dec, "bfloat16")
+    assume(dec.exactness.exact)  # architectures without an exact bf16 step here skip in the row-invariance test
     cfg = data.draw(_drafters(dec.n_layers))
     out, stats = generate(dec, prompt_ids(arch, prompt), build(cfg, dec.n_layers), GenerationConfig(max_new_tokens=MAX_NEW))
     assert tuple(out) == plain(arch, "bfloat16", prompt), cfg.describe()
@@ -120,7 +120,7 @@ def smol_bf16(data_dir):
 def test_smollm2_bf16_step_is_row_invariant(smol_bf16):
     dec = smol_bf16[0]
     exact_or_skip(dec, "bfloat16")
-    equal, total = exactness.row_check(dec, exactness.MAX_T, seed=3)
+    equal, total = exactness.row_check(dec, exactness.MAX_T, seed=13)
     assert equal == total
 
 
@@ -142,5 +142,5 @@ def test_smollm2_bf16_speculative_greedy_equals_own_plain_decoding(smol_bf16, da
 def test_smollm2_fp32_step_is_row_invariant(smollm2):
     dec = make_decoder(smollm2.model)
     exact_or_skip(dec, "float32")
-    equal, total = exactness.row_check(dec, exactness.MAX_T, seed=3)
+    equal, total = exactness.row_check(dec, exactness.MAX_T, seed=13)
     assert equal == total
