@@ -38,10 +38,6 @@ def allowed(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
     return ok
 
 
-def _sdpa_mask(pos, length, window):
-    return allowed(pos, length, window)
-
-
 def _sdpa(q, k, v, mask, scale):
     T, H, D = q.shape
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale,
@@ -92,10 +88,9 @@ class Attention:
     static: bool  # shapes do not depend on the position (CUDA-graph capturable)
 
 
-SDPA = Attention("sdpa", _sdpa_mask, _sdpa, cache_fp32=False, static=True)
+SDPA = Attention("sdpa", allowed, _sdpa, cache_fp32=False, static=True)
 FP32 = Attention("fp32", _fp32_mask, _fp32, cache_fp32=True, static=True)
 SDPA_DYNAMIC = Attention("sdpa_dynamic", _dynamic_mask, _dynamic, cache_fp32=False, static=False)
-
 
 
 def padded(impl: Attention, rows: int) -> Attention:

@@ -64,15 +64,17 @@ def step_costs(dec: Decoder, context: int = 128, max_k: int = 12) -> dict:
     dev = dec.stack.device
     dec.reserve(context + max_k)
     dec.forward(ids[:context], 0)
-    one = lambda k, **kw: (lambda: median_ms(  # noqa: E731
-        lambda: dec.forward(ids[context : context + k], context, last=k == 1, **kw), dev, repeats=7))
-    full = one(1)()
-    verify = {k: one(k)() for k in range(1, max_k + 1)}
+
+    def ms(k: int, **kw) -> float:
+        return median_ms(lambda: dec.forward(ids[context : context + k], context, last=k == 1, **kw), dev, repeats=7)
+
+    full = ms(1)
+    verify = {k: ms(k) for k in range(1, max_k + 1)}
     draft = {}
     for frac in (0.0, 0.25, 0.5):
         mask = even_mask(dec.n_layers, frac)
-        draft[f"skip_{int(frac * 100)}"] = one(1, mask=mask)()
-        draft[f"int8_skip_{int(frac * 100)}"] = one(1, mask=mask, stack=dec.int8_stack())()
+        draft[f"skip_{int(frac * 100)}"] = ms(1, mask=mask)
+        draft[f"int8_skip_{int(frac * 100)}"] = ms(1, mask=mask, stack=dec.int8_stack())
     return {
         "context": context,
         "ms_per_full_step": full,

@@ -6,7 +6,8 @@ depends on the kernels: a GEMM may round one row differently from many, and atte
 different key length or mask path may too. So the probe measures it:
 
 1. **Linears.** Each projection shape is run on random rows, M = 1..max_t, against M = 1
-   calls; a shape that differs only at M = 1 is wrapped in ``stack.RowPadded``.
+   calls, and takes the first form that passes: as is, ``stack.RowPadded``, oneDNN-packed, or
+   packed and ``RowPadded``.
 2. **Attention.** The implementations in ``attention.implementations(max_t)`` are timed (a
    one-token step plus a max_t-token pass, to the device's end), then checked fastest first,
    each over the whole model:
@@ -87,6 +88,18 @@ def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, st
     return equal, total
 
 
+def _probe_rows(dec, max_t: int) -> tuple[int, int]:
+    """``row_check`` over ``SEEDS`` token sets and context lengths (rounding ties are data-dependent),
+    stopping at the first set with a differing row."""
+    equal = total = 0
+    for seed in range(SEEDS):
+        e, t = row_check(dec, max_t, CONTEXT + 23 * seed, seed, stop_early=True)
+        equal, total = equal + e, total + t
+        if e < t:
+            break
+    return equal, total
+
+
 def _linear_invariant(lin, max_t: int, dtype: torch.dtype, device: torch.device) -> bool:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, max_t, lin.weight.shape[-1], generator=g).to(dtype=dtype, device=device)
@@ -132,8 +145,8 @@ def pad_linears(stack: Stack, max_t: int = MAX_T) -> tuple[Stack, int]:
 def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = None) -> "Exactness":
     """Probe ``dec`` (a ``skip.Decoder``), set its fastest exact step, and return what was measured."""
     candidates = candidates or implementations(max_t)
-    dtype, device = str(dec.stack.dtype).replace("torch.", ""), str(dec.stack.device)
-    dec.stack, padded = pad_linears(dec.stack, max_t)
+    dtype, device = _dtype_name(dec.stack.dtype), str(dec.stack.device)
+    dec.stack, adjusted = pad_linears(dec.stack, max_t)
     dec._int8 = None
     timed = []
     for impl in candidates:
@@ -146,12 +159,7 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
             tried.append((impl.name, f"not checked (slower), {ms:.2f} ms"))
             continue
         dec.set_attention(impl)
-        equal = total = 0
-        for seed in range(SEEDS):  # rounding ties are data-dependent: several token sets and context lengths
-            e, t = row_check(dec, max_t, CONTEXT + 23 * seed, seed, stop_early=True)
-            equal, total = equal + e, total + t
-            if e < t:
-                break
+        equal, total = _probe_rows(dec, max_t)
         exact = equal == total
         tried.append((impl.name, f"{'exact' if exact else f'{equal}/{total} rows equal'}, {ms:.2f} ms"))
         if chosen is None or exact:
@@ -163,17 +171,17 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
         + "; ".join(f"{n}: {r}" for n, r in tried) + "), so speculative output may differ from plain decoding "
         "where two tokens nearly tie" + ("; use --dtype float32 for exact output" if dtype != "float32" else "")
     )
-    result = Exactness(exact, impl.name, max_t, dtype, device, padded, tuple(tried), note)
+    result = Exactness(exact, impl.name, max_t, dtype, device, adjusted, tuple(tried), note)
     _report(result)
     return result
 
 
 def probe_fixed(dec, step: str, max_t: int = MAX_T) -> "Exactness":
     """Measure a decoder whose step cannot be changed (the HF fallback)."""
-    equal, total = row_check(dec, max_t)
+    equal, total = _probe_rows(dec, max_t)
     exact = equal == total
     p = next(dec.model.parameters())
-    dtype = str(p.dtype).replace("torch.", "")
+    dtype = _dtype_name(p.dtype)
     note = "" if exact else (f"the {step} step gives {equal}/{total} rows bitwise equal to one-token steps, so "
                              "speculative output may differ from plain decoding where two tokens nearly tie")
     result = Exactness(exact, step, max_t, dtype, str(p.device), 0, ((step, f"{equal}/{total} rows equal"),), note)
@@ -198,6 +206,10 @@ def _step_ms(dec, max_t: int) -> float:
     one = median_ms(lambda: dec.forward(ids[:1], CONTEXT, last=True), device, repeats=5)
     many = median_ms(lambda: dec.forward(ids, CONTEXT), device, repeats=3)
     return one + many
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _vocab(dec) -> int:

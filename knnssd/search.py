@@ -23,7 +23,6 @@ import itertools
 import json
 import logging
 import math
-import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
