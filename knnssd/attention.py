@@ -9,6 +9,8 @@ Which one gives the rows of a T-token pass bitwise equal to T one-token steps de
 device, the dtype and the model's shapes (``exactness.py`` measures it at load):
 
     sdpa          SDPA over all L keys with a boolean position mask (static shapes)
+    sdpa_fold     the same, with the G query heads of each KV head folded into rows: one
+                  (G * T, L) score matrix per KV head, no repeated K/V
     fp32          fp32 bmm, additive -inf mask, softmax, bmm over all L keys (static shapes;
                   the cache is kept in fp32 so nothing is converted per call)
     sdpa_dynamic  the pre-static step: SDPA over keys 0..pos[-1] only, no mask for T = 1
@@ -16,8 +18,10 @@ device, the dtype and the model's shapes (``exactness.py`` measures it at load):
 
 and ``padded(impl, R)`` of the static ones: the queries of a call with fewer than R tokens are
 padded with zero rows to R (gpt-fast's verification at a fixed length), so one-token steps and
-verify passes run the same kernel shape. On the dev machine's CPU (fp32 and bf16) only the
-padded ones were row-invariant: MKL and oneDNN pick kernels by the row count.
+short verify passes run the kernel shape of longer ones. On the dev machine's CPU (Zen 4, no
+AMX) only padded ones were row-invariant in the whole model: ``sdpa_pad4`` in bf16 and
+``fp32_pad2`` in both dtypes (the kernels take another path below a few query rows), while in
+isolation, on random inputs, plain ``sdpa`` was; so the probe runs the real model.
 """
 from __future__ import annotations
 
@@ -43,6 +47,15 @@ def _sdpa(q, k, v, mask, scale):
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale,
                                        enable_gqa=H != k.shape[1])
     return o.transpose(1, 2).reshape(1, T, H * D)
+
+
+def _sdpa_fold(q, k, v, mask, scale):
+    T, H, D = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    qg = q.reshape(T, KV, G, D).permute(1, 2, 0, 3).contiguous().view(1, KV, G * T, D)  # rows g-major: (g, t)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(G, 1), scale=scale)
+    return o.view(KV, G, T, D).permute(2, 0, 1, 3).reshape(1, T, H * D)
 
 
 def _fp32_mask(pos, length, window):
@@ -89,6 +102,7 @@ class Attention:
 
 
 SDPA = Attention("sdpa", allowed, _sdpa, cache_fp32=False, static=True)
+SDPA_FOLD = Attention("sdpa_fold", allowed, _sdpa_fold, cache_fp32=False, static=True)
 FP32 = Attention("fp32", _fp32_mask, _fp32, cache_fp32=True, static=True)
 SDPA_DYNAMIC = Attention("sdpa_dynamic", _dynamic_mask, _dynamic, cache_fp32=False, static=False)
 
@@ -112,5 +126,8 @@ def padded(impl: Attention, rows: int) -> Attention:
 
 
 def implementations(rows: int) -> tuple[Attention, ...]:
-    """The candidates the exactness probe measures, for passes of up to ``rows`` tokens."""
-    return (SDPA, FP32, SDPA_DYNAMIC, padded(SDPA, rows), padded(FP32, rows))
+    """The candidates the exactness probe measures, for passes of up to ``rows`` tokens: the plain ones,
+    then padded forms from the cheapest (2 rows) to the surest (``rows``: every call one shape)."""
+    pads = sorted({p for p in (2, 4, rows) if 1 < p <= rows})
+    return (SDPA, SDPA_FOLD, FP32, SDPA_DYNAMIC,
+            *(padded(impl, p) for p in pads for impl in (SDPA, FP32)), padded(SDPA_FOLD, 4))

@@ -9,11 +9,11 @@ different key length or mask path may too. So the probe measures it:
    calls, and takes the first form that passes: as is, ``stack.RowPadded``, oneDNN-packed, or
    packed and ``RowPadded``.
 2. **Attention.** The implementations in ``attention.implementations(max_t)`` are timed (a
-   one-token step plus a max_t-token pass, to the device's end), then checked fastest first,
-   each over the whole model:
-   for each of ``SEEDS`` random token sets, a random context, then one-token steps for positions c..c+max_t-1 as the reference, then
-   passes of T = 2..max_t tokens at c, each followed by a one-token step at c+T (which reads the
-   K/V the pass wrote). Rows must be bitwise equal.
+   one-token step plus a max_t-token pass, to the device's end, in turns), then checked fastest
+   first, each over the whole model: for each context length c in ``CONTEXTS``, random tokens,
+   then one-token steps for positions c..c+max_t-1 as the reference, then passes of
+   T = 2..max_t tokens at c, each followed by a one-token step at c+T (which reads the K/V the
+   pass wrote). Rows must be bitwise equal.
 3. The first exact one (the fastest) is kept and slower ones are not checked. If none
    is exact, the fastest is kept, ``exact`` is False, and the reason is logged once.
 
@@ -21,6 +21,7 @@ The result (``Exactness``) goes into ``DecodeStats``, the bench report and bank 
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import asdict, dataclass
 
@@ -34,7 +35,11 @@ log = logging.getLogger(__name__)
 
 MAX_T = 12  # longest pass checked: the longest draft (11) plus the bonus position
 CONTEXT = 37
-SEEDS = 3  # random token sets the probe checks (one wrongly passed a step that a second set failed)
+# Random token sets the probe checks, one context length each (one set wrongly passed a step that
+# a second failed); the last reads a second 256-key bucket (cache.BUCKET), as longer generations do.
+CONTEXTS = (CONTEXT, CONTEXT + 23, CONTEXT + 263)
+TIMING_ROUNDS = 4
+TIMING_CONTEXT = 300  # timed at a 512-key bucket: attention costs grow with the key length
 _warned: set[tuple] = set()
 
 
@@ -89,11 +94,11 @@ def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, st
 
 
 def _probe_rows(dec, max_t: int) -> tuple[int, int]:
-    """``row_check`` over ``SEEDS`` token sets and context lengths (rounding ties are data-dependent),
-    stopping at the first set with a differing row."""
+    """``row_check`` over the ``CONTEXTS`` (one random token set each: rounding ties are
+    data-dependent), stopping at the first set with a differing row."""
     equal = total = 0
-    for seed in range(SEEDS):
-        e, t = row_check(dec, max_t, CONTEXT + 23 * seed, seed, stop_early=True)
+    for seed, context in enumerate(CONTEXTS):
+        e, t = row_check(dec, max_t, context, seed, stop_early=True)
         equal, total = equal + e, total + t
         if e < t:
             break
@@ -146,13 +151,9 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
     """Probe ``dec`` (a ``skip.Decoder``), set its fastest exact step, and return what was measured."""
     candidates = candidates or implementations(max_t)
     dtype, device = _dtype_name(dec.stack.dtype), str(dec.stack.device)
-    dec.stack, adjusted = pad_linears(dec.stack, max_t)
-    dec._int8 = None
-    timed = []
-    for impl in candidates:
-        dec.set_attention(impl)
-        timed.append((_step_ms(dec, max_t), impl))
-    timed.sort(key=lambda x: x[0])
+    stack, adjusted = pad_linears(dec.stack, max_t)
+    dec.use_stack(stack)
+    timed = sorted(zip(_step_ms(dec, candidates, max_t), candidates), key=lambda x: x[0])
     tried, chosen = [], None
     for ms, impl in timed:  # fastest first; stop at the first exact one
         if chosen is not None and chosen[2]:
@@ -199,13 +200,25 @@ def _report(result: Exactness) -> None:
         log.warning("verify pass is not exact: %s", result.note)
 
 
-def _step_ms(dec, max_t: int) -> float:
+def _step_ms(dec, candidates: tuple[Attention, ...], max_t: int) -> list[float]:
+    """Milliseconds of a one-token step plus a max_t-token pass, for each candidate: the best of
+    ``TIMING_ROUNDS`` rounds that take the candidates in turn (so a slow spell on a shared
+    machine hits them all, not the one that happened to run then)."""
     device = _device(dec)
     ids = torch.zeros(max_t, dtype=torch.long, device=device)
-    dec.reserve(CONTEXT + max_t)
-    one = median_ms(lambda: dec.forward(ids[:1], CONTEXT, last=True), device, repeats=5)
-    many = median_ms(lambda: dec.forward(ids, CONTEXT), device, repeats=3)
-    return one + many
+    runs = []
+    for impl in candidates:
+        d = copy.copy(dec)  # same weights, its own cache
+        d.set_attention(impl)
+        d.reserve(TIMING_CONTEXT + max_t)
+        runs.append(lambda d=d: (d.forward(ids[:1], TIMING_CONTEXT, last=True), d.forward(ids, TIMING_CONTEXT)))
+    for run in runs:
+        run()  # warm up
+    best = [float("inf")] * len(runs)
+    for _ in range(TIMING_ROUNDS):
+        for i, run in enumerate(runs):
+            best[i] = min(best[i], median_ms(run, device, repeats=1, warmup=0))
+    return best
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

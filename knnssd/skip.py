@@ -164,6 +164,10 @@ class Decoder:
         self.cache = KVCache(s.n_layers, s.n_kv, s.head_dim, dtype, s.device)
         self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def use_stack(self, stack: Stack) -> None:
+        """Run other weights of the same shapes (e.g. row-invariant forms of the same linears)."""
+        self.stack, self._int8 = stack, None
+
     @property
     def n_layers(self) -> int:
         return self.stack.n_layers
