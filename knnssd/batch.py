@@ -8,11 +8,14 @@ no anchor matches are recorded in ``<work>/unmatched/`` for later re-optimisatio
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,9 +56,47 @@ def progress_path(output: Path) -> Path:
     return output.with_name(output.name + ".progress.jsonl")
 
 
+def lock_path(output: Path) -> Path:
+    return output.with_name(output.name + ".lock")
+
+
+_held: dict[Path, int] = {}  # outputs this process holds: lock file descriptor
+
+
+@contextlib.contextmanager
+def writing(output: str | os.PathLike) -> Iterator[None]:
+    """Hold ``<output>.lock`` while writing ``output``: a second writer (another process) fails at once
+    with an ``OutputError`` naming the holder. The lock is an ``flock``, so the kernel releases it on
+    any exit, SIGKILL included; the file itself is removed on a normal exit. Re-entrant in a process."""
+    output = Path(output).resolve()
+    if output in _held:
+        yield
+        return
+    path = lock_path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise OutputError(f"{output} is being written by process {holder}; wait for it or choose another --output") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _held[output] = fd
+    try:
+        yield
+    finally:
+        del _held[output]
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
 def read_done(output: Path) -> dict[str, dict]:
     """Rows already finished: the parquet output plus the progress journal (a torn last line is ignored)."""
     done: dict[str, dict] = {}
+    if output.is_dir():
+        raise OutputError(f"{output} is a folder; give a .parquet file path")
     if output.exists():
         import pyarrow.parquet as pq
 
@@ -102,14 +143,17 @@ def check(rows: list[Prompt]) -> None:
 
 def run(gen: RoutedGenerator, rows: list[Prompt], output: str | os.PathLike, params: GenerateParams = GenerateParams(),
         overwrite: bool = False, flush_every: int = 8, unmatched_dir: Path | None = None) -> Summary:
-    from tqdm import tqdm
-
     output = Path(output)
     check(rows)
-    if output.parent and not output.parent.exists():
-        output.parent.mkdir(parents=True, exist_ok=True)
-    if output.exists() and output.is_dir():
-        raise OutputError(f"{output} is a folder; give a .parquet file path")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with writing(output):
+        return _run(gen, rows, output, params, overwrite, flush_every, unmatched_dir)
+
+
+def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, params: GenerateParams, overwrite: bool,
+         flush_every: int, unmatched_dir: Path | None) -> Summary:
+    from tqdm import tqdm
+
     if overwrite:
         output.unlink(missing_ok=True)
         progress_path(output).unlink(missing_ok=True)
@@ -146,7 +190,7 @@ def record_unmatched(rows: list[dict], model: str, folder: Path | None) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .calibration import work_dir
+    from .settings import work_dir
 
     folder = Path(folder or work_dir() / "unmatched" / model)
     folder.mkdir(parents=True, exist_ok=True)

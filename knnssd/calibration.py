@@ -12,7 +12,6 @@ import datetime as dt
 import fcntl
 import functools
 import logging
-import os
 import sys
 import threading
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ import torch
 
 from . import bank as banks
 from . import models, pictures, prompts, router, search, tracking
+from .settings import work_dir
 from .skip import make_decoder
 
 log = logging.getLogger(__name__)
@@ -72,10 +72,6 @@ def code_version(modules=("search", "decode", "drafters", "sampling", "skip", "s
     for m in modules:
         h.update((Path(__file__).parent / f"{m}.py").read_bytes())
     return h.hexdigest()[:16]
-
-
-def work_dir() -> Path:
-    return Path(os.environ.get("KNNSSD_WORK", Path.cwd() / "artifacts"))
 
 
 def load_prompts(paths: list[str], split: str | None = "calib", fields: prompts.Fields = prompts.Fields(),

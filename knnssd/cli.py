@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 for _key, _value in {"HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true",
-                     "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}.items():
+                     "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
+                     # a tracking server that stops answering mid-run fails in seconds, not after minutes of retries
+                     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}.items():
     os.environ.setdefault(_key, _value)
 
 
@@ -17,6 +19,22 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 | gemma3-270m | local folder | .gguf | hub id")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="auto")
+
+
+def _check_tracking(uri: str | None) -> None:
+    """The tracking store answers and can be written: checked in seconds, before any slow work."""
+    from . import tracking
+
+    tracking.check_reachable(uri or tracking.default_uri())
+
+
+def _flow(fn, *args):
+    """Run a flow (or a job that runs flows) against a Prefect API that answers, started here if none
+    is set, so that it stops with this process however it ends."""
+    from flows.server import local_api
+
+    with local_api():
+        return fn(*args)
 
 
 def cmd_bench_engine(a) -> int:
@@ -36,18 +54,21 @@ def cmd_complete(a) -> int:
     from . import models
     from .decode import GenerationConfig, generate
     from .drafters import DrafterConfig, build
-    from .sampling import Warp
+    from .engine import GenerateParams, check_prompt, prompt_ids
     from .skip import SkipMask, make_decoder
 
-    if not a.prompt.strip():
-        raise ValueError("empty prompt")
+    # what the user typed is checked before the model loads, with the checks and truncation of `generate`
+    p = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                                      top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
+    check_prompt(a.prompt)
+    mask = SkipMask.from_json(Path(a.mask).read_text()) if a.mask else None
     lm = models.load(a.model, a.dtype, a.device)
     dec = make_decoder(lm.model)
-    mask = SkipMask.from_json(Path(a.mask).read_text()) if a.mask else SkipMask.none(dec.n_layers)
+    mask = mask or SkipMask.none(dec.n_layers)
     cfg = DrafterConfig(kind=a.drafter, mask=mask.to_dict(), max_len=a.max_draft, threshold=a.threshold, int8=a.int8)
-    gen = GenerationConfig(max_new_tokens=a.max_new_tokens, warp=Warp(a.temperature, a.top_k, a.top_p), seed=a.seed,
-                           eos_ids=models.eos_ids(lm))
-    out, stats = generate(dec, lm.tokenizer(a.prompt).input_ids, build(cfg, dec.n_layers, dec.can_skip), gen)
+    gen = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=models.eos_ids(lm))
+    ids, _ = prompt_ids(lm.tokenizer, a.prompt, p.max_prompt_tokens)
+    out, stats = generate(dec, ids, build(cfg, dec.n_layers, dec.can_skip), gen)
     print(lm.tokenizer.decode(out, skip_special_tokens=True))
     s = stats.to_dict()
     s.pop("accepted")
@@ -68,13 +89,14 @@ def _calibrate_params(a) -> dict:
     )
     _check_inputs(params["inputs"])
     Budget(kinds=tuple(params["kinds"]))  # validates before any server starts
+    _check_tracking(a.tracking_uri)
     return params
 
 
 def cmd_calibrate(a) -> int:
     from flows.calibrate import CalibrateParams, calibrate
 
-    print(json.dumps(calibrate(CalibrateParams(**_calibrate_params(a)))))
+    print(json.dumps(_flow(calibrate, CalibrateParams(**_calibrate_params(a)))))
     return 0
 
 
@@ -82,7 +104,7 @@ def cmd_search_worker(a) -> int:
     from flows.search_worker import WorkerParams, search_worker
 
     params = WorkerParams(**_calibrate_params(a), trials=a.worker_trials, clusters=a.cluster or [])
-    print(json.dumps(search_worker(params)))
+    print(json.dumps(_flow(search_worker, params)))
     return 0
 
 
@@ -90,11 +112,12 @@ def cmd_add_domain(a) -> int:
     from flows.add_domain import AddDomainParams, add_domain
 
     _check_inputs(a.input)
+    _check_tracking(a.tracking_uri)
     params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
                              k_per_domain=a.k_per_domain, warm=a.warm, proxy_trials=a.trials,
                              real_candidates=a.candidates, minutes=a.minutes, max_new_tokens=a.max_new_tokens,
                              storage=a.storage, tracking_uri=a.tracking_uri, seed=a.seed)
-    print(json.dumps(add_domain(params)))
+    print(json.dumps(_flow(add_domain, params)))
     return 0
 
 
@@ -102,10 +125,11 @@ def cmd_promote(a) -> int:
     from flows.promote import PromoteParams, promote
 
     _check_inputs(a.input or [])
+    _check_tracking(a.tracking_uri)
     params = PromoteParams(model=a.model, candidate=a.candidate, champion=a.champion, inputs=a.input or [],
                            per_file=a.per_file, dtype=a.dtype, max_new_tokens=a.max_new_tokens,
                            tolerance=a.tolerance, tracking_uri=a.tracking_uri)
-    print(json.dumps(promote(params), default=str))
+    print(json.dumps(_flow(promote, params), default=str))
     return 0
 
 
@@ -114,10 +138,11 @@ def cmd_watch(a) -> int:
 
     if not Path(a.drop).is_dir():
         raise FileNotFoundError(f"drop folder not found: {a.drop}")
+    _check_tracking(a.tracking_uri)
     params = WatchParams(drop=a.drop, model=a.model, min_prompts=a.min_prompts, use_unmatched=not a.no_unmatched,
                          dtype=a.dtype, search=json.loads(a.search), promote=json.loads(a.promote),
                          tracking_uri=a.tracking_uri)
-    print(json.dumps(watch(params), default=str))
+    print(json.dumps(_flow(watch, params), default=str))
     return 0
 
 
@@ -143,7 +168,7 @@ def cmd_bench(a) -> int:
     if a.flow:
         from flows.bench import bench
 
-        print(json.dumps(bench(cfg)))
+        print(json.dumps(_flow(bench, cfg)))
     else:
         print(markdown(run(cfg)))
     return 0
@@ -152,32 +177,41 @@ def cmd_bench(a) -> int:
 def cmd_demo(a) -> int:
     from .demo import DemoConfig, run
 
-    run(DemoConfig(model=a.model, dtype=a.dtype, trials=a.trials, candidates=a.candidates,
-                   max_new_tokens=a.max_new_tokens))
+    _flow(run, DemoConfig(model=a.model, dtype=a.dtype, trials=a.trials, candidates=a.candidates,
+                          max_new_tokens=a.max_new_tokens))
     return 0
 
 
 def cmd_generate(a) -> int:
     from flows.generate import generate
 
-    from .batch import read_done
+    from . import bank as banks
+    from . import tracking
+    from .batch import OutputError, check, read_done, writing
     from .engine import GenerateParams
     from .prompts import load
 
+    # every check a retry cannot change runs here, in seconds, before any server starts or model loads
     params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                            top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
-    rows = load(a.input, split=a.split)  # fail fast on a bad input, before any server starts
-    if not a.overwrite:
-        read_done(Path(a.output))  # ... and on an output that cannot be resumed
-    if a.model_uri.startswith("models:/"):
-        from .tracking import resolve
-
-        resolve(a.model_uri, a.tracking_uri)
-    elif not Path(a.model_uri).is_dir():
-        raise ValueError(f"--model-uri '{a.model_uri}' is neither models:/<name>@<alias> nor a bank folder")
+    rows = load(a.input, split=a.split)
     if not rows:
         raise ValueError("no prompts")
-    summary = generate(a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri)
+    check(rows)
+    output = Path(a.output)
+    if output.is_dir():
+        raise OutputError(f"{output} is a folder; give a .parquet file path")
+    with writing(output):  # one writer per output: a second run fails here, naming this process
+        if not a.overwrite:
+            read_done(output)  # an output that cannot be resumed
+        _check_tracking(a.tracking_uri)
+        if a.model_uri.startswith("models:/"):
+            banks.load(tracking.download_bank(a.model_uri, uri=a.tracking_uri))  # fetched once, reused by the flow
+        elif Path(a.model_uri).is_dir():
+            banks.load(a.model_uri)
+        else:
+            raise ValueError(f"--model-uri '{a.model_uri}' is neither models:/<name>@<alias> nor a bank folder")
+        summary = _flow(generate, a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri)
     print(json.dumps(summary))
     return 0
 
@@ -251,6 +285,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--threshold", type=float, default=0.5)
     c.add_argument("--int8", action="store_true", help="draft on int8 weights")
     c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--max-prompt-tokens", type=int, default=4096, help="longer prompts keep their last tokens (warned)")
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--top-k", type=int, default=0)
     c.add_argument("--top-p", type=float, default=1.0)
@@ -376,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     from .prompts import PromptError
     from .skip import MaskError
     from .tracking import RegistryError
+    from flows.server import PrefectUnavailable
 
     a = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -385,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     try:
         return a.fn(a)
-    except (ModelError, PromptError, MaskError, BankError, RegistryError, OutputError, ValueError, FileNotFoundError) as e:
+    except (ModelError, PromptError, MaskError, BankError, RegistryError, OutputError, ValueError, FileNotFoundError,
+            PrefectUnavailable) as e:
         print(f"knnssd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ the pyfunc model.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -32,18 +33,62 @@ class GenerateParams:
     seed: int | None = None
     max_prompt_tokens: int = 4096  # longer prompts keep their last tokens (with a warning)
 
+    def __post_init__(self):
+        for name in ("max_new_tokens", "top_k", "max_prompt_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
+            raise ValueError(f"max_new_tokens and max_prompt_tokens must be >= 1, got {self.max_new_tokens} and "
+                             f"{self.max_prompt_tokens}")
+        self.warp  # validates temperature, top_k, top_p (finite, in range)
+
+    @property
+    def warp(self) -> Warp:
+        return Warp(self.temperature, self.top_k, self.top_p)
+
     @classmethod
     def from_dict(cls, d: dict) -> "GenerateParams":
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown generation parameters: {sorted(unknown)} (known: {sorted(known)})")
-        d = {k: v for k, v in d.items() if v is not None and not (k == "seed" and v < 0)}  # seed -1: random
-        p = cls(**d)
-        if p.max_new_tokens < 1 or p.max_prompt_tokens < 1:
-            raise ValueError("max_new_tokens and max_prompt_tokens must be >= 1")
-        Warp(p.temperature, p.top_k, p.top_p)  # validates
-        return p
+        d = {k: _number(k, v) for k, v in d.items() if v is not None}
+        if isinstance(d.get("seed"), int) and d["seed"] < 0:  # seed -1: random
+            del d["seed"]
+        return cls(**d)
+
+
+def _number(name: str, v):
+    """Integral floats (JSON 8.0) become ints; NaN and inf stay floats, for the checks to name."""
+    if isinstance(v, float) and v.is_integer() and name in ("max_new_tokens", "top_k", "max_prompt_tokens", "seed"):
+        return int(v)
+    return v
+
+
+def check_prompt(prompt) -> None:
+    """A one-line ``ValueError`` for a prompt no model can take: not text, not UTF-8, or blank."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be text, got {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("prompt is not valid UTF-8 text") from None
+    if not prompt.strip():
+        raise ValueError("empty prompt")
+
+
+def prompt_ids(tokenizer, prompt: str, limit: int) -> tuple[list[int], bool]:
+    """Token ids of ``prompt``, keeping the last ``limit`` of a longer one (warned); True if truncated.
+    The one prompt policy of ``generate``, ``complete`` and serving."""
+    check_prompt(prompt)
+    ids = tokenizer(prompt).input_ids
+    if len(ids) > limit:
+        log.warning("prompt of %d tokens truncated to its last %d", len(ids), limit)
+        return ids[-limit:], True
+    return ids, False
 
 
 @dataclass
@@ -84,6 +129,9 @@ class RoutedGenerator:
         self.router = bank.router()
         self.drafters = {c.id: build(c.drafter, self.decoder.n_layers, self.decoder.can_skip) for c in bank.clusters}
         self.eos = models.eos_ids(lm)
+        # One decoder (weights, KV cache) per loaded model: a generation holds it from prefill to the
+        # last token, so concurrent callers (serving threads) take turns and never share decode state.
+        self._busy = threading.Lock()
 
     @classmethod
     def from_model_uri(cls, model_uri: str, model: str | None = None, dtype: str = "auto", device: str = "auto",
@@ -101,19 +149,16 @@ class RoutedGenerator:
         return cls(models.load(model or bank.model, dtype, device), bank)
 
     def tokenize(self, prompt: str, limit: int) -> tuple[list[int], bool]:
-        if not prompt.strip():
-            raise ValueError("empty prompt")
-        ids = self.lm.tokenizer(prompt).input_ids
-        if len(ids) > limit:
-            log.warning("prompt of %d tokens truncated to its last %d", len(ids), limit)
-            return ids[-limit:], True
-        return ids, False
+        return prompt_ids(self.lm.tokenizer, prompt, limit)
 
     def generate(self, prompt: str, params: GenerateParams = GenerateParams()) -> Result:
-        t0 = time.perf_counter()
         ids, truncated = self.tokenize(prompt, params.max_prompt_tokens)
-        cfg = GenerationConfig(max_new_tokens=params.max_new_tokens, warp=Warp(params.temperature, params.top_k,
-                               params.top_p), seed=params.seed, eos_ids=self.eos)
+        with self._busy:
+            return self._generate(ids, truncated, params)
+
+    def _generate(self, ids: list[int], truncated: bool, params: GenerateParams) -> Result:
+        t0 = time.perf_counter()
+        cfg = GenerationConfig(max_new_tokens=params.max_new_tokens, warp=params.warp, seed=params.seed, eos_ids=self.eos)
         pool = self.bank.pooling
         seq, logits, hidden = prefill(self.decoder, ids, cfg, tap=None if pool.layer < 0 else pool.layer)
         t1 = time.perf_counter()

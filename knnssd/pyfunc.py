@@ -31,12 +31,25 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
             context.artifacts["bank"], model=os.environ.get("KNNSSD_MODEL"), dtype=os.environ.get("KNNSSD_DTYPE", "auto"))
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
-        from .engine import GenerateParams
+        from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
 
-        if isinstance(model_input, dict):
-            model_input = pd.DataFrame(model_input)
-        if "prompt" not in model_input:
-            raise ValueError("input needs a 'prompt' column")
-        p = GenerateParams.from_dict(params or {})
-        rows = [self.generator.generate(str(text), p).to_row() for text in model_input["prompt"]]
-        return pd.DataFrame(rows)
+        from .engine import GenerateParams, check_prompt
+
+        try:  # a bad request is answered 400 with the reason in "message", before any generation
+            p = GenerateParams.from_dict(params or {})
+            prompts = _prompts(model_input)
+            for text in prompts:
+                check_prompt(text)
+        except ValueError as e:
+            raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from None
+        return pd.DataFrame([self.generator.generate(text, p).to_row() for text in prompts])
+
+
+def _prompts(model_input) -> list:
+    if isinstance(model_input, dict):
+        model_input = pd.DataFrame(model_input)
+    if len(model_input) == 0:
+        raise ValueError("no prompts: send at least one record with a 'prompt' field")
+    if "prompt" not in model_input:
+        raise ValueError(f"records need a 'prompt' field; got {sorted(map(str, model_input.columns))}")
+    return list(model_input["prompt"])

@@ -19,6 +19,7 @@ as under plain sampling from p, whatever q is.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,9 @@ class Warp:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"bad sampling parameters: temperature={self.temperature} (>= 0), "
+        finite = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (self.temperature, self.top_p, self.top_k))
+        if not finite or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"bad sampling parameters: temperature={self.temperature} (finite, >= 0), "
                              f"top_k={self.top_k} (>= 0), top_p={self.top_p} (in (0, 1])")
 
     @property

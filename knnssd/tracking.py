@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .settings import work_dir
+
 EXPERIMENT = "knnssd-calibration"
+CONNECT_TIMEOUT_S = 5
+_reachable: set[str] = set()
 
 
 class RegistryError(ValueError):
@@ -33,12 +36,39 @@ def registered_name(model: str) -> str:
     return f"knnssd-{slug(model)}"
 
 
+def check_reachable(uri: str) -> None:
+    """Raise a one-line ``RegistryError`` within seconds when the tracking store cannot be used: a
+    server that does not answer, or a database file that cannot be written. (MLflow itself retries
+    for minutes.) Checked once per process and URI."""
+    if uri in _reachable:
+        return
+    if uri.startswith(("http://", "https://")):
+        import urllib.error
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=CONNECT_TIMEOUT_S).close()
+        except urllib.error.HTTPError:
+            pass  # it answered
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise RegistryError(f"tracking server {uri} does not answer within {CONNECT_TIMEOUT_S} s ({reason})") from None
+    elif uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):])
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "ab"):
+                pass
+        except OSError as e:
+            raise RegistryError(f"tracking database {path} cannot be written ({e.strerror or e})") from None
+    _reachable.add(uri)
+
+
 def setup(uri: str | None = None, experiment: str = EXPERIMENT) -> str:
     import mlflow
 
     uri = uri or default_uri()
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    check_reachable(uri)
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
         location = None
@@ -104,8 +134,13 @@ def signature():
 
     from .engine import GenerateParams
 
+    from mlflow.types import ColSpec, Schema
+
     defaults = {k: (-1 if v is None else v) for k, v in GenerateParams().__dict__.items()}
-    return infer_signature(pd.DataFrame({"prompt": ["Question: 2 + 2 = ?"]}), params=defaults)
+    sig = infer_signature(pd.DataFrame({"prompt": ["Question: 2 + 2 = ?"]}), params=defaults)
+    # optional, so that a request with no records or a misnamed field reaches predict's one-line reason
+    sig.inputs = Schema([ColSpec("string", "prompt", required=False)])
+    return sig
 
 
 def resolve(model_uri: str, uri: str | None = None):
@@ -127,17 +162,48 @@ def resolve(model_uri: str, uri: str | None = None):
 
 
 def download_bank(model_uri: str, dest: Path | None = None, uri: str | None = None) -> Path:
-    """Fetch the bank folder of a registered version; returns the folder holding bank.json."""
+    """Fetch the bank folder of a registered version; returns the folder holding bank.json.
+
+    By default into ``<work>/banks/<name>-v<version>``, reused when already there (a version's
+    files never change). It is fetched into a hidden sibling first and renamed into place, so a
+    killed download leaves no half folder in use and nothing in /tmp (the next call removes it).
+    """
     import mlflow
 
     mv = resolve(model_uri, uri)
-    dest = Path(dest or tempfile.mkdtemp(prefix="knnssd-bank-"))
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{mv.name}/{mv.version}", dst_path=str(dest)))
-    found = next(local.rglob("bank.json"), None)
-    if found is None:
-        shutil.rmtree(dest, ignore_errors=True)
-        raise RegistryError(f"{model_uri} (version {mv.version}) holds no bank.json")
-    return found.parent
+    if dest is None:
+        dest = work_dir() / "banks" / f"{mv.name}-v{mv.version}"
+        found = next(dest.rglob("bank.json"), None) if dest.is_dir() else None
+        if found is not None:
+            return found.parent
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(f".{dest.name}.*.part"):
+        if not _alive(stale.suffixes[-2].lstrip(".")):
+            shutil.rmtree(stale, ignore_errors=True)
+    part = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+    try:
+        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{mv.name}/{mv.version}", dst_path=str(part))
+        if next(part.rglob("bank.json"), None) is None:
+            raise RegistryError(f"{model_uri} (version {mv.version}) holds no bank.json")
+        try:
+            part.rename(dest)
+        except OSError:  # another process put it there first (or dest is a non-empty folder given by the caller)
+            if next(dest.rglob("bank.json"), None) is None:
+                raise
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
+    return next(dest.rglob("bank.json")).parent
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def set_alias(model: str, alias: str, version: str, uri: str | None = None) -> None:

@@ -51,7 +51,7 @@ def _name(stem: str) -> str:
 
 def pending(drop: Path, state: Path, model: str, min_prompts: int, use_unmatched: bool = True,
             work: Path | None = None) -> list[Item]:
-    from .calibration import work_dir
+    from .settings import work_dir
 
     if not drop.is_dir():
         raise FileNotFoundError(f"drop folder not found: {drop}")

@@ -6,8 +6,10 @@ from prefect.cache_policies import NO_CACHE
 
 from knnssd import bench
 
+from tasks.retry import transient
 
-@task(retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
+
+@task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def run_bench(cfg: bench.BenchConfig) -> dict:
     report = bench.run(cfg)
     return {"out": str(cfg.out), "targets": report["targets"], "mlflow_run_id": report.get("mlflow_run_id")}

@@ -10,13 +10,15 @@ from knnssd import calibration, router, search
 from knnssd.calibration import ModelSpec
 from knnssd.prompts import Prompt
 
+from tasks.retry import transient
 
-@task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+
+@task(retries=2, retry_condition_fn=transient, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def load_prompts(paths: list[str], split: str = "calib", domain_from_file: bool = False) -> list[Prompt]:
     return calibration.load_prompts(paths, split, domain_from_file=domain_from_file)
 
 
-@task(retries=1, cache_policy=NO_CACHE)  # cached on disk by content hash (a rerun recomputes nothing)
+@task(retries=1, retry_condition_fn=transient, cache_policy=NO_CACHE)  # cached on disk by content hash (a rerun recomputes nothing)
 def embed_prompts(spec: ModelSpec, rows: list[Prompt], pooling: router.Pooling) -> str:
     return str(calibration.embed(spec, rows, pooling))
 
@@ -31,7 +33,7 @@ def cluster_prompts(vectors: str, k_per_domain: int, n_clusters: int | None, lab
     return calibration.make_clusters(Path(vectors), k_per_domain, n_clusters, labelled, seed)
 
 
-@task(retries=1, retry_delay_seconds=5, cache_policy=SEARCH_CACHE, task_run_name="search-{cluster.label}")
+@task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=SEARCH_CACHE, task_run_name="search-{cluster.label}")
 def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: search.Budget, storage: str,
                    study_prefix: str, warm_start: list[dict] | None = None) -> dict:
     """A retry (or a rerun after a kill) resumes the cluster's Optuna studies from ``storage``."""
@@ -39,7 +41,7 @@ def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt],
     return calibration.search_one(spec, cluster, texts, budget, storage, study_prefix, warm_start)
 
 
-@task(retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE, task_run_name="proxy-worker-{cluster.label}")
+@task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=NO_CACHE, task_run_name="proxy-worker-{cluster.label}")
 def proxy_trials(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: search.Budget, storage: str,
                  study_prefix: str, n_trials: int) -> dict:
     """Scale-out: add ``n_trials`` stage-1 trials to the cluster's shared study."""
@@ -53,7 +55,7 @@ def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[di
     return str(calibration.build_bank(spec, clusters, results, Path(vectors), pooling, Path(out_dir), extra))
 
 
-@task(retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
+@task(retries=2, retry_condition_fn=transient, retry_delay_seconds=3, cache_policy=NO_CACHE)
 def register_bank(bank_dir: str, params: dict, tracking_uri: str | None, alias: str = "candidate") -> dict:
     return calibration.register(Path(bank_dir), params, tracking_uri, alias)
 

@@ -8,15 +8,16 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from knnssd import bank as banks
-from knnssd import calibration, extend, promote, prompts, router, tracking, watch
+from knnssd import extend, promote, prompts, router, tracking, watch
+
+from tasks.retry import transient
 
 
-@task(retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
+@task(retries=2, retry_condition_fn=transient, retry_delay_seconds=3, cache_policy=NO_CACHE)
 def fetch_bank(model_uri: str, tracking_uri: str | None) -> dict:
     """Download a registered bank (read only); returns its folder, model and version."""
     mv = tracking.resolve(model_uri, tracking_uri)
-    folder = tracking.download_bank(model_uri, calibration.work_dir() / "banks" / f"{mv.name}-v{mv.version}",
-                                    uri=tracking_uri)
+    folder = tracking.download_bank(model_uri, uri=tracking_uri)
     bank = banks.load(folder)
     return {"dir": str(folder), "model": bank.model, "version": str(mv.version), "pooling": bank.pooling}
 
@@ -43,14 +44,14 @@ def merge_bank(bank_dir: str, clusters: list[router.Cluster], results: list[dict
     return str(extend.build(Path(bank_dir), clusters, results, Path(vectors), Path(out_dir), source))
 
 
-@task(retries=2, cache_policy=NO_CACHE)
+@task(retries=2, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def eval_prompts(paths: list[str], per_file: int | None, extra: list[str] = ()) -> list[prompts.Prompt]:
     """Eval rows of each file (default: the five domains of the data folder) and of ``extra``."""
     paths = paths or [str(prompts.default_data_dir() / f"{d}.jsonl") for d in prompts.DOMAINS]
     return promote.eval_rows([*paths, *extra], per_file)
 
 
-@task(retries=1, cache_policy=NO_CACHE)
+@task(retries=1, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def compare_banks(candidate: dict, champion: dict, rows: list[prompts.Prompt], dtype: str, max_new_tokens: int,
                   tolerance: float) -> dict:
     c = promote.compare(candidate["dir"], champion["dir"], rows, (candidate["version"], champion["version"]), dtype,
@@ -58,7 +59,7 @@ def compare_banks(candidate: dict, champion: dict, rows: list[prompts.Prompt], d
     return asdict(c)
 
 
-@task(retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
+@task(retries=2, retry_condition_fn=transient, retry_delay_seconds=3, cache_policy=NO_CACHE)
 def log_and_promote(model: str, comparison: dict, tracking_uri: str | None) -> dict:
     metrics = {"ratio": comparison["ratio"], "candidate_s": comparison["candidate_s"],
                "champion_s": comparison["champion_s"], "identical": float(comparison["identical"]),
@@ -76,6 +77,6 @@ def pending_inputs(drop: str, state: str, model: str, min_prompts: int, use_unma
     return [asdict(x) for x in watch.pending(Path(drop), Path(state), model, min_prompts, use_unmatched)]
 
 
-@task(retries=2, cache_policy=NO_CACHE)
+@task(retries=2, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def mark_done(state: str, items: list[dict], result: dict) -> None:
     watch.mark(Path(state), [watch.Item(**x) for x in items], result)

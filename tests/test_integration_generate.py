@@ -4,8 +4,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -76,8 +79,17 @@ def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tm
             break
         time.sleep(0.2)
     assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
-    os.killpg(proc.pid, signal.SIGKILL)
+    children = descendants(proc.pid)
+    assert children, "the run's temporary Prefect server should be a child process"
+    tmp_before = set(Path(tempfile.gettempdir()).glob("knnssd-*"))
+    proc.send_signal(signal.SIGKILL)  # the process alone, not its group: its children must stop by themselves
     proc.wait()
+    deadline = time.time() + 15
+    while time.time() < deadline and any(alive(c) for c in children):
+        time.sleep(0.2)
+    assert not [c for c in children if alive(c)], "a child outlived the SIGKILLed run"
+    assert set(Path(tempfile.gettempdir()).glob("knnssd-*")) <= tmp_before
+    assert not out.with_name(out.name + ".lock").exists() or not _locked(out)
     if out.exists():
         pq.read_table(out)  # never torn
     done = run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
@@ -86,6 +98,72 @@ def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tm
     assert sorted(ids) == sorted(p.id for p in prompts.load(inp)) and len(ids) == len(set(ids))
     assert json.loads(done.stdout.strip().splitlines()[-1])["generated"] < 10
     assert not journal.exists()
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            out += [int(child), *descendants(int(child))]
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _locked(out: Path) -> bool:
+    from knnssd import batch
+
+    try:
+        with batch.writing(out):
+            return False
+    except batch.OutputError:
+        return True
+
+
+def test_two_generate_runs_on_one_output(registered, data_dir, tmp_path):
+    """The second run refuses at once, naming the first; the first completes with every row."""
+    inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=1)
+    out = tmp_path / "out.parquet"
+    args = [sys.executable, "-m", "knnssd.cli", "generate", "--model-uri", "models:/knnssd-smollm2@champion",
+            "--input", str(inp), "--output", str(out), "--max-new-tokens", "8", "--dtype", "float32"]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PREFECT_HOME": str(tmp_path / "prefect")}
+    first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = out.with_name(out.name + ".lock")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (lock.exists() and lock.read_text()):
+        time.sleep(0.1)
+    second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2
+    assert second.stderr.strip().splitlines()[-1] == (f"knnssd: error: {out.resolve()} is being written by process "
+                                                       f"{first.pid}; wait for it or choose another --output")
+    stdout, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0, stderr[-2000:]
+    assert sorted(r["id"] for r in pq.read_table(out).to_pylist()) == sorted(p.id for p in prompts.load(inp))
+    assert not lock.exists()
+
+
+def test_unreachable_tracking_and_corrupt_bank_fail_fast(registered, data_dir, tmp_path):
+    """One line, in seconds, before any server starts or model loads, with no retry and no traceback."""
+    inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=1)
+    bank = tmp_path / "bank"
+    bank.mkdir()
+    (bank / "bank.json").write_text('{"format": ')
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PREFECT_HOME": str(tmp_path / "prefect")}
+    for extra, message in ((["--model-uri", "models:/knnssd-smollm2@champion", "--tracking-uri", "http://127.0.0.1:9"],
+                            "does not answer"),
+                           (["--model-uri", str(bank)], "is corrupt")):
+        t0 = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "knnssd.cli", "generate", "--input", str(inp), "--output",
+                              str(tmp_path / "o.parquet"), *extra], env=env, capture_output=True, text=True, timeout=60)
+        assert time.monotonic() - t0 < 15 + 10  # the check's 5 s plus the interpreter's start
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and len(lines) == 1 and message in lines[0], run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -167,6 +245,35 @@ def test_mlflow_models_serve_answers_invocations(registered, tmp_path):
             preds = json.loads(r.read())["predictions"]
         assert len(preds) == 2 and all(p["new_tokens"] == 12 or p["stop"] == "eos" for p in preds)
         assert {"text", "label", "acceptance_rate", "route_ms"} <= set(preds[0])
+
+        def ask(records, params):
+            body = json.dumps({"dataframe_records": records, "params": params}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", body,
+                                         {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=300) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        # 10 requests at once get exactly their one-at-a-time answers (one decoder, one request at a time)
+        records = [[{"prompt": f"Translate German to English: Guten Morgen Nummer {i}."}] for i in range(10)]
+        sequential = [ask(r, {"max_new_tokens": 8}) for r in records]
+        with ThreadPoolExecutor(10) as pool:
+            concurrent = list(pool.map(lambda r: ask(r, {"max_new_tokens": 8}), records))
+        texts = lambda answers: [(code, a["predictions"][0]["tokens"]) for code, a in answers]  # noqa: E731
+        assert texts(concurrent) == texts(sequential) and all(code == 200 for code, _ in sequential)
+
+        # bad requests: 400 with the reason in the message
+        for recs, params, reason in (
+            (records[0], {"max_new_tokens": -1}, "max_new_tokens"),
+            (records[0], {"temperature": float("nan")}, "temperature=nan"),
+            (records[0], {"top_p": float("inf")}, "top_p=inf"),
+            ([], {}, "no prompts"),
+            ([{"text": "hi"}], {}, "'prompt' field"),
+        ):
+            code, answer = ask(recs, params)
+            assert code == 400 and reason in answer["message"], (params, answer)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)

@@ -1,0 +1,76 @@
+"""The Prefect API a command's flows use: checked, or started so that it dies with the command.
+
+With ``PREFECT_API_URL`` set, its ``/health`` must answer within ``TIMEOUT_S`` or the command
+stops with a one-line error. Without it, Prefect would start a temporary server (a uvicorn
+child) that outlives a SIGKILLed parent and keeps its port; ``local_api()`` starts that same
+server itself, with the kernel's parent-death signal set, so it stops with the command however
+the command ends.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+TIMEOUT_S = 5
+_PR_SET_PDEATHSIG = 1
+
+
+class PrefectUnavailable(RuntimeError):
+    """The Prefect API does not answer; one line."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _server_class():
+    import prefect
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
+
+    class Server(SubprocessASGIServer):
+        """Prefect's temporary server, started with ``_die_with_parent``."""
+
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+                   "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
+            args = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
+                    "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+                    "--log-level", "error", "--lifespan", "on"]
+            return subprocess.Popen(args, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    return Server
+
+
+def check(url: str) -> None:
+    import httpx
+
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=TIMEOUT_S).raise_for_status()
+    except httpx.HTTPError as e:
+        raise PrefectUnavailable(f"Prefect API {url} does not answer within {TIMEOUT_S} s ({type(e).__name__})") from None
+
+
+@contextlib.contextmanager
+def local_api() -> Iterator[str]:
+    """Yield the API URL flows will use: ``PREFECT_API_URL`` once it answers, else a temporary server
+    of this process's own."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    url = PREFECT_API_URL.value()
+    if url:
+        check(url)
+        yield url
+        return
+    server = _server_class()()
+    server.start()
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            yield server.api_url
+    finally:
+        server.stop()

@@ -1,0 +1,121 @@
+"""Inputs caught early and dependencies that fail fast (issue: reliability). No model loads here."""
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from knnssd import batch, tracking
+from knnssd.engine import GenerateParams, check_prompt
+from knnssd.sampling import Warp
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0),
+    ("top_p", math.nan), ("top_p", math.inf), ("top_p", 0.0),
+    ("top_k", math.nan), ("max_new_tokens", 0), ("max_new_tokens", -5), ("max_new_tokens", math.nan),
+    ("max_new_tokens", "8"), ("seed", 1.5),
+])
+def test_bad_generation_parameters_are_one_line_errors(field, value):
+    with pytest.raises(ValueError) as e:
+        GenerateParams.from_dict({field: value})
+    assert "\n" not in str(e.value) and field.split("_")[0] in str(e.value)
+
+
+def test_good_generation_parameters_pass():
+    p = GenerateParams.from_dict({"max_new_tokens": 8.0, "temperature": 0.7, "top_p": 0.9, "seed": -1})
+    assert p.max_new_tokens == 8 and p.seed is None and p.warp == Warp(0.7, 0, 0.9)
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ("caf\udce9", "not valid UTF-8"), ("   ", "empty prompt"), (None, "must be text"), (3, "must be text"),
+])
+def test_bad_prompts_are_one_line_errors(prompt, message):
+    with pytest.raises(ValueError, match=message):
+        check_prompt(prompt)
+
+
+def _hold(output, seconds=60):
+    code = textwrap.dedent(f"""
+        import sys, time
+        from knnssd import batch
+        with batch.writing({str(output)!r}):
+            print("held", flush=True)
+            time.sleep({seconds})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_one_writer_per_output_and_sigkill_releases_it(tmp_path):
+    out = tmp_path / "out.parquet"
+    holder = _hold(out)
+    try:
+        with pytest.raises(batch.OutputError, match=f"being written by process {holder.pid}"):
+            with batch.writing(out):
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with batch.writing(out):  # the kernel released the flock with the killed holder
+        with batch.writing(out):  # re-entrant within one process (the CLI holds it around the flow)
+            pass
+    assert not batch.lock_path(out).exists()
+
+
+def test_unreachable_or_unwritable_tracking_fails_in_seconds(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(tracking.RegistryError, match="does not answer"):
+        tracking.check_reachable("http://127.0.0.1:9")
+    assert time.monotonic() - t0 < 15
+    with pytest.raises(tracking.RegistryError, match="cannot be written"):
+        tracking.check_reachable("sqlite:////proc/knnssd-test/x.db")
+    tracking.check_reachable(f"sqlite:///{tmp_path / 'ok' / 'mlflow.db'}")
+
+
+def test_prefect_api_that_does_not_answer_fails_in_seconds():
+    from flows.server import PrefectUnavailable, check
+
+    t0 = time.monotonic()
+    with pytest.raises(PrefectUnavailable, match="does not answer"):
+        check("http://127.0.0.1:9/api")
+    assert time.monotonic() - t0 < 15
+
+
+def test_input_errors_are_not_retried():
+    from prefect.states import Failed
+
+    from tasks.retry import transient
+
+    assert not transient(None, None, Failed(data=ValueError("empty prompt")))
+    assert not transient(None, None, Failed(data=FileNotFoundError("x")))
+    assert transient(None, None, Failed(data=OSError("disk hiccup")))
+
+
+def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
+    """`complete` and `generate` answer in one line, with no model load (seconds, not a minute)."""
+    env = {**os.environ, "KNNSSD_WORK": str(tmp_path / "work"), "PREFECT_HOME": str(tmp_path / "prefect")}
+    inp = tmp_path / "p.jsonl"
+    inp.write_text('{"prompt": "Hello"}\n')
+    cases = [
+        (["complete", "--prompt", "hi", "--temperature", "nan"], "temperature=nan"),
+        (["complete", "--prompt", "hi", "--top-p", "inf"], "top_p=inf"),
+        (["complete", "--prompt", "hi", "--max-new-tokens", "0"], "must be >= 1"),
+        (["complete", "--prompt", b"caf\xe9"], "not valid UTF-8"),
+        (["generate", "--model-uri", str(tmp_path), "--input", str(inp), "--output", str(tmp_path / "o.parquet"),
+          "--temperature", "inf"], "temperature=inf"),
+        (["generate", "--model-uri", str(tmp_path), "--input", str(inp), "--output", str(tmp_path),
+          ], "is a folder"),
+    ]
+    for args, message in cases:
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "knnssd.cli", *args], env=env, capture_output=True, timeout=120)
+        err = out.stderr.decode(errors="replace").strip().splitlines()
+        assert out.returncode == 2 and len(err) == 1 and message in err[0], (args, err)
+        assert time.monotonic() - t0 < 30, args
+    assert not list(tmp_path.glob("*.progress.jsonl")) and not list(tmp_path.glob("*.lock"))
