@@ -12,9 +12,12 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+
+from knnssd import reachable
 
 TIMEOUT_S = 5
 _PR_SET_PDEATHSIG = 1
@@ -24,8 +27,20 @@ class PrefectUnavailable(RuntimeError):
     """The Prefect API does not answer; one line."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent_fn():
+    """A preexec function for a child that the kernel stops (SIGTERM) when this thread's process dies.
+    ``prctl`` is looked up here, in the parent: the child, between fork and exec, only calls it."""
+    if sys.platform != "linux":
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return preexec
 
 
 def _server_class():
@@ -42,24 +57,22 @@ def _server_class():
             args = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
                     "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
                     "--log-level", "error", "--lifespan", "on"]
-            return subprocess.Popen(args, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            return subprocess.Popen(args, env=env, preexec_fn=_die_with_parent_fn())
 
     return Server
 
 
 def check(url: str) -> None:
-    import httpx
-
-    try:
-        httpx.get(url.rstrip("/") + "/health", timeout=TIMEOUT_S).raise_for_status()
-    except httpx.HTTPError as e:
-        raise PrefectUnavailable(f"Prefect API {url} does not answer within {TIMEOUT_S} s ({type(e).__name__})") from None
+    reason = reachable.error(url.rstrip("/") + "/health", TIMEOUT_S)
+    if reason is not None:
+        raise PrefectUnavailable(f"Prefect API {url} does not answer within {TIMEOUT_S} s ({reason})")
 
 
 @contextlib.contextmanager
 def local_api() -> Iterator[str]:
     """Yield the API URL flows will use: ``PREFECT_API_URL`` once it answers, else a temporary server
-    of this process's own."""
+    of this process's own (call it from the main thread: the parent-death signal follows the thread
+    that started the server)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     url = PREFECT_API_URL.value()
@@ -67,10 +80,20 @@ def local_api() -> Iterator[str]:
         check(url)
         yield url
         return
-    server = _server_class()()
-    server.start()
+    server = _server_class()(_free_port())  # its own port: never an instance Prefect made without the signal
+    try:
+        server.start()
+    except Exception as e:  # noqa: BLE001 - a start timeout, a port race: one line, and nothing left running
+        server.stop()
+        raise PrefectUnavailable(f"the temporary Prefect server did not start ({str(e).splitlines()[0][:200]})") from None
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             yield server.api_url
     finally:
         server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -129,5 +129,5 @@ def implementations(rows: int) -> tuple[Attention, ...]:
     """The candidates the exactness probe measures, for passes of up to ``rows`` tokens: the plain ones,
     then padded forms from the cheapest (2 rows) to the surest (``rows``: every call one shape)."""
     pads = sorted({p for p in (2, 4, rows) if 1 < p <= rows})
-    return (SDPA, SDPA_FOLD, FP32, SDPA_DYNAMIC,
-            *(padded(impl, p) for p in pads for impl in (SDPA, FP32)), padded(SDPA_FOLD, 4))
+    return (SDPA, SDPA_FOLD, FP32, SDPA_DYNAMIC, *(padded(impl, p) for p in pads for impl in (SDPA, FP32)),
+            *(padded(SDPA_FOLD, p) for p in pads if p == min(4, rows)))

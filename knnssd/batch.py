@@ -73,14 +73,7 @@ def writing(output: str | os.PathLike) -> Iterator[None]:
         yield
         return
     path = lock_path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise OutputError(f"{output} is being written by process {holder}; wait for it or choose another --output") from None
+    fd = _lock(path)
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     _held[output] = fd
@@ -88,15 +81,46 @@ def writing(output: str | os.PathLike) -> Iterator[None]:
         yield
     finally:
         del _held[output]
-        path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # while still holding it: a waiter then finds its file gone and retries
         os.close(fd)
+
+
+def _lock(path: Path) -> int:
+    """An fd holding ``flock`` on the file now at ``path`` (not one a finishing holder just unlinked)."""
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputError(f"cannot create the lock file {path} ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            output = path.with_name(path.name[: -len(".lock")])
+            raise OutputError(f"{output} is being written by process {holder}; wait for it or choose another "
+                              "--output") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def check_output(output: Path, overwrite: bool) -> None:
+    """The output is a file path, and (unless ``overwrite``) one this tool can resume."""
+    if output.is_dir():
+        raise OutputError(f"{output} is a folder; give a .parquet file path")
+    if not overwrite:
+        read_done(output)
 
 
 def read_done(output: Path) -> dict[str, dict]:
     """Rows already finished: the parquet output plus the progress journal (a torn last line is ignored)."""
     done: dict[str, dict] = {}
-    if output.is_dir():
-        raise OutputError(f"{output} is a folder; give a .parquet file path")
     if output.exists():
         import pyarrow.parquet as pq
 
@@ -145,6 +169,7 @@ def run(gen: RoutedGenerator, rows: list[Prompt], output: str | os.PathLike, par
         overwrite: bool = False, flush_every: int = 8, unmatched_dir: Path | None = None) -> Summary:
     output = Path(output)
     check(rows)
+    check_output(output, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
     with writing(output):
         return _run(gen, rows, output, params, overwrite, flush_every, unmatched_dir)

@@ -187,7 +187,7 @@ def cmd_generate(a) -> int:
 
     from . import bank as banks
     from . import tracking
-    from .batch import OutputError, check, read_done, writing
+    from .batch import check, check_output, writing
     from .engine import GenerateParams
     from .prompts import load
 
@@ -199,11 +199,8 @@ def cmd_generate(a) -> int:
         raise ValueError("no prompts")
     check(rows)
     output = Path(a.output)
-    if output.is_dir():
-        raise OutputError(f"{output} is a folder; give a .parquet file path")
+    check_output(output, a.overwrite)
     with writing(output):  # one writer per output: a second run fails here, naming this process
-        if not a.overwrite:
-            read_done(output)  # an output that cannot be resumed
         _check_tracking(a.tracking_uri)
         if a.model_uri.startswith("models:/"):
             banks.load(tracking.download_bank(a.model_uri, uri=a.tracking_uri))  # fetched once, reused by the flow

@@ -7,12 +7,14 @@ too when the model has none yet. Tracking URI: ``$MLFLOW_TRACKING_URI``, else
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import reachable
 from .settings import work_dir
 
 EXPERIMENT = "knnssd-calibration"
@@ -43,16 +45,9 @@ def check_reachable(uri: str) -> None:
     if uri in _reachable:
         return
     if uri.startswith(("http://", "https://")):
-        import urllib.error
-        import urllib.request
-
-        try:
-            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=CONNECT_TIMEOUT_S).close()
-        except urllib.error.HTTPError:
-            pass  # it answered
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise RegistryError(f"tracking server {uri} does not answer within {CONNECT_TIMEOUT_S} s ({reason})") from None
+        reason = reachable.error(uri.rstrip("/") + "/health", CONNECT_TIMEOUT_S)
+        if reason is not None:
+            raise RegistryError(f"tracking server {uri} does not answer within {CONNECT_TIMEOUT_S} s ({reason})")
     elif uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
         try:
@@ -164,36 +159,45 @@ def resolve(model_uri: str, uri: str | None = None):
 def download_bank(model_uri: str, dest: Path | None = None, uri: str | None = None) -> Path:
     """Fetch the bank folder of a registered version; returns the folder holding bank.json.
 
-    By default into ``<work>/banks/<name>-v<version>``, reused when already there (a version's
-    files never change). It is fetched into a hidden sibling first and renamed into place, so a
-    killed download leaves no half folder in use and nothing in /tmp (the next call removes it).
+    By default into ``<work>/banks/<name>-v<version>-<store>`` (``<store>``: a hash of the tracking
+    store and the version's run), reused when already there: a version's files never change. It is
+    fetched into a hidden sibling first and renamed into place, so a killed download leaves no half
+    folder in use and nothing in /tmp (the next call removes it). An explicit ``dest`` is fetched into.
     """
     import mlflow
 
     mv = resolve(model_uri, uri)
-    if dest is None:
-        dest = work_dir() / "banks" / f"{mv.name}-v{mv.version}"
-        found = next(dest.rglob("bank.json"), None) if dest.is_dir() else None
-        if found is not None:
-            return found.parent
-    dest = Path(dest)
+    artifact = f"models:/{mv.name}/{mv.version}"
+    if dest is not None:
+        mlflow.artifacts.download_artifacts(artifact_uri=artifact, dst_path=str(dest))
+        return _bank_in(Path(dest), model_uri, mv.version)
+    store = hashlib.sha1(f"{mlflow.get_tracking_uri()}|{mv.run_id}|{mv.source}".encode()).hexdigest()[:10]
+    dest = work_dir() / "banks" / f"{mv.name}-v{mv.version}-{store}"
+    if dest.is_dir() and next(dest.rglob("bank.json"), None) is not None:
+        return _bank_in(dest, model_uri, mv.version)
     dest.parent.mkdir(parents=True, exist_ok=True)
     for stale in dest.parent.glob(f".{dest.name}.*.part"):
         if not _alive(stale.suffixes[-2].lstrip(".")):
             shutil.rmtree(stale, ignore_errors=True)
     part = dest.with_name(f".{dest.name}.{os.getpid()}.part")
     try:
-        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{mv.name}/{mv.version}", dst_path=str(part))
-        if next(part.rglob("bank.json"), None) is None:
-            raise RegistryError(f"{model_uri} (version {mv.version}) holds no bank.json")
+        mlflow.artifacts.download_artifacts(artifact_uri=artifact, dst_path=str(part))
+        _bank_in(part, model_uri, mv.version)
+        shutil.rmtree(dest, ignore_errors=True)  # a folder without bank.json (an interrupted copy by hand)
         try:
             part.rename(dest)
-        except OSError:  # another process put it there first (or dest is a non-empty folder given by the caller)
-            if next(dest.rglob("bank.json"), None) is None:
-                raise
+        except OSError:  # another process renamed its copy into place first
+            pass
     finally:
         shutil.rmtree(part, ignore_errors=True)
-    return next(dest.rglob("bank.json")).parent
+    return _bank_in(dest, model_uri, mv.version)
+
+
+def _bank_in(folder: Path, model_uri: str, version) -> Path:
+    found = next(folder.rglob("bank.json"), None)
+    if found is None:
+        raise RegistryError(f"{model_uri} (version {version}) holds no bank.json")
+    return found.parent
 
 
 def _alive(pid: str) -> bool:
