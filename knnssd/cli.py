@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -11,7 +10,8 @@ from pathlib import Path
 for _key, _value in {"HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true",
                      "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
                      # a tracking server that stops answering mid-run fails in seconds, not after minutes of retries
-                     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}.items():
+                     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
+                     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}.items():
     os.environ.setdefault(_key, _value)
 
 
@@ -407,16 +407,19 @@ def main(argv: list[str] | None = None) -> int:
     from .models import ModelError
     from .prompts import PromptError
     from .skip import MaskError
-    from .tracking import RegistryError
     from flows.server import PrefectUnavailable
 
+    from . import console
+    from .tracking import RegistryError
+
     a = parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    console.setup(a.verbose)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     try:
+        if a.cmd not in ("complete", "bench-engine", "ui"):  # the commands that use MLflow
+            console.adopt_library_loggers()
         return a.fn(a)
     except (ModelError, PromptError, MaskError, BankError, RegistryError, OutputError, ValueError, FileNotFoundError,
             PrefectUnavailable) as e:

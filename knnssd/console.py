@@ -1,0 +1,52 @@
+"""What a command shows: its own progress and results, warnings and errors; the rest goes to a file.
+
+Everything (knnssd, Prefect, MLflow, Python warnings) is written at INFO to
+``<work>/logs/knnssd.log``. The terminal gets WARNING and above, without Python warnings, or
+everything with ``-v``. MLflow gives its loggers a terminal handler of their own at import; they
+are sent through the same two handlers instead. Prefect leaves the root handlers alone once they exist.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .settings import work_dir
+
+FORMAT = "%(levelname)s %(name)s: %(message)s"
+_LIBRARY_LOGGERS = ("mlflow", "alembic", "sqlalchemy.engine", "huey")
+
+
+class _NoPythonWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != "py.warnings"
+
+
+def setup(verbose: bool) -> Path:
+    """Route logging as above; returns the log file."""
+    path = work_dir() / "logs" / "knnssd.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    terminal = logging.StreamHandler()
+    terminal.setLevel(logging.INFO if verbose else logging.WARNING)
+    terminal.setFormatter(logging.Formatter(FORMAT))
+    if not verbose:
+        terminal.addFilter(_NoPythonWarnings())
+    file = logging.FileHandler(path, encoding="utf-8")
+    file.setLevel(logging.INFO)
+    file.setFormatter(logging.Formatter("%(asctime)s " + FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [terminal, file]
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    for name in ("transformers", "urllib3", "httpx", "httpcore", "filelock", "faiss"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return path
+
+
+def adopt_library_loggers() -> None:
+    """Send MLflow's loggers (configured when mlflow is imported) through the root handlers."""
+    import mlflow  # noqa: F401 - configures its loggers
+
+    for name in _LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers = []
+        logger.propagate = True
