@@ -110,12 +110,11 @@ def _lock(path: Path) -> int:
         os.close(fd)
 
 
-def check_output(output: Path, overwrite: bool) -> None:
-    """The output is a file path, and (unless ``overwrite``) one this tool can resume."""
+def check_output(output: Path, overwrite: bool) -> dict[str, dict]:
+    """The output is a file path, and (unless ``overwrite``) one this tool can resume: its finished rows."""
     if output.is_dir():
         raise OutputError(f"{output} is a folder; give a .parquet file path")
-    if not overwrite:
-        read_done(output)
+    return {} if overwrite else read_done(output)
 
 
 def read_done(output: Path) -> dict[str, dict]:
@@ -169,20 +168,18 @@ def run(gen: RoutedGenerator, rows: list[Prompt], output: str | os.PathLike, par
         overwrite: bool = False, flush_every: int = 8, unmatched_dir: Path | None = None) -> Summary:
     output = Path(output)
     check(rows)
-    check_output(output, overwrite)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with writing(output):
-        return _run(gen, rows, output, params, overwrite, flush_every, unmatched_dir)
+    with writing(output):  # creates the output's folder
+        done = check_output(output, overwrite)  # read under the lock: no other writer is mid-flush
+        if overwrite:
+            output.unlink(missing_ok=True)
+            progress_path(output).unlink(missing_ok=True)
+        return _run(gen, rows, output, done, params, flush_every, unmatched_dir)
 
 
-def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, params: GenerateParams, overwrite: bool,
+def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, done: dict[str, dict], params: GenerateParams,
          flush_every: int, unmatched_dir: Path | None) -> Summary:
     from tqdm import tqdm
 
-    if overwrite:
-        output.unlink(missing_ok=True)
-        progress_path(output).unlink(missing_ok=True)
-    done = read_done(output)
     wanted = {r.id for r in rows}
     finished = [done[r.id] for r in rows if r.id in done]
     todo = [r for r in rows if r.id not in done]

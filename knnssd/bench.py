@@ -95,7 +95,7 @@ class Runner:
         from .engine import RoutedGenerator
 
         def folder(uri):
-            return Path(uri) if Path(uri).is_dir() else tracking.download_bank(uri, uri=cfg.tracking_uri)
+            return tracking.bank_folder(uri, cfg.tracking_uri)
 
         bank = banks.load(folder(cfg.bank))
         self.lm = models.load(cfg.model or bank.model, cfg.dtype, cfg.device)

@@ -202,12 +202,7 @@ def cmd_generate(a) -> int:
     check_output(output, a.overwrite)
     with writing(output):  # one writer per output: a second run fails here, naming this process
         _check_tracking(a.tracking_uri)
-        if a.model_uri.startswith("models:/"):
-            banks.load(tracking.download_bank(a.model_uri, uri=a.tracking_uri))  # fetched once, reused by the flow
-        elif Path(a.model_uri).is_dir():
-            banks.load(a.model_uri)
-        else:
-            raise ValueError(f"--model-uri '{a.model_uri}' is neither models:/<name>@<alias> nor a bank folder")
+        banks.load(tracking.bank_folder(a.model_uri, a.tracking_uri))  # a fetched bank is reused by the flow
         summary = _flow(generate, a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri)
     print(json.dumps(summary))
     return 0

@@ -110,17 +110,13 @@ class _Stopper:
         return ""
 
 
-def _device(decoder) -> torch.device:
-    return decoder.stack.device if isinstance(decoder, Decoder) else next(decoder.model.parameters()).device
-
-
 def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None
             ) -> tuple[Sequence, torch.Tensor, torch.Tensor]:
     """Run the prompt; returns the sequence, the last position's logits (V,) and the prompt's hidden
     states (T, E): final-normed, or the residual stream after layer ``tap`` when given."""
     if not prompt_ids:
         raise ValueError("empty prompt: at least one token is needed")
-    device = _device(decoder)
+    device = decoder.device
     gen = None
     if not config.warp.greedy:
         gen = torch.Generator(device=device)

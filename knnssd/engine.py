@@ -139,8 +139,7 @@ class RoutedGenerator:
         """From a registered bank version (``models:/knnssd-smollm2@champion``) or a local bank folder."""
         from . import tracking
 
-        folder = Path(model_uri) if Path(model_uri).is_dir() else tracking.download_bank(model_uri, uri=tracking_uri)
-        return cls.from_bank_dir(folder, model, dtype, device)
+        return cls.from_bank_dir(tracking.bank_folder(model_uri, tracking_uri), model, dtype, device)
 
     @classmethod
     def from_bank_dir(cls, folder: str | Path, model: str | None = None, dtype: str = "auto",

@@ -75,7 +75,7 @@ def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, st
     """(rows bitwise equal to one-token steps, rows compared) for passes of T = 2..max_t tokens
     (``stop_early``: stop at the first pass with a differing row)."""
     vocab = _vocab(dec)
-    device = _device(dec)
+    device = dec.device
     ids = torch.randint(0, vocab, (context + max_t,), generator=torch.Generator().manual_seed(seed)).to(device)
     x = ids[context:]
     dec.reserve(context + max_t)
@@ -204,7 +204,7 @@ def _step_ms(dec, candidates: tuple[Attention, ...], max_t: int) -> list[float]:
     """Milliseconds of a one-token step plus a max_t-token pass, for each candidate: the best of
     ``TIMING_ROUNDS`` rounds that take the candidates in turn (so a slow spell on a shared
     machine hits them all, not the one that happened to run then)."""
-    device = _device(dec)
+    device = dec.device
     ids = torch.zeros(max_t, dtype=torch.long, device=device)
     runs = []
     for impl in candidates:
@@ -228,8 +228,3 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _vocab(dec) -> int:
     stack = getattr(dec, "stack", None)
     return stack.embed.shape[0] if stack is not None else dec.model.get_input_embeddings().weight.shape[0]
-
-
-def _device(dec) -> torch.device:
-    stack = getattr(dec, "stack", None)
-    return stack.device if stack is not None else next(dec.model.parameters()).device

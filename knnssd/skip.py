@@ -172,6 +172,10 @@ class Decoder:
     def n_layers(self) -> int:
         return self.stack.n_layers
 
+    @property
+    def device(self) -> torch.device:
+        return self.stack.device
+
     def int8_stack(self) -> Stack:
         if self._int8 is None:
             self._int8 = self.stack.int8()
@@ -269,6 +273,7 @@ class HFDecoder:
         self._new_cache = lambda: DynamicCache(config=model.config)
         self.cache = self._new_cache()
         self.n_layers = model.config.num_hidden_layers
+        self.device = next(model.parameters()).device
         self.exactness = None
 
     def int8_stack(self):

@@ -156,6 +156,15 @@ def resolve(model_uri: str, uri: str | None = None):
                             f" ({type(e).__name__})") from None
 
 
+def bank_folder(model_uri: str, uri: str | None = None) -> Path:
+    """The bank behind ``model_uri``: a bank folder as is, or a registered version fetched (``download_bank``)."""
+    if Path(model_uri).is_dir():
+        return Path(model_uri)
+    if not model_uri.startswith("models:/"):
+        raise RegistryError(f"'{model_uri}' is neither models:/<name>@<alias> (or /<version>) nor a bank folder")
+    return download_bank(model_uri, uri=uri)
+
+
 def download_bank(model_uri: str, dest: Path | None = None, uri: str | None = None) -> Path:
     """Fetch the bank folder of a registered version; returns the folder holding bank.json.
 
@@ -173,8 +182,9 @@ def download_bank(model_uri: str, dest: Path | None = None, uri: str | None = No
         return _bank_in(Path(dest), model_uri, mv.version)
     store = hashlib.sha1(f"{mlflow.get_tracking_uri()}|{mv.run_id}|{mv.source}".encode()).hexdigest()[:10]
     dest = work_dir() / "banks" / f"{mv.name}-v{mv.version}-{store}"
-    if dest.is_dir() and next(dest.rglob("bank.json"), None) is not None:
-        return _bank_in(dest, model_uri, mv.version)
+    cached = next(dest.rglob("bank.json"), None) if dest.is_dir() else None
+    if cached is not None:
+        return cached.parent
     dest.parent.mkdir(parents=True, exist_ok=True)
     for stale in dest.parent.glob(f".{dest.name}.*.part"):
         if not _alive(stale.suffixes[-2].lstrip(".")):

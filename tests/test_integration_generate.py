@@ -46,6 +46,16 @@ def eval_file(data_dir: Path, out: Path, n=3) -> Path:
     return out
 
 
+def cli_env(registered, tmp_path) -> dict:
+    return {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PREFECT_HOME": str(tmp_path / "prefect")}
+
+
+def generate_argv(inp: Path, out: Path, max_new_tokens: int) -> list[str]:
+    """`knnssd generate` of the registered champion, fp32, as a subprocess command line."""
+    return [sys.executable, "-m", "knnssd.cli", "generate", "--model-uri", "models:/knnssd-smollm2@champion",
+            "--input", str(inp), "--output", str(out), "--max-new-tokens", str(max_new_tokens), "--dtype", "float32"]
+
+
 def test_batch_flow_routes_each_domain(registered, data_dir, prefect_harness, tmp_path):
     from flows.generate import generate
 
@@ -68,9 +78,8 @@ def test_batch_flow_routes_each_domain(registered, data_dir, prefect_harness, tm
 def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tmp_path):
     inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=5)
     out = tmp_path / "out.parquet"
-    args = [sys.executable, "-m", "knnssd.cli", "generate", "--model-uri", "models:/knnssd-smollm2@champion",
-            "--input", str(inp), "--output", str(out), "--max-new-tokens", "24", "--dtype", "float32"]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PREFECT_HOME": str(tmp_path / "prefect")}
+    args = generate_argv(inp, out, max_new_tokens=24)
+    env = cli_env(registered, tmp_path)
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     journal = out.with_name(out.name + ".progress.jsonl")
     deadline = time.time() + 300
@@ -130,9 +139,8 @@ def test_two_generate_runs_on_one_output(registered, data_dir, tmp_path):
     """The second run refuses at once, naming the first; the first completes with every row."""
     inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=1)
     out = tmp_path / "out.parquet"
-    args = [sys.executable, "-m", "knnssd.cli", "generate", "--model-uri", "models:/knnssd-smollm2@champion",
-            "--input", str(inp), "--output", str(out), "--max-new-tokens", "8", "--dtype", "float32"]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PREFECT_HOME": str(tmp_path / "prefect")}
+    args = generate_argv(inp, out, max_new_tokens=8)
+    env = cli_env(registered, tmp_path)
     first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lock = out.with_name(out.name + ".lock")
     deadline = time.time() + 120
@@ -154,7 +162,7 @@ def test_unreachable_tracking_and_corrupt_bank_fail_fast(registered, data_dir, t
     bank = tmp_path / "bank"
     bank.mkdir()
     (bank / "bank.json").write_text('{"format": ')
-    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = cli_env(registered, tmp_path)
     for extra, message in ((["--model-uri", "models:/knnssd-smollm2@champion", "--tracking-uri", "http://127.0.0.1:9"],
                             "does not answer"),
                            (["--model-uri", str(bank)], "is corrupt")):
@@ -180,7 +188,7 @@ def test_generate_bad_input_is_one_line(registered, data_dir, tmp_path, args, me
             str(tmp_path / "o.parquet"), "--max-new-tokens", "4"]
     for k, v in zip(args[::2], args[1::2]):
         argv[argv.index(k) + 1] = v
-    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = cli_env(registered, tmp_path)
     out = subprocess.run([sys.executable, "-m", "knnssd.cli", *argv], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
