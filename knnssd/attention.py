@@ -10,7 +10,8 @@ device, the dtype and the model's shapes (``exactness.py`` measures it at load):
 
     sdpa          SDPA over all L keys with a boolean position mask (static shapes)
     sdpa_fold     the same, with the G query heads of each KV head folded into rows: one
-                  (G * T, L) score matrix per KV head, no repeated K/V
+                  (G * T, L) score matrix per KV head, no repeated K/V; ``folded(4)`` pads
+                  those rows to a multiple of 4 (``sdpa_fold_r4``)
     fp32          fp32 bmm, additive -inf mask, softmax, bmm over all L keys (static shapes;
                   the cache is kept in fp32 so nothing is converted per call)
     sdpa_dynamic  the pre-static step: SDPA over keys 0..pos[-1] only, no mask for T = 1
@@ -49,13 +50,31 @@ def _sdpa(q, k, v, mask, scale):
     return o.transpose(1, 2).reshape(1, T, H * D)
 
 
-def _sdpa_fold(q, k, v, mask, scale):
-    T, H, D = q.shape
-    KV = k.shape[1]
-    G = H // KV
-    qg = q.reshape(T, KV, G, D).permute(1, 2, 0, 3).contiguous().view(1, KV, G * T, D)  # rows g-major: (g, t)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(G, 1), scale=scale)
-    return o.view(KV, G, T, D).permute(2, 0, 1, 3).reshape(1, T, H * D)
+def folded(rows: int = 1) -> "Attention":
+    """SDPA with the G query heads of each KV head folded into rows, g-major (g, t): one (R, L) score
+    matrix per KV head and no repeated K/V. The G*T rows are padded with zero rows to R, a multiple
+    of ``rows``: the CPU kernel takes query rows in blocks of up to 32 and rounds a block of one to
+    three rows differently, so with ``rows`` = 4 no block is that short (a one-token step is 3 rows
+    of SmolLM2, padded to 4; an 11-token pass 33, padded to 36)."""
+
+    def mask(pos, length, window):
+        return pos.shape[0], allowed(pos, length, window)
+
+    def attend(q, k, v, m, scale):
+        T, allowed_ = m
+        _, H, D = q.shape
+        KV = k.shape[1]
+        G = H // KV
+        R = -(-G * T // rows) * rows
+        qg = q.reshape(T, KV, G, D).permute(1, 2, 0, 3).reshape(1, KV, G * T, D)
+        mg = allowed_.repeat(G, 1)
+        if R > G * T:
+            qg = torch.cat((qg, qg.new_zeros(1, KV, R - G * T, D)), 2)
+            mg = torch.cat((mg, mg[:1].expand(R - G * T, -1)))
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
+        return o[0, :, : G * T].reshape(KV, G, T, D).permute(2, 0, 1, 3).reshape(1, T, H * D)
+
+    return Attention("sdpa_fold" if rows == 1 else f"sdpa_fold_r{rows}", mask, attend, cache_fp32=False, static=True)
 
 
 def _fp32_mask(pos, length, window):
@@ -102,7 +121,7 @@ class Attention:
 
 
 SDPA = Attention("sdpa", allowed, _sdpa, cache_fp32=False, static=True)
-SDPA_FOLD = Attention("sdpa_fold", allowed, _sdpa_fold, cache_fp32=False, static=True)
+SDPA_FOLD = folded()
 FP32 = Attention("fp32", _fp32_mask, _fp32, cache_fp32=True, static=True)
 SDPA_DYNAMIC = Attention("sdpa_dynamic", _dynamic_mask, _dynamic, cache_fp32=False, static=False)
 
@@ -130,4 +149,4 @@ def implementations(rows: int) -> tuple[Attention, ...]:
     then padded forms from the cheapest (2 rows) to the surest (``rows``: every call one shape)."""
     pads = sorted({p for p in (2, 4, rows) if 1 < p <= rows})
     return (SDPA, SDPA_FOLD, FP32, SDPA_DYNAMIC, *(padded(impl, p) for p in pads for impl in (SDPA, FP32)),
-            *(padded(SDPA_FOLD, p) for p in pads if p == min(4, rows)))
+            folded(4))

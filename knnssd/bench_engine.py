@@ -19,7 +19,7 @@ from . import models
 from . import prompts as prompt_sets
 from .decode import GenerationConfig, generate
 from .drafters import DrafterConfig, build
-from .skip import Decoder, SkipMask, make_decoder
+from .skip import Decoder, SkipMask
 from .timing import median_ms
 
 
@@ -89,7 +89,7 @@ def run(cfg: EngineBench, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     from tqdm import tqdm
 
     lm = models.load(cfg.model, cfg.dtype, cfg.device)
-    dec = make_decoder(lm.model)
+    dec = lm.decoder
     rows = prompt_sets.load_domains(cfg.data, cfg.domains, "eval", cfg.prompts)
     gen_cfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_ids=models.eos_ids(lm))
     configs = fixed_drafters(dec.n_layers, dec.can_skip)

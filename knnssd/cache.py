@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-BUCKET = 256
+BUCKET = 64
 
 
 class CacheFull(RuntimeError):

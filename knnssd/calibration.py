@@ -22,8 +22,7 @@ import torch
 
 from . import bank as banks
 from . import models, pictures, prompts, router, search, tracking
-from .settings import work_dir
-from .skip import make_decoder
+from .settings import cache_dir, work_dir
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def runtime(spec: ModelSpec):
 @functools.lru_cache(maxsize=2)
 def _runtime(spec: ModelSpec):
     lm = models.load(spec.name, spec.dtype, spec.device)
-    return lm, make_decoder(lm.model)
+    return lm, lm.decoder
 
 
 def step_costs(spec: ModelSpec) -> search.Costs:
@@ -123,7 +122,7 @@ def make_clusters(vectors: Path, k_per_domain: int = 10, n_clusters: int | None 
 @contextlib.contextmanager
 def machine_lock(name: str = "timing"):
     """Serialise timed work on one machine (concurrent searches would disturb each other's clocks)."""
-    path = models.cache_root() / f"{name}.lock"
+    path = cache_dir() / f"{name}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)

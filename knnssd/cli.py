@@ -25,7 +25,9 @@ def _check_tracking(uri: str | None) -> None:
     """The tracking store answers and can be written: checked in seconds, before any slow work."""
     from . import tracking
 
-    tracking.check_reachable(uri or tracking.default_uri())
+    from .settings import tracking_uri
+
+    tracking.check_reachable(uri or tracking_uri())
 
 
 def _flow(fn, *args):
@@ -55,7 +57,7 @@ def cmd_complete(a) -> int:
     from .decode import GenerationConfig, generate
     from .drafters import DrafterConfig, build
     from .engine import GenerateParams, check_prompt, prompt_ids
-    from .skip import SkipMask, make_decoder
+    from .skip import SkipMask
 
     # what the user typed is checked before the model loads, with the checks and truncation of `generate`
     p = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -63,7 +65,7 @@ def cmd_complete(a) -> int:
     check_prompt(a.prompt)
     mask = SkipMask.from_json(Path(a.mask).read_text()) if a.mask else None
     lm = models.load(a.model, a.dtype, a.device)
-    dec = make_decoder(lm.model)
+    dec = lm.decoder
     mask = mask or SkipMask.none(dec.n_layers)
     cfg = DrafterConfig(kind=a.drafter, mask=mask.to_dict(), max_len=a.max_draft, threshold=a.threshold, int8=a.int8)
     gen = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=models.eos_ids(lm))
@@ -211,9 +213,9 @@ def cmd_generate(a) -> int:
 def cmd_ui(a) -> int:
     import subprocess
 
-    from .tracking import default_uri
+    from .settings import tracking_uri
 
-    uri = a.tracking_uri or default_uri()
+    uri = a.tracking_uri or tracking_uri()
     print(f"MLflow UI for {uri} on http://{a.host}:{a.port}  (Ctrl-C stops it)", file=sys.stderr)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
     return subprocess.call(cmd)

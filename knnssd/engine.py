@@ -7,7 +7,6 @@ the pyfunc model.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -19,7 +18,6 @@ from . import models
 from .decode import DecodeStats, GenerationConfig, decode, prefill
 from .drafters import build
 from .sampling import Warp
-from .skip import make_decoder
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +119,7 @@ class Result:
 class RoutedGenerator:
     def __init__(self, lm: models.LoadedModel, bank: banks.Bank):
         self.lm, self.bank = lm, bank
-        self.decoder = make_decoder(lm.model)
+        self.decoder = lm.decoder
         bank.check_model(lm.fingerprint, self.decoder.n_layers)
         if bank.dtype and bank.dtype != lm.dtype_name:
             log.warning("bank was tuned in %s and runs in %s: outputs stay exact, its speedups may not hold "
@@ -129,9 +127,7 @@ class RoutedGenerator:
         self.router = bank.router()
         self.drafters = {c.id: build(c.drafter, self.decoder.n_layers, self.decoder.can_skip) for c in bank.clusters}
         self.eos = models.eos_ids(lm)
-        # One decoder (weights, KV cache) per loaded model: a generation holds it from prefill to the
-        # last token, so concurrent callers (serving threads) take turns and never share decode state.
-        self._busy = threading.Lock()
+        self._busy = lm.busy  # the model's one decoder is held from prefill to the last token
 
     @classmethod
     def from_model_uri(cls, model_uri: str, model: str | None = None, dtype: str = "auto", device: str = "auto",

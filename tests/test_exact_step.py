@@ -4,6 +4,7 @@ output token-identical to the decoder's own plain decoding, in bf16 as well as f
 A bf16 test skips (printing the probe's reason) only where the probe finds no row-invariant
 implementation on this machine; fp32 must be exact everywhere.
 """
+import dataclasses
 import functools
 
 import pytest
@@ -64,6 +65,25 @@ def test_probe_reports_not_exact_for_an_implementation_that_is_not_row_invariant
     assert stats.exact is False and stats.step == "perturbed"
 
 
+def test_probe_remembers_its_exact_choice_and_rechecks_it(tmp_path):
+    record = tmp_path / "probe" / "tiny.json"
+    first = exactness.choose(make_decoder(tiny("llama")), record=record)
+    assert first.exact and record.is_file() and len(first.tried) > 1
+    dec = make_decoder(tiny("llama"))
+    again = exactness.choose(dec, record=record)  # rows checked, no timing
+    assert again.exact and again.step == first.step and dec.attention.name == first.step
+    assert [r for _, r in again.tried] == ["exact (rows checked; chosen by an earlier probe on this machine)"]
+    assert [p.name for p in record.parent.iterdir()] == ["tiny.json"]  # no temp file left
+    # a remembered step whose rows no longer match is probed again, from the start
+    broken = tuple(dataclasses.replace(_perturbed(c), name=c.name) if c.name == first.step else c
+                   for c in exactness.implementations(exactness.MAX_T))
+    redo = exactness.choose(make_decoder(tiny("llama")), candidates=broken, record=record)
+    assert redo.exact and redo.step != first.step and len(redo.tried) > 1
+    record.write_text("{not json")
+    redo = exactness.choose(make_decoder(tiny("llama")), record=record)
+    assert redo.exact and len(redo.tried) > 1
+
+
 def _drafters(n_layers: int):
     @st.composite
     def make(draw):
@@ -108,7 +128,7 @@ def smol_bf16(data_dir):
     from knnssd import prompts as prompt_sets
 
     lm = models.load("smollm2", dtype="bfloat16")
-    dec = make_decoder(lm.model)
+    dec = lm.decoder
     rows = prompt_sets.load_domains(data_dir, prompt_sets.DOMAINS, "eval", 1)
     ids = [lm.tokenizer(r.prompt).input_ids for r in rows]
     cfg = GenerationConfig(max_new_tokens=SMOL_NEW, eos_ids=models.eos_ids(lm))
@@ -140,7 +160,7 @@ def test_smollm2_bf16_speculative_greedy_equals_own_plain_decoding(smol_bf16, da
 
 @pytest.mark.integration
 def test_smollm2_fp32_step_is_row_invariant(smollm2):
-    dec = make_decoder(smollm2.model)
+    dec = smollm2.decoder
     exact_or_skip(dec, "float32")
     equal, total = exactness.row_check(dec, exactness.MAX_T, seed=13)
     assert equal == total

@@ -9,14 +9,14 @@ import torch
 from knnssd import prompts
 from knnssd.decode import GenerationConfig, generate
 from knnssd.drafters import DrafterConfig, build
-from knnssd.skip import Decoder, SkipMask, make_decoder
+from knnssd.skip import Decoder, SkipMask
 
 pytestmark = pytest.mark.integration
 MAX_NEW = 32
 
 
 def test_smollm2_speculative_equals_hf_generate(smollm2, data_dir):
-    dec = make_decoder(smollm2.model)
+    dec = smollm2.decoder
     assert isinstance(dec, Decoder)
     n = dec.n_layers
     configs = [

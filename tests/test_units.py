@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from knnssd import models
-from knnssd.cache import CacheFull, KVCache
+from knnssd.cache import BUCKET, CacheFull, KVCache
 from knnssd.decode import GenerationConfig, Sequence, generate
 from knnssd.drafters import DrafterConfig, NGram, build
 from knnssd.sampling import Warp
@@ -44,15 +44,16 @@ def test_drafter_config_errors():
 
 def test_kv_cache_is_static_per_generation():
     c = KVCache(2, 1, 4, torch.float32, torch.device("cpu"))
-    assert c.reserve(3) and c.length == c.capacity == 256  # one bucket, zeroed
+    assert c.reserve(3) and c.length == c.capacity == BUCKET  # one bucket, zeroed
     assert torch.count_nonzero(c.k[0]) == 0
     k = torch.arange(12.0).view(1, 1, 3, 4)
     kc, vc = c.write(1, torch.arange(5, 8), k, -k)
-    assert kc.shape[2] == 256 and torch.equal(kc[:, :, 5:8], k) and torch.equal(vc[:, :, 5:8], -k)
-    assert not c.reserve(100) and c.length == 256  # same bucket: buffers reused, key length unchanged
-    assert c.reserve(300) and c.length == 512
+    assert kc.shape[2] == BUCKET and torch.equal(kc[:, :, 5:8], k) and torch.equal(vc[:, :, 5:8], -k)
+    assert not c.reserve(BUCKET - 1) and c.length == BUCKET  # same bucket: buffers reused, key length unchanged
+    assert c.reserve(4 * BUCKET + 1) and c.length == 5 * BUCKET
+    assert not c.reserve(2 * BUCKET) and c.length == 2 * BUCKET  # a shorter generation reads fewer keys
     with pytest.raises(CacheFull):
-        c.check(513)
+        c.check(2 * BUCKET + 1)
 
 
 def test_ngram_lookup_uses_latest_match_and_never_itself():
