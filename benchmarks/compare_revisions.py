@@ -40,11 +40,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2, help="eval prompts per domain")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     a = ap.parse_args()
-    from knnssd import bench_engine, models
+    from knnssd import models
+    from knnssd.bench import engine as bench_engine
     from knnssd import prompts as prompt_sets
-    from knnssd.decode import GenerationConfig, generate
-    from knnssd.drafters import build
-    from knnssd.skip import make_decoder
+    from knnssd.engine.decode import GenerationConfig, generate
+    from knnssd.engine.drafters import build
+    from knnssd.engine.skip import make_decoder
 
     with tempfile.TemporaryDirectory(prefix="knnssd-rev-") as tmp:
         extract(a.rev, Path(tmp))

@@ -8,11 +8,11 @@ from __future__ import annotations
 from pydantic import Field
 from prefect import flow
 
-from flows.params import SearchParams
-from knnssd import calibration
-from knnssd.calibration import ModelSpec
-from tasks.calibration import embed_prompts, register_bank, search_cluster, study_prefix
-from tasks.extend import fetch_bank, merge_bank, new_clusters, new_domain_rows, warm_starts
+from knnssd.flows.params import SearchParams
+from knnssd.search import calibration
+from knnssd.search.calibration import ModelSpec
+from knnssd.tasks.calibration import embed_prompts, register_bank, search_cluster, study_prefix
+from knnssd.tasks.extend import fetch_bank, merge_bank, new_clusters, new_domain_rows, warm_starts
 
 
 class AddDomainParams(SearchParams):
@@ -24,7 +24,7 @@ class AddDomainParams(SearchParams):
 
 @flow(name="add-domain", log_prints=True)
 def add_domain(params: AddDomainParams) -> dict:
-    from knnssd.promote import version_uri
+    from knnssd.serving.promote import version_uri
 
     base_uri = params.model_uri or version_uri(params.model, "champion")
     base = fetch_bank(base_uri, params.tracking_uri)

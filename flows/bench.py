@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from knnssd.bench import BenchConfig
-from tasks.bench import run_bench
+from knnssd.bench.bank import BenchConfig
+from knnssd.tasks.bench import run_bench
 
 
 @flow(name="bench", log_prints=True)

@@ -4,10 +4,12 @@ from __future__ import annotations
 from pydantic import Field
 from prefect import flow
 
-from flows.params import SearchParams
-from knnssd import calibration, prompts, router
-from knnssd.calibration import ModelSpec
-from tasks.calibration import (build_bank, cluster_prompts, embed_prompts, load_prompts, register_bank,
+from knnssd.flows.params import SearchParams
+from knnssd import prompts
+from knnssd.search import calibration
+from knnssd.routing import router
+from knnssd.search.calibration import ModelSpec
+from knnssd.tasks.calibration import (build_bank, cluster_prompts, embed_prompts, load_prompts, register_bank,
                                search_cluster, study_prefix)
 
 

@@ -5,8 +5,8 @@ from dataclasses import asdict
 
 from prefect import flow
 
-from knnssd.engine import GenerateParams
-from tasks.generation import generate_batch, log_summary, read_prompts
+from knnssd.engine.params import GenerateParams
+from knnssd.tasks.generation import generate_batch, log_summary, read_prompts
 
 
 @flow(name="generate", log_prints=True)

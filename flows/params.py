@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from knnssd import calibration, search
+from knnssd.search import calibration
+
+from knnssd.search import optimize
 
 
 class SearchParams(BaseModel):
@@ -25,8 +27,8 @@ class SearchParams(BaseModel):
                              description="drafter kinds searched; plain AR is always a candidate")
     int8: bool = True
 
-    def budget(self) -> search.Budget:
-        return search.Budget(self.proxy_trials, self.real_candidates, self.minutes, self.proxy_prompts,
+    def budget(self) -> optimize.Budget:
+        return optimize.Budget(self.proxy_trials, self.real_candidates, self.minutes, self.proxy_prompts,
                              self.real_prompts, self.max_new_tokens, seed=self.seed, kinds=tuple(self.kinds),
                              int8=self.int8)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 from prefect import flow
 
-from tasks.extend import compare_banks, eval_prompts, fetch_bank, log_and_promote
+from knnssd.tasks.extend import compare_banks, eval_prompts, fetch_bank, log_and_promote
 
 
 class PromoteParams(BaseModel):
@@ -23,7 +23,7 @@ class PromoteParams(BaseModel):
 
 @flow(name="promote", log_prints=True)
 def promote(params: PromoteParams = PromoteParams()) -> dict:
-    from knnssd.promote import version_uri
+    from knnssd.serving.promote import version_uri
 
     cand = fetch_bank(version_uri(params.model, params.candidate), params.tracking_uri)
     champ = fetch_bank(version_uri(params.model, params.champion), params.tracking_uri)

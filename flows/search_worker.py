@@ -10,8 +10,8 @@ from __future__ import annotations
 from pydantic import Field
 from prefect import flow
 
-from flows.calibrate import CalibrateParams, prepare
-from tasks.calibration import proxy_trials
+from knnssd.flows.calibrate import CalibrateParams, prepare
+from knnssd.tasks.calibration import proxy_trials
 
 
 class WorkerParams(CalibrateParams):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 from prefect import flow
 
-from flows.add_domain import AddDomainParams, add_domain
-from flows.promote import PromoteParams, promote
-from tasks.extend import mark_done, pending_inputs
+from knnssd.flows.add_domain import AddDomainParams, add_domain
+from knnssd.flows.promote import PromoteParams, promote
+from knnssd.tasks.extend import mark_done, pending_inputs
 
 
 class WatchParams(BaseModel):

@@ -23,9 +23,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _check_tracking(uri: str | None) -> None:
     """The tracking store answers and can be written: checked in seconds, before any slow work."""
-    from . import tracking
+    from knnssd import tracking
 
-    from .settings import tracking_uri
+    from knnssd.settings import tracking_uri
 
     tracking.check_reachable(uri or tracking_uri())
 
@@ -33,14 +33,14 @@ def _check_tracking(uri: str | None) -> None:
 def _flow(fn, *args):
     """Run a flow (or a job that runs flows) against a Prefect API that answers, started here if none
     is set, so that it stops with this process however it ends."""
-    from flows.server import local_api
+    from knnssd.flows.server import local_api
 
     with local_api():
         return fn(*args)
 
 
 def cmd_bench_engine(a) -> int:
-    from . import bench_engine
+    from knnssd.bench import engine as bench_engine
 
     cfg = bench_engine.EngineBench(
         model=a.model, dtype=a.dtype, device=a.device, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
@@ -53,11 +53,11 @@ def cmd_bench_engine(a) -> int:
 
 
 def cmd_complete(a) -> int:
-    from . import models
-    from .decode import GenerationConfig, generate
-    from .drafters import DrafterConfig, build
-    from .engine import GenerateParams, check_prompt, prompt_ids
-    from .skip import SkipMask
+    from knnssd import models
+    from knnssd.engine.decode import GenerationConfig, generate
+    from knnssd.engine.drafters import DrafterConfig, build
+    from knnssd.engine.params import GenerateParams, check_prompt, prompt_ids
+    from knnssd.engine.skip import SkipMask
 
     # what the user typed is checked before the model loads, with the checks and truncation of `generate`
     p = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -79,7 +79,7 @@ def cmd_complete(a) -> int:
 
 
 def _calibrate_params(a) -> dict:
-    from .search import Budget
+    from knnssd.search.optimize import Budget
 
     params = dict(
         model=a.model, dtype=a.dtype, inputs=a.input or [], domain_from_file=a.domain_from_file,
@@ -96,14 +96,14 @@ def _calibrate_params(a) -> dict:
 
 
 def cmd_calibrate(a) -> int:
-    from flows.calibrate import CalibrateParams, calibrate
+    from knnssd.flows.calibrate import CalibrateParams, calibrate
 
     print(json.dumps(_flow(calibrate, CalibrateParams(**_calibrate_params(a)))))
     return 0
 
 
 def cmd_search_worker(a) -> int:
-    from flows.search_worker import WorkerParams, search_worker
+    from knnssd.flows.search_worker import WorkerParams, search_worker
 
     params = WorkerParams(**_calibrate_params(a), trials=a.worker_trials, clusters=a.cluster or [])
     print(json.dumps(_flow(search_worker, params)))
@@ -111,7 +111,7 @@ def cmd_search_worker(a) -> int:
 
 
 def cmd_add_domain(a) -> int:
-    from flows.add_domain import AddDomainParams, add_domain
+    from knnssd.flows.add_domain import AddDomainParams, add_domain
 
     _check_inputs(a.input)
     _check_tracking(a.tracking_uri)
@@ -124,7 +124,7 @@ def cmd_add_domain(a) -> int:
 
 
 def cmd_promote(a) -> int:
-    from flows.promote import PromoteParams, promote
+    from knnssd.flows.promote import PromoteParams, promote
 
     _check_inputs(a.input or [])
     _check_tracking(a.tracking_uri)
@@ -136,7 +136,7 @@ def cmd_promote(a) -> int:
 
 
 def cmd_watch(a) -> int:
-    from flows.watch import WatchParams, watch
+    from knnssd.flows.watch import WatchParams, watch
 
     if not Path(a.drop).is_dir():
         raise FileNotFoundError(f"drop folder not found: {a.drop}")
@@ -150,14 +150,14 @@ def cmd_watch(a) -> int:
 
 def _check_inputs(paths: list[str]) -> None:
     """Fail fast, before any server or model starts, on a prompt file that cannot be used."""
-    from .prompts import load
+    from knnssd.prompts import load
 
     for p in paths:
         load(p)
 
 
 def cmd_bench(a) -> int:
-    from .bench import BenchConfig, markdown, run
+    from knnssd.bench.bank import BenchConfig, markdown, run
 
     cfg = BenchConfig(
         bank=a.bank, masks_bank=a.masks_bank, static_bank=a.static_bank, model=a.model, dtype=a.dtype,
@@ -168,7 +168,7 @@ def cmd_bench(a) -> int:
         tracking_uri=a.tracking_uri,
     )
     if a.flow:
-        from flows.bench import bench
+        from knnssd.flows.bench import bench
 
         print(json.dumps(_flow(bench, cfg)))
     else:
@@ -177,7 +177,7 @@ def cmd_bench(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    from .demo import DemoConfig, run
+    from knnssd.demo import DemoConfig, run
 
     _flow(run, DemoConfig(model=a.model, dtype=a.dtype, trials=a.trials, candidates=a.candidates,
                           max_new_tokens=a.max_new_tokens))
@@ -185,13 +185,13 @@ def cmd_demo(a) -> int:
 
 
 def cmd_generate(a) -> int:
-    from flows.generate import generate
+    from knnssd.flows.generate import generate
 
-    from . import bank as banks
-    from . import tracking
-    from .batch import check, check_output, writing
-    from .engine import GenerateParams
-    from .prompts import load
+    from knnssd.routing import bank as banks
+    from knnssd import tracking
+    from knnssd.serving.batch import check, check_output, writing
+    from knnssd.engine.params import GenerateParams
+    from knnssd.prompts import load
 
     # every check a retry cannot change runs here, in seconds, before any server starts or model loads
     params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -213,7 +213,7 @@ def cmd_generate(a) -> int:
 def cmd_ui(a) -> int:
     import subprocess
 
-    from .settings import tracking_uri
+    from knnssd.settings import tracking_uri
 
     uri = a.tracking_uri or tracking_uri()
     print(f"MLflow UI for {uri} on http://{a.host}:{a.port}  (Ctrl-C stops it)", file=sys.stderr)
@@ -222,7 +222,7 @@ def cmd_ui(a) -> int:
 
 
 def cmd_route_eval(a) -> int:
-    from .evaluate import routing_accuracy
+    from knnssd.serving.evaluate import routing_accuracy
 
     print(json.dumps(routing_accuracy(a.model_uri, Path(a.data) if a.data else None, a.prompts, a.dtype,
                                       a.max_new_tokens, a.timed), indent=2))
@@ -253,7 +253,7 @@ def _calibrate_args(k: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .prompts import DOMAINS
+    from knnssd.prompts import DOMAINS
 
     p = argparse.ArgumentParser(prog="knnssd", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -364,7 +364,7 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=int, default=5000)
     u.set_defaults(fn=cmd_ui)
 
-    from .prompts import OOD
+    from knnssd.prompts import OOD
 
     e = sub.add_parser("bench", help="all methods side by side on eval streams and OOD sets (the paper's tables)")
     e.add_argument("--bank", required=True, help="routed-drafters bank: models:/... URI or bank folder")
@@ -399,15 +399,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bank import BankError
-    from .batch import OutputError
-    from .models import ModelError
-    from .prompts import PromptError
-    from .skip import MaskError
-    from flows.server import PrefectUnavailable
+    from knnssd.routing.bank import BankError
+    from knnssd.serving.batch import OutputError
+    from knnssd.models import ModelError
+    from knnssd.prompts import PromptError
+    from knnssd.engine.skip import MaskError
+    from knnssd.flows.server import PrefectUnavailable
 
-    from . import console
-    from .tracking import RegistryError
+    from knnssd import console
+    from knnssd.tracking import RegistryError
 
     a = parser().parse_args(argv)
     console.setup(a.verbose)

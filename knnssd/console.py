@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .settings import work_dir
+from knnssd.settings import work_dir
 
 FORMAT = "%(levelname)s %(name)s: %(message)s"
 _LIBRARY_LOGGERS = ("mlflow", "alembic", "sqlalchemy.engine", "huey")

@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from . import prompts
+from knnssd import prompts
 
 
 @dataclass
@@ -25,10 +25,11 @@ def say(msg: str) -> None:
 
 
 def run(cfg: DemoConfig) -> dict:
-    from flows.calibrate import CalibrateParams, calibrate
+    from knnssd.flows.calibrate import CalibrateParams, calibrate
 
-    from .decode import GenerationConfig, decode, prefill
-    from .engine import GenerateParams, RoutedGenerator
+    from knnssd.engine.decode import GenerationConfig, decode, prefill
+    from knnssd.engine.params import GenerateParams
+    from knnssd.serving.routed import RoutedGenerator
 
     t0 = time.time()
     files = sorted(prompts.samples_dir().glob("*.jsonl"))

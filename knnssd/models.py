@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from . import exactness
-from .settings import cache_dir
-from .skip import Decoder, HFDecoder, make_decoder
+from knnssd.engine import exactness
+from knnssd.settings import cache_dir
+from knnssd.engine.skip import Decoder, HFDecoder, make_decoder
 
 log = logging.getLogger(__name__)
 

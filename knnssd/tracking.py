@@ -14,8 +14,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import reachable
-from .settings import tracking_uri, work_dir
+from knnssd import __version__, reachable
+from knnssd.settings import tracking_uri, work_dir
+
+# The pyfunc model is logged from its code file (MLflow "models from code"): a path, not an import.
+MODEL_CODE = Path(__file__).with_name("serving") / "pyfunc_model.py"
 
 EXPERIMENT = "knnssd-calibration"
 CONNECT_TIMEOUT_S = 5
@@ -92,7 +95,6 @@ def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: 
     import mlflow
     from mlflow import MlflowClient
 
-    from .pyfunc import MODEL_CODE, pip_requirements
 
     setup(uri)
     name = registered_name(model)
@@ -103,7 +105,7 @@ def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: 
             mlflow.log_artifact(str(pic), "pictures")
         mlflow.log_artifact(str(Path(bank_dir) / "bank.json"), "bank")
         info = mlflow.pyfunc.log_model(name="knnssd", python_model=str(MODEL_CODE), artifacts={"bank": str(bank_dir)},
-                                       pip_requirements=pip_requirements(), registered_model_name=name,
+                                       pip_requirements=[f"knnssd=={__version__}"], registered_model_name=name,
                                        signature=signature(), await_registration_for=60)
         version = str(info.registered_model_version)
     client = MlflowClient()
@@ -123,7 +125,7 @@ def signature():
     import pandas as pd
     from mlflow.models import infer_signature
 
-    from .engine import GenerateParams
+    from knnssd.engine.params import GenerateParams
 
     from mlflow.types import ColSpec, Schema
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from knnssd import bench
+from knnssd.bench import bank as bench
 
-from tasks.retry import transient
+from knnssd.tasks.retry import transient
 
 
 @task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=NO_CACHE)

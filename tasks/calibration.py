@@ -6,11 +6,15 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE, CacheKeyFnPolicy
 
-from knnssd import calibration, router, search
-from knnssd.calibration import ModelSpec
+from knnssd.search import calibration
+
+from knnssd.routing import router
+
+from knnssd.search import optimize
+from knnssd.search.calibration import ModelSpec
 from knnssd.prompts import Prompt
 
-from tasks.retry import transient
+from knnssd.tasks.retry import transient
 
 
 @task(retries=2, retry_condition_fn=transient, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -34,7 +38,7 @@ def cluster_prompts(vectors: str, k_per_domain: int, n_clusters: int | None, lab
 
 
 @task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=SEARCH_CACHE, task_run_name="search-{cluster.label}")
-def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: search.Budget, storage: str,
+def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: optimize.Budget, storage: str,
                    study_prefix: str, warm_start: list[dict] | None = None) -> dict:
     """A retry (or a rerun after a kill) resumes the cluster's Optuna studies from ``storage``."""
     texts = calibration.cluster_texts(cluster, rows)
@@ -42,7 +46,7 @@ def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt],
 
 
 @task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=NO_CACHE, task_run_name="proxy-worker-{cluster.label}")
-def proxy_trials(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: search.Budget, storage: str,
+def proxy_trials(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: optimize.Budget, storage: str,
                  study_prefix: str, n_trials: int) -> dict:
     """Scale-out: add ``n_trials`` stage-1 trials to the cluster's shared study."""
     return calibration.proxy_worker(spec, cluster, calibration.cluster_texts(cluster, rows), budget, storage,
@@ -61,7 +65,7 @@ def register_bank(bank_dir: str, params: dict, tracking_uri: str | None, alias: 
 
 
 @task(cache_policy=NO_CACHE)
-def study_prefix(spec: ModelSpec, vectors: str, clusters: list[router.Cluster], budget: search.Budget) -> str:
+def study_prefix(spec: ModelSpec, vectors: str, clusters: list[router.Cluster], budget: optimize.Budget) -> str:
     """A name that is the same on a rerun with the same inputs, so searches resume."""
     lm, _ = calibration.runtime(spec)
     key = router.content_key(lm.fingerprint, spec.dtype, Path(vectors).name, [(c.label, c.members) for c in clusters],

@@ -7,10 +7,14 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from knnssd import bank as banks
-from knnssd import extend, promote, prompts, router, tracking, watch
+from knnssd.routing import bank as banks
+from knnssd import prompts, tracking
+from knnssd.search import extend
+from knnssd.serving import promote
+from knnssd.routing import router
+from knnssd.serving import watch
 
-from tasks.retry import transient
+from knnssd.tasks.retry import transient
 
 
 @task(retries=2, retry_condition_fn=transient, retry_delay_seconds=3, cache_policy=NO_CACHE)

@@ -6,10 +6,13 @@ import functools
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from knnssd import batch, prompts, tracking
-from knnssd.engine import GenerateParams, RoutedGenerator
+from knnssd import prompts, tracking
 
-from tasks.retry import transient
+from knnssd.serving import batch
+from knnssd.engine.params import GenerateParams
+from knnssd.serving.routed import RoutedGenerator
+
+from knnssd.tasks.retry import transient
 
 
 @functools.lru_cache(maxsize=2)

@@ -12,11 +12,11 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from knnssd import exactness
-from knnssd.attention import SDPA, Attention
-from knnssd.decode import GenerationConfig, generate
-from knnssd.drafters import DrafterConfig, build
-from knnssd.skip import Decoder, SkipMask, make_decoder
+from knnssd.engine import exactness
+from knnssd.engine.attention import SDPA, Attention
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.skip import Decoder, SkipMask, make_decoder
 from tiny import ARCHS, prompt_ids, tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

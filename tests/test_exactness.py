@@ -4,9 +4,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knnssd.decode import GenerationConfig, generate
-from knnssd.drafters import DrafterConfig, build
-from knnssd.skip import Decoder, HFDecoder, SkipMask, make_decoder
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.skip import Decoder, HFDecoder, SkipMask, make_decoder
 from tiny import ARCHS, hf_greedy, prompt_ids, tiny
 
 MAX_NEW = 24

@@ -3,8 +3,10 @@ import json
 
 import pytest
 
-from knnssd import bank as banks
-from knnssd import extend, router, watch
+from knnssd.routing import bank as banks
+from knnssd.search import extend
+from knnssd.routing import router
+from knnssd.serving import watch
 from knnssd.prompts import Prompt
 from test_router_bank import blobs, make_bank
 

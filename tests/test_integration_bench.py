@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from knnssd import bench
-from knnssd.drafters import DrafterConfig
-from knnssd.skip import SkipMask
+from knnssd.bench import bank as bench
+from knnssd.engine.drafters import DrafterConfig
+from knnssd.engine.skip import SkipMask
 from test_integration_calibrate import fixed_bank
 
 pytestmark = pytest.mark.integration
@@ -30,7 +30,7 @@ def banks(tmp_path_factory, data_dir):
 
 
 def test_reduced_bench_through_flow(banks, data_dir, prefect_harness, tmp_path):
-    from flows.bench import bench as bench_flow
+    from knnssd.flows.bench import bench as bench_flow
 
     paths, tmp = banks
     cfg = bench.BenchConfig(**paths, dtype="float32", data=data_dir, domains=("reasoning", "translation"),

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from knnssd import bank as banks
-from knnssd import calibration, tracking
+from knnssd.routing import bank as banks
+from knnssd import tracking
+from knnssd.search import calibration
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def small_inputs(data_dir: Path, out: Path, domains=("reasoning", "translation")
 def fixed_bank(tmp: Path, data_dir: Path, name: str, cfg_of, labelled: bool = True, n: int = 6) -> Path:
     """A bank of the first n calib prompts of reasoning + translation with fixed configurations (no
     search): ``cfg_of(cluster) -> DrafterConfig``; one cluster per domain, or one for all."""
-    from knnssd.calibration import ModelSpec
+    from knnssd.search.calibration import ModelSpec
 
     spec = ModelSpec("smollm2", "float32")
     rows = calibration.load_prompts(small_inputs(data_dir, tmp / "in", n=n))
@@ -53,7 +54,7 @@ def isolated(tmp_path, monkeypatch):
 
 
 def test_calibrate_flow_end_to_end(isolated, data_dir, prefect_harness):
-    from flows.calibrate import CalibrateParams, calibrate
+    from knnssd.flows.calibrate import CalibrateParams, calibrate
 
     tmp, uri = isolated
     t0 = time.time()
@@ -78,7 +79,7 @@ def test_calibrate_flow_end_to_end(isolated, data_dir, prefect_harness):
 def _journal_trials(storage: str) -> int:
     import optuna
 
-    from knnssd.search import storage_for
+    from knnssd.search.optimize import storage_for
 
     st = storage_for(storage)
     return sum(len([t for t in s.trials if t.state.is_finished()]) for s in

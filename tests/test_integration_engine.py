@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from knnssd import prompts
-from knnssd.decode import GenerationConfig, generate
-from knnssd.drafters import DrafterConfig, build
-from knnssd.skip import Decoder, SkipMask
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.skip import Decoder, SkipMask
 
 pytestmark = pytest.mark.integration
 MAX_NEW = 32

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from knnssd import bank as banks
-from knnssd import calibration, tracking
-from knnssd.calibration import ModelSpec
-from knnssd.drafters import DrafterConfig
-from knnssd.skip import SkipMask
+from knnssd.routing import bank as banks
+from knnssd import tracking
+from knnssd.search import calibration
+from knnssd.search.calibration import ModelSpec
+from knnssd.engine.drafters import DrafterConfig
+from knnssd.engine.skip import SkipMask
 from test_integration_calibrate import fixed_bank, small_inputs
 from test_integration_deploy import PREFECT, ROOT, free_port, prefect_server, wait_http  # noqa: F401
 
@@ -43,8 +44,8 @@ def new_domain_file(data_dir: Path, path: Path, n=9) -> Path:
 
 
 def test_add_domain_then_promote(base_bank, data_dir, prefect_harness, tmp_path):
-    from flows.add_domain import AddDomainParams, add_domain
-    from flows.promote import PromoteParams, promote
+    from knnssd.flows.add_domain import AddDomainParams, add_domain
+    from knnssd.flows.promote import PromoteParams, promote
 
     bank_dir, tmp = base_bank
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -61,7 +62,8 @@ def test_add_domain_then_promote(base_bank, data_dir, prefect_harness, tmp_path)
     after = (tracking.download_bank(v1["uri"], tmp_path / "v1-after", uri=uri) / "bank.json").read_text()
     assert before == after  # the base version is untouched
     # the new domain's eval prompts route to the new cluster
-    from knnssd.engine import GenerateParams, RoutedGenerator
+    from knnssd.engine.params import GenerateParams
+    from knnssd.serving.routed import RoutedGenerator
 
     gen = RoutedGenerator(calibration.runtime(SPEC)[0], new)
     assert gen.generate(json.loads(sql.read_text().splitlines()[-1])["prompt"], GenerateParams(max_new_tokens=2)).label == "sql"
@@ -107,8 +109,8 @@ def test_watch_deployment_adds_a_dropped_domain_once(base_bank, data_dir, prefec
 def test_two_workers_share_one_study_then_one_version(data_dir, prefect_harness, tmp_path):
     import optuna
 
-    from flows.calibrate import CalibrateParams, calibrate
-    from knnssd.search import storage_for
+    from knnssd.flows.calibrate import CalibrateParams, calibrate
+    from knnssd.search.optimize import storage_for
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     journal = tmp_path / "studies.journal"
@@ -156,7 +158,8 @@ def test_against_a_real_mlflow_server(base_bank, tmp_path):
         uri = f"http://127.0.0.1:{port}"
         reg = calibration.register(bank_dir, {"server": True}, uri)
         assert reg["aliases"] == ["candidate", "champion"]
-        from knnssd.engine import GenerateParams, RoutedGenerator
+        from knnssd.engine.params import GenerateParams
+        from knnssd.serving.routed import RoutedGenerator
 
         gen = RoutedGenerator.from_model_uri("models:/knnssd-smollm2@champion", dtype="float32", tracking_uri=uri)
         res = gen.generate("Translate German to English: Guten Morgen.", GenerateParams(max_new_tokens=4))

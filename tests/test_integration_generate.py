@@ -14,9 +14,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from knnssd import calibration, prompts, tracking
-from knnssd.drafters import DrafterConfig
-from knnssd.skip import SkipMask
+from knnssd import prompts, tracking
+
+from knnssd.search import calibration
+from knnssd.engine.drafters import DrafterConfig
+from knnssd.engine.skip import SkipMask
 from test_integration_calibrate import fixed_bank
 from test_integration_deploy import free_port, wait_http
 
@@ -57,9 +59,9 @@ def generate_argv(inp: Path, out: Path, max_new_tokens: int) -> list[str]:
 
 
 def test_batch_flow_routes_each_domain(registered, data_dir, prefect_harness, tmp_path):
-    from flows.generate import generate
+    from knnssd.flows.generate import generate
 
-    from knnssd.engine import GenerateParams
+    from knnssd.engine.params import GenerateParams
 
     inp = eval_file(data_dir, tmp_path / "eval.jsonl")
     out = tmp_path / "out.parquet"
@@ -126,7 +128,7 @@ def alive(pid: int) -> bool:
 
 
 def _locked(out: Path) -> bool:
-    from knnssd import batch
+    from knnssd.serving import batch
 
     try:
         with batch.writing(out):
@@ -197,7 +199,7 @@ def test_generate_bad_input_is_one_line(registered, data_dir, tmp_path, args, me
 
 
 def test_bad_prompt_files_and_existing_outputs(registered, tmp_path):
-    from knnssd import batch
+    from knnssd.serving import batch
 
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"prompt": "caf\xe9"}\n')
@@ -221,8 +223,8 @@ def test_bad_prompt_files_and_existing_outputs(registered, tmp_path):
 
 
 def test_foreign_bank_is_refused(registered):
-    from knnssd import bank as banks
-    from knnssd.engine import RoutedGenerator
+    from knnssd.routing import bank as banks
+    from knnssd.serving.routed import RoutedGenerator
 
     folder = tracking.download_bank("models:/knnssd-smollm2@champion", uri=registered["uri"])
     b = banks.load(folder)

@@ -5,7 +5,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from knnssd import calibration, prompts
+from knnssd import prompts
+
+from knnssd.search import calibration
 
 
 def write_jsonl(path, rows):

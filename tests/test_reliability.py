@@ -9,9 +9,11 @@ import time
 
 import pytest
 
-from knnssd import batch, tracking
-from knnssd.engine import GenerateParams, check_prompt
-from knnssd.sampling import Warp
+from knnssd import tracking
+
+from knnssd.serving import batch
+from knnssd.engine.params import GenerateParams, check_prompt
+from knnssd.engine.sampling import Warp
 
 
 @pytest.mark.parametrize("field,value", [
@@ -42,7 +44,7 @@ def test_bad_prompts_are_one_line_errors(prompt, message):
 def _hold(output, seconds=60):
     code = textwrap.dedent(f"""
         import sys, time
-        from knnssd import batch
+        from knnssd.serving import batch
         with batch.writing({str(output)!r}):
             print("held", flush=True)
             time.sleep({seconds})
@@ -79,7 +81,7 @@ def test_unreachable_or_unwritable_tracking_fails_in_seconds(tmp_path):
 
 
 def test_prefect_api_that_does_not_answer_fails_in_seconds():
-    from flows.server import PrefectUnavailable, check
+    from knnssd.flows.server import PrefectUnavailable, check
 
     t0 = time.monotonic()
     with pytest.raises(PrefectUnavailable, match="does not answer"):
@@ -90,7 +92,7 @@ def test_prefect_api_that_does_not_answer_fails_in_seconds():
 def test_input_errors_are_not_retried():
     from prefect.states import Failed
 
-    from tasks.retry import transient
+    from knnssd.tasks.retry import transient
 
     assert not transient(None, None, Failed(data=ValueError("empty prompt")))
     assert not transient(None, None, Failed(data=FileNotFoundError("x")))

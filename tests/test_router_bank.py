@@ -3,10 +3,10 @@ import json
 import numpy as np
 import pytest
 
-from knnssd import bank as banks
-from knnssd import router
-from knnssd.drafters import DrafterConfig
-from knnssd.skip import SkipMask
+from knnssd.routing import bank as banks
+from knnssd.routing import router
+from knnssd.engine.drafters import DrafterConfig
+from knnssd.engine.skip import SkipMask
 
 
 def blobs(n_per=20, dim=16, centers=3, seed=0):
@@ -84,7 +84,7 @@ def test_bank_round_trip_and_validation(tmp_path):
 
 
 def test_pictures(tmp_path):
-    from knnssd import pictures
+    from knnssd.routing import pictures
 
     b, folder = make_bank(tmp_path)
     assert pictures.skip_heatmap(b, tmp_path / "h.png").stat().st_size > 1000
@@ -111,7 +111,7 @@ def test_bank_tuned_in_another_dtype_warns_and_still_loads(tmp_path, caplog):
     from dataclasses import replace
 
     from knnssd import models
-    from knnssd.engine import RoutedGenerator
+    from knnssd.serving.routed import RoutedGenerator
     from tiny import tiny
 
     b, _ = make_bank(tmp_path)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from knnssd.decode import GenerationConfig, generate
-from knnssd.drafters import DrafterConfig, build
-from knnssd.sampling import Warp, greedy_verify, probs, rejection_verify
-from knnssd.skip import SkipMask, make_decoder
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.sampling import Warp, greedy_verify, probs, rejection_verify
+from knnssd.engine.skip import SkipMask, make_decoder
 from tiny import prompt_ids, tiny
 
 ALPHA = 1e-3

@@ -1,24 +1,24 @@
 """The proxy simulation replays the real speculative loop exactly for n-gram drafting."""
 import pytest
 
-from knnssd import search
-from knnssd.decode import GenerationConfig, generate
-from knnssd.drafters import DrafterConfig, build
-from knnssd.skip import SkipMask, make_decoder
+from knnssd.search import optimize
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.skip import SkipMask, make_decoder
 from tiny import prompt_ids, tiny
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_simulated_ngram_counts_equal_real_loop(adaptive):
     dec = make_decoder(tiny("llama"))
-    costs = search.Costs(verify=[1.0 + 0.05 * t for t in range(12)], draft={"full": (1.0, 0.0, 0.0)})
+    costs = optimize.Costs(verify=[1.0 + 0.05 * t for t in range(12)], draft={"full": (1.0, 0.0, 0.0)})
     for i in (1, 3):
         ids = prompt_ids("llama", i)
         cont, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=40))
-        s = search.Sample(ids, cont)
-        policy = search.Policy("ngram", 5, adaptive=adaptive, ngram_sizes=(2, 1))
-        props = [search._ngram_proposals(s, (2, 1), 10)]
-        _, acc, mean = search.simulate([s], None, policy, costs, 0.0, props)
+        s = optimize.Sample(ids, cont)
+        policy = optimize.Policy("ngram", 5, adaptive=adaptive, ngram_sizes=(2, 1))
+        props = [optimize._ngram_proposals(s, (2, 1), 10)]
+        _, acc, mean = optimize.simulate([s], None, policy, costs, 0.0, props)
         cfg = DrafterConfig(kind="ngram", max_len=5, ngram_sizes=[2, 1], adaptive=adaptive)
         out, st = generate(dec, ids, build(cfg, 4), GenerationConfig(max_new_tokens=40))
         assert out == cont
@@ -29,17 +29,17 @@ def test_simulated_exact_drafts_are_all_accepted():
     dec = make_decoder(tiny("qwen3"))
     ids = prompt_ids("qwen3", 0)
     cont, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=30))
-    s = search.Sample(ids, cont)
-    traces = search.trace(dec, [s], SkipMask.none(4), False, 64)
-    costs = search.Costs(verify=[10.0] * 12, draft={"full": (2.0, 0.0, 0.0)})
-    sp, acc, mean = search.simulate([s], traces, search.Policy("layer_skip", 4), costs, 2.0, None)
+    s = optimize.Sample(ids, cont)
+    traces = optimize.trace(dec, [s], SkipMask.none(4), False, 64)
+    costs = optimize.Costs(verify=[10.0] * 12, draft={"full": (2.0, 0.0, 0.0)})
+    sp, acc, mean = optimize.simulate([s], traces, optimize.Policy("layer_skip", 4), costs, 2.0, None)
     assert acc == 1.0 and mean == pytest.approx(29 / 6)  # 29 tokens after the prefill's, in steps of <= 5
     assert sp > 1.5
 
 
 def test_cost_model_is_linear_in_kept_sublayers():
     dec = make_decoder(tiny("llama"))
-    costs = search.measure_costs(dec, max_t=4, context=16)
+    costs = optimize.measure_costs(dec, max_t=4, context=16)
     assert len(costs.verify) == 4 and set(costs.draft) == {"full", "int8"}
     none, half = SkipMask.none(4), SkipMask.from_layers(4, attn=[0, 1], mlp=[2, 3])
     assert costs.draft_ms(half, False) <= costs.draft_ms(none, False)

@@ -12,17 +12,15 @@ the same code. ``generate`` returns the new tokens and a ``DecodeStats``.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .drafters import Drafter
-from .sampling import Warp, greedy_verify, probs, rejection_verify, sample
-from .skip import Decoder, HFDecoder
+from knnssd.engine.drafters import Drafter
+from knnssd.engine.sampling import Warp, greedy_verify, probs, rejection_verify, sample
+from knnssd.engine.sequence import Sequence
 
-_uids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -73,19 +71,6 @@ class DecodeStats:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted=self.mean_accepted, tokens_per_s=self.tokens_per_s)
         return d
-
-
-@dataclass
-class Sequence:
-    """One generation's state, shared with the drafter."""
-
-    tokens: list[int]
-    n_prompt: int
-    decoder: Decoder | HFDecoder
-    warp: Warp
-    generator: torch.Generator | None
-    device: torch.device
-    uid: int = field(default_factory=lambda: next(_uids))
 
 
 class _Stopper:

@@ -1,6 +1,6 @@
 """MLflow "models from code" entry: the file MLflow stores with each bank version and runs on load."""
 import mlflow
 
-from knnssd.pyfunc import KnnSsdModel
+from knnssd.serving.pyfunc import KnnSsdModel
 
 mlflow.models.set_model(KnnSsdModel())

@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .engine import GenerateParams, RoutedGenerator
-from .prompts import Prompt
+from knnssd.engine.params import GenerateParams
+
+from knnssd.serving.routed import RoutedGenerator
+from knnssd.prompts import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +214,7 @@ def record_unmatched(rows: list[dict], model: str, folder: Path | None) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .settings import work_dir
+    from knnssd.settings import work_dir
 
     folder = Path(folder or work_dir() / "unmatched" / model)
     folder.mkdir(parents=True, exist_ok=True)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__
-from .drafters import DrafterConfig
-from .router import Cluster, Pooling, Router
-from .skip import MaskError, SkipMask
+from knnssd import __version__
+from knnssd.engine.drafters import DrafterConfig
+from knnssd.routing.router import Cluster, Pooling, Router
+from knnssd.engine.skip import MaskError, SkipMask
 
 FORMAT = 1
 

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from . import bank as banks
-from . import models, prompts
-from .decode import GenerationConfig, generate
-from .drafters import build
+from knnssd.routing import bank as banks
+from knnssd import models, prompts
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.drafters import build
 
 METHODS = ("ar", "hf_generate", "hf_pld", "static_ssd", "oracle", "knn_masks", "knn_routed")
 OOD_METHODS = ("ar", "hf_pld", "static_ssd", "knn_masks", "knn_routed")
@@ -91,8 +91,8 @@ class Runner:
     """Every method as ``run(method, prompt) -> measurement dict``, over one loaded model."""
 
     def __init__(self, cfg: BenchConfig):
-        from . import tracking
-        from .engine import RoutedGenerator
+        from knnssd import tracking
+        from knnssd.serving.routed import RoutedGenerator
 
         def folder(uri):
             return tracking.bank_folder(uri, cfg.tracking_uri)
@@ -125,7 +125,7 @@ class Runner:
 
     @torch.inference_mode()
     def run(self, method: str, p: prompts.Prompt) -> dict:
-        from .engine import GenerateParams
+        from knnssd.engine.params import GenerateParams
 
         if method in ("knn_routed", "knn_masks"):
             g = self.routed if method == "knn_routed" else self.masks
@@ -326,7 +326,7 @@ def markdown(rep: dict) -> str:
 
 
 def plots(rep: dict, out: Path) -> list[Path]:
-    from .pictures import _plt
+    from knnssd.routing.pictures import _plt
 
     plt = _plt()
     methods = rep["settings"]["methods"]
@@ -352,7 +352,7 @@ def plots(rep: dict, out: Path) -> list[Path]:
 
 
 def write_outputs(rep: dict, cfg: BenchConfig) -> None:
-    from . import tracking
+    from knnssd import tracking
 
     out = cfg.out
     (out / "bench.json").write_text(json.dumps(rep, indent=2))

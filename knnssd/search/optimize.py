@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .decode import GenerationConfig, generate
-from .drafters import DrafterConfig, NGram, adapt_length, build
-from .skip import Decoder, SkipMask
-from .timing import median_ms
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.drafters import DrafterConfig, NGram, adapt_length, build
+from knnssd.engine.skip import Decoder, SkipMask
+from knnssd.engine.timing import median_ms
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from . import prompts
-from .decode import GenerationConfig, prefill
+from knnssd import prompts
+from knnssd.engine.decode import GenerationConfig
 
 
 @torch.inference_mode()
@@ -18,7 +18,9 @@ def routing_accuracy(model_uri: str, data: Path | None = None, per_domain: int |
     time to generate ``max_new_tokens`` (measured on ``timed`` prompts per domain)."""
     from tqdm import tqdm
 
-    from .engine import GenerateParams, RoutedGenerator
+    from knnssd.engine.params import GenerateParams
+
+    from knnssd.serving.routed import RoutedGenerator
 
     gen = RoutedGenerator.from_model_uri(model_uri, dtype=dtype)
     labels = {c.id: c.label for c in gen.bank.clusters}
@@ -28,9 +30,8 @@ def routing_accuracy(model_uri: str, data: Path | None = None, per_domain: int |
     route_s = []
     for r in tqdm(rows, desc="route", file=sys.stderr, mininterval=2):
         ids, _ = gen.tokenize(r.prompt, 4096)
-        _, _, hidden = prefill(gen.decoder, ids, GenerationConfig(max_new_tokens=1))
-        t = time.perf_counter()
-        route = gen.router.route(gen.bank.pooling.pool(hidden))
+        with gen.lm.busy:
+            *_, route, t = gen.prefill_route(ids, GenerationConfig(max_new_tokens=1))
         route_s.append(time.perf_counter() - t)
         got = labels.get(route.cluster, "unmatched")
         hits.setdefault(r.domain, []).append(got == r.domain)

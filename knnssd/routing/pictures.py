@@ -17,7 +17,7 @@ def _plt():
 
 def skip_heatmap(bank, path: Path) -> Path:
     """Rows: clusters; columns: sub-layers (attention | MLP); dark = skipped while drafting."""
-    from .skip import SkipMask
+    from knnssd.engine.skip import SkipMask
 
     plt = _plt()
     n = bank.n_layers

@@ -6,26 +6,15 @@ per prompt with the generated text and routing/acceptance stats.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlflow.pyfunc
 import pandas as pd
-
-from . import __version__
-
-
-MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
-
-
-def pip_requirements() -> list[str]:
-    return [f"knnssd=={__version__}"]
 
 
 class KnnSsdModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
         import os
 
-        from .engine import RoutedGenerator
+        from knnssd.serving.routed import RoutedGenerator
 
         self.generator = RoutedGenerator.from_bank_dir(
             context.artifacts["bank"], model=os.environ.get("KNNSSD_MODEL"), dtype=os.environ.get("KNNSSD_DTYPE", "auto"))
@@ -33,7 +22,7 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
 
-        from .engine import GenerateParams, check_prompt
+        from knnssd.engine.params import GenerateParams, check_prompt
 
         try:  # a bad request is answered 400 with the reason in "message", before any generation
             p = GenerateParams.from_dict(params or {})

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bank as banks
-from . import router, search
+from knnssd.routing import bank as banks
+from knnssd.routing import router
+from knnssd.search import optimize
 
 
 def new_clusters(bank: banks.Bank, vectors: Path, name: str, k_per_domain: int = 10, seed: int = 0
@@ -40,7 +41,7 @@ def warm_start(bank: banks.Bank, cluster: router.Cluster, n: int = 3) -> list[di
     """Stage-1 trial parameters of the nearest clusters' configurations (those with a mask)."""
     out = []
     for cid, _ in nearest(bank, cluster, n):
-        p = search.warm_params(bank.cluster(cid).config, bank.n_layers)
+        p = optimize.warm_params(bank.cluster(cid).config, bank.n_layers)
         if p is not None and p not in out:
             out.append(p)
     return out
@@ -76,7 +77,7 @@ def split_rows(rows: list, name: str) -> tuple[list, list]:
 def build(base_dir: Path, clusters: list[router.Cluster], results: list[dict], vectors: Path, out_dir: Path,
           source: str) -> Path:
     """Write the merged bank (and its pictures) to ``out_dir``."""
-    from . import pictures
+    from knnssd.routing import pictures
 
     base = banks.load(base_dir)
     bank = merged(base, clusters, results, source)

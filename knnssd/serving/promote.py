@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import prompts
+from knnssd import prompts
 
 
 @dataclass
@@ -32,9 +32,10 @@ def compare(candidate_dir, champion_dir, rows: list[prompts.Prompt], versions: t
             max_new_tokens: int = 64, tolerance: float = 0.03) -> Comparison:
     from tqdm import tqdm
 
-    from . import bank as banks
-    from . import models
-    from .engine import GenerateParams, RoutedGenerator
+    from knnssd.routing import bank as banks
+    from knnssd import models
+    from knnssd.engine.params import GenerateParams
+    from knnssd.serving.routed import RoutedGenerator
 
     if not rows:
         raise ValueError("no eval prompts to compare on")
@@ -67,7 +68,7 @@ def compare(candidate_dir, champion_dir, rows: list[prompts.Prompt], versions: t
 def eval_rows(paths: list[str], per_file: int | None) -> list[prompts.Prompt]:
     """Eval prompts of each file: its ``eval`` rows, or (no split field) its last third; at most
     ``per_file`` each. A row without a domain takes the file's name."""
-    from .extend import split_rows
+    from knnssd.search.extend import split_rows
 
     out = []
     for p in paths:
@@ -83,6 +84,6 @@ def eval_rows(paths: list[str], per_file: int | None) -> list[prompts.Prompt]:
 
 def version_uri(model: str, ref: str) -> str:
     """``models:/knnssd-<model>@<alias>`` or ``.../<version>`` for a digit string."""
-    from .tracking import registered_name
+    from knnssd.tracking import registered_name
 
     return f"models:/{registered_name(model)}/{ref}" if ref.isdigit() else f"models:/{registered_name(model)}@{ref}"

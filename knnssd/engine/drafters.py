@@ -15,15 +15,13 @@ decoder with its KV cache); the full model then verifies them in one pass (``dec
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from .sampling import probs, sample
-from .skip import MaskError, SkipMask
-
-if TYPE_CHECKING:
-    from .decode import Sequence
+from knnssd.engine.sampling import probs, sample
+from knnssd.engine.sequence import Sequence
+from knnssd.engine.skip import MaskError, SkipMask
 
 KINDS = ("none", "layer_skip", "ngram", "hybrid")
 

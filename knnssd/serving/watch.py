@@ -16,7 +16,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import prompts
+from knnssd import prompts
 
 log = logging.getLogger(__name__)
 SUFFIXES = (".jsonl", ".parquet", ".csv")
@@ -51,7 +51,7 @@ def _name(stem: str) -> str:
 
 def pending(drop: Path, state: Path, model: str, min_prompts: int, use_unmatched: bool = True,
             work: Path | None = None) -> list[Item]:
-    from .settings import work_dir
+    from knnssd.settings import work_dir
 
     if not drop.is_dir():
         raise FileNotFoundError(f"drop folder not found: {drop}")

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from . import models
-from . import prompts as prompt_sets
-from .decode import GenerationConfig, generate
-from .drafters import DrafterConfig, build
-from .skip import Decoder, SkipMask
-from .timing import median_ms
+from knnssd import models
+from knnssd import prompts as prompt_sets
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.skip import Decoder, SkipMask
+from knnssd.engine.timing import median_ms
 
 
 @dataclass

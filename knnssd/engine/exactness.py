@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from .attention import Attention, implementations
-from .stack import RowPadded, Stack
-from .timing import median_ms
+from knnssd.engine.attention import Attention, implementations
+from knnssd.engine.stack import RowPadded, Stack
+from knnssd.engine.timing import median_ms
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .attention import SDPA, Attention
-from .cache import KVCache
-from .stack import Layer, Stack, UnsupportedArchitecture, from_hf
+from knnssd.engine.attention import SDPA, Attention
+from knnssd.engine.cache import KVCache
+from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None
     ``decoder.exactness``; the lean decoder also takes the fastest exact attention it measured
     (remembered in ``record`` for the next load).
     """
-    from . import exactness
+    from knnssd.engine import exactness
 
     try:
         dec = Decoder(from_hf(model))
@@ -330,7 +330,7 @@ def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None
 
 
 def _fallback(model: torch.nn.Module) -> "HFDecoder":
-    from . import exactness
+    from knnssd.engine import exactness
 
     dec = HFDecoder(model)
     dec.exactness = exactness.probe_fixed(dec, "hf")

@@ -8,85 +8,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from . import bank as banks
-from . import models
-from .decode import DecodeStats, GenerationConfig, decode, prefill
-from .drafters import build
-from .sampling import Warp
+from knnssd.routing import bank as banks
+from knnssd import models
+from knnssd.engine.decode import DecodeStats, GenerationConfig, decode, prefill
+from knnssd.engine.drafters import build
+from knnssd.engine.params import GenerateParams, prompt_ids
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    max_prompt_tokens: int = 4096  # longer prompts keep their last tokens (with a warning)
-
-    def __post_init__(self):
-        for name in ("max_new_tokens", "top_k", "max_prompt_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
-            raise ValueError(f"max_new_tokens and max_prompt_tokens must be >= 1, got {self.max_new_tokens} and "
-                             f"{self.max_prompt_tokens}")
-        self.warp  # validates temperature, top_k, top_p (finite, in range)
-
-    @property
-    def warp(self) -> Warp:
-        return Warp(self.temperature, self.top_k, self.top_p)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GenerateParams":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown generation parameters: {sorted(unknown)} (known: {sorted(known)})")
-        d = {k: _number(k, v) for k, v in d.items() if v is not None}
-        if isinstance(d.get("seed"), int) and d["seed"] < 0:  # seed -1: random
-            del d["seed"]
-        return cls(**d)
-
-
-def _number(name: str, v):
-    """Integral floats (JSON 8.0) become ints; NaN and inf stay floats, for the checks to name."""
-    if isinstance(v, float) and v.is_integer() and name in ("max_new_tokens", "top_k", "max_prompt_tokens", "seed"):
-        return int(v)
-    return v
-
-
-def check_prompt(prompt) -> None:
-    """A one-line ``ValueError`` for a prompt no model can take: not text, not UTF-8, or blank."""
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be text, got {type(prompt).__name__}")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("prompt is not valid UTF-8 text") from None
-    if not prompt.strip():
-        raise ValueError("empty prompt")
-
-
-def prompt_ids(tokenizer, prompt: str, limit: int) -> tuple[list[int], bool]:
-    """Token ids of ``prompt``, keeping the last ``limit`` of a longer one (warned); True if truncated.
-    The one prompt policy of ``generate``, ``complete`` and serving."""
-    check_prompt(prompt)
-    ids = tokenizer(prompt).input_ids
-    if len(ids) > limit:
-        log.warning("prompt of %d tokens truncated to its last %d", len(ids), limit)
-        return ids[-limit:], True
-    return ids, False
 
 
 @dataclass
@@ -133,7 +66,7 @@ class RoutedGenerator:
     def from_model_uri(cls, model_uri: str, model: str | None = None, dtype: str = "auto", device: str = "auto",
                        tracking_uri: str | None = None) -> "RoutedGenerator":
         """From a registered bank version (``models:/knnssd-smollm2@champion``) or a local bank folder."""
-        from . import tracking
+        from knnssd import tracking
 
         return cls.from_bank_dir(tracking.bank_folder(model_uri, tracking_uri), model, dtype, device)
 
@@ -154,11 +87,7 @@ class RoutedGenerator:
     def _generate(self, ids: list[int], truncated: bool, params: GenerateParams) -> Result:
         t0 = time.perf_counter()
         cfg = GenerationConfig(max_new_tokens=params.max_new_tokens, warp=params.warp, seed=params.seed, eos_ids=self.eos)
-        pool = self.bank.pooling
-        seq, logits, hidden = prefill(self.decoder, ids, cfg, tap=None if pool.layer < 0 else pool.layer)
-        t1 = time.perf_counter()
-        vector = pool.pool(hidden)
-        route = self.router.route(vector)
+        seq, logits, vector, route, t1 = self.prefill_route(ids, cfg)
         cluster = self.bank.cluster(route.cluster)
         route_s = time.perf_counter() - t1
         new, stats = decode(seq, logits, self.drafters.get(cluster.id), cfg)
@@ -167,6 +96,15 @@ class RoutedGenerator:
         text = self.lm.tokenizer.decode(new, skip_special_tokens=True)
         return Result(text, new, route.cluster, cluster.label, route.similarity, cluster.drafter.describe(), stats,
                       route_s, stats.total_s, len(ids), truncated, vector)
+
+    def prefill_route(self, ids: list[int], cfg: GenerationConfig):
+        """Prefill the prompt and route its vector: (sequence, last logits, vector, route, time the
+        prefill ended). The caller holds the decoder."""
+        pool = self.bank.pooling
+        seq, logits, hidden = prefill(self.decoder, ids, cfg, tap=None if pool.layer < 0 else pool.layer)
+        t1 = time.perf_counter()
+        vector = pool.pool(hidden)
+        return seq, logits, vector, self.router.route(vector), t1
 
     def config_summary(self) -> list[dict]:
         return [{"cluster": c.id, "label": c.label, **asdict(c.drafter), "speedup": c.speedup} for c in self.bank.clusters]

@@ -20,9 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import bank as banks
-from . import models, pictures, prompts, router, search, tracking
-from .settings import cache_dir, work_dir
+from knnssd.routing import bank as banks
+from knnssd import models, prompts, tracking
+from knnssd.routing import pictures
+from knnssd.routing import router
+from knnssd.search import optimize
+from knnssd.settings import cache_dir, work_dir
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +52,15 @@ def _runtime(spec: ModelSpec):
     return lm, lm.decoder
 
 
-def step_costs(spec: ModelSpec) -> search.Costs:
+def step_costs(spec: ModelSpec) -> optimize.Costs:
     """Step times measured once per process (under the machine lock, like every timing)."""
     with machine_lock():
         return _step_costs(spec)
 
 
 @functools.lru_cache(maxsize=2)
-def _step_costs(spec: ModelSpec) -> search.Costs:
-    return search.measure_costs(runtime(spec)[1])
+def _step_costs(spec: ModelSpec) -> optimize.Costs:
+    return optimize.measure_costs(runtime(spec)[1])
 
 
 eos_ids = models.eos_ids
@@ -150,7 +153,7 @@ def cluster_texts(cluster: router.Cluster, rows: list[prompts.Prompt]) -> list[s
     return out
 
 
-def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: search.Budget,
+def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: optimize.Budget,
                storage: str, study_prefix: str, warm_start: list[dict] | None = None) -> dict:
     """Search one cluster (resumable through ``storage``); returns ``ClusterResult.to_dict()``."""
     from tqdm import tqdm
@@ -160,14 +163,14 @@ def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budge
     with machine_lock():
         bar = tqdm(total=budget.proxy_trials + budget.real_candidates + 1, desc=f"search {cluster.label}",
                    file=sys.stderr, mininterval=2)
-        result = search.search_cluster(dec, lm.tokenizer, cluster.id, texts, budget, search.storage_for(storage),
+        result = optimize.search_cluster(dec, lm.tokenizer, cluster.id, texts, budget, optimize.storage_for(storage),
                                        study_prefix, eos_ids(lm), costs=costs, warm_start=warm_start,
                                        progress=lambda study, trial: bar.update(1))
         bar.close()
     return result.to_dict()
 
 
-def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: search.Budget, storage: str,
+def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: optimize.Budget, storage: str,
                  study_prefix: str, n_trials: int) -> dict:
     """Add exactly ``n_trials`` stage-1 trials to a cluster's study, which other processes or machines
     may be working at the same time (no machine lock: stage-1 trials time nothing)."""
@@ -175,7 +178,7 @@ def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], bud
 
     lm, dec = runtime(spec)
     bar = tqdm(total=n_trials, desc=f"worker {cluster.label}", file=sys.stderr, mininterval=2)
-    pr = search.proxy_stage(dec, lm.tokenizer, cluster.id, texts, budget, search.storage_for(storage), study_prefix,
+    pr = optimize.proxy_stage(dec, lm.tokenizer, cluster.id, texts, budget, optimize.storage_for(storage), study_prefix,
                             eos_ids(lm), step_costs(spec), n_trials=n_trials, progress=lambda s, t: bar.update(1))
     bar.close()
     return {"cluster": cluster.id, "label": cluster.label, "added": n_trials, "study_trials": len(pr.study.trials)}

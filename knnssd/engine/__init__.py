@@ -1,0 +1,3 @@
+"""The decoding engine: weights as plain tensors (stack), the static KV cache, attention forms and
+the exactness probe, skip masks and the lean forward (skip), sampling, drafters and the
+speculative loop (decode). It imports nothing else from knnssd."""

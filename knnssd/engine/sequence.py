@@ -1,0 +1,26 @@
+"""One generation's state: its tokens, the decoder it runs on, its sampling warp and generator.
+``decode`` advances it; drafters read it to propose tokens."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from knnssd.engine.sampling import Warp
+from knnssd.engine.skip import Decoder, HFDecoder
+
+_uids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    """One generation's state, shared with the drafter."""
+
+    tokens: list[int]
+    n_prompt: int
+    decoder: Decoder | HFDecoder
+    warp: Warp
+    generator: torch.Generator | None
+    device: torch.device
+    uid: int = field(default_factory=lambda: next(_uids))

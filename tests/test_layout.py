@@ -1,0 +1,98 @@
+"""The import contract: each layer of knnssd imports only what lies below it, and no module imports
+itself through others (read from the source with ``ast``, lazy imports inside functions included)."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {"knnssd": ROOT / "knnssd", "knnssd.flows": ROOT / "flows", "knnssd.tasks": ROOT / "tasks"}
+
+# Bottom to top: a module may import its own layer and the layers before it.
+LAYERS = [
+    ("base", ["knnssd", "knnssd.settings", "knnssd.console", "knnssd.reachable", "knnssd.prompts"]),
+    ("engine", ["knnssd.engine"]),
+    ("models", ["knnssd.models"]),
+    ("routing", ["knnssd.routing"]),
+    ("registry", ["knnssd.tracking"]),
+    ("search", ["knnssd.search"]),
+    ("serving", ["knnssd.serving"]),
+    ("bench", ["knnssd.bench"]),
+    ("tasks", ["knnssd.tasks"]),
+    ("flows", ["knnssd.flows"]),
+    ("app", ["knnssd.cli", "knnssd.demo"]),
+]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for pkg, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((pkg, *parts))
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The knnssd modules ``name`` imports (``from pkg import module`` counts as the module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for a in node.names:
+                if f"{base}.{a.name}" in known:
+                    out.add(f"{base}.{a.name}")
+                elif base in known:
+                    out.add(base)
+    return out - {name}
+
+
+def layer(name: str) -> int:
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if name == p or name.startswith(p + "."):
+                if best is None or len(p) > best[1]:
+                    best = (i, len(p))
+    assert best is not None, f"{name} is in no layer: add it to LAYERS"
+    return best[0]
+
+
+GRAPH = {n: imports(n, p, modules()) for n, p in modules().items()}
+
+
+def test_every_module_is_in_a_layer_and_imports_only_layers_below():
+    wrong = [f"{n} ({LAYERS[layer(n)][0]}) imports {d} ({LAYERS[layer(d)][0]})"
+             for n, deps in sorted(GRAPH.items()) for d in sorted(deps) if layer(d) > layer(n)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_module_imports_itself_through_others():
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(n: str, path: list[str]) -> None:
+        state[n] = 1
+        for d in sorted(GRAPH[n]):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(path[path.index(d):] + [d]))
+            elif d not in state:
+                visit(d, path + [d])
+        state[n] = 2
+
+    for n in sorted(GRAPH):
+        if n not in state:
+            visit(n, [n])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_contract_sees_imports():
+    """Guards the checker itself: known edges are found."""
+    assert "knnssd.engine.sequence" in GRAPH["knnssd.engine.decode"]
+    assert "knnssd.tasks.calibration" in GRAPH["knnssd.flows.calibrate"]
+    assert "knnssd.search.optimize" in GRAPH["knnssd.search.calibration"]
