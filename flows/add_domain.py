@@ -9,8 +9,8 @@ from pydantic import Field
 from prefect import flow
 
 from knnssd.flows.params import SearchParams
-from knnssd.search import calibration
 from knnssd.search.calibration import ModelSpec
+from knnssd.settings import work_dir
 from knnssd.tasks.calibration import embed_prompts, register_bank, search_cluster, study_prefix
 from knnssd.tasks.extend import fetch_bank, merge_bank, new_clusters, new_domain_rows, warm_starts
 
@@ -38,6 +38,6 @@ def add_domain(params: AddDomainParams) -> dict:
     futures = [search_cluster.submit(spec, c, calib, budget, storage, prefix, warm_starts(base["dir"], c, params.warm))
                for c in clusters]
     results = [f.result() for f in futures]
-    out = merge_bank(base["dir"], clusters, results, vectors, str(calibration.work_dir() / "banks" / prefix),
+    out = merge_bank(base["dir"], clusters, results, vectors, str(work_dir() / "banks" / prefix),
                      f"{base_uri} (version {base['version']})")
     return register_bank(out, {**params.model_dump(), "base_version": base["version"]}, params.tracking_uri)

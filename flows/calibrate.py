@@ -4,11 +4,11 @@ from __future__ import annotations
 from pydantic import Field
 from prefect import flow
 
-from knnssd.flows.params import SearchParams
 from knnssd import prompts
-from knnssd.search import calibration
+from knnssd.flows.params import SearchParams
 from knnssd.routing import router
 from knnssd.search.calibration import ModelSpec
+from knnssd.settings import work_dir
 from knnssd.tasks.calibration import (build_bank, cluster_prompts, embed_prompts, load_prompts, register_bank,
                                search_cluster, study_prefix)
 
@@ -42,7 +42,7 @@ def calibrate(params: CalibrateParams = CalibrateParams()) -> dict:
     futures = [search_cluster.submit(spec, c, rows, params.budget(), storage, prefix) for c in clusters]
     results = [f.result() for f in futures]
     bank_dir = build_bank(spec, clusters, results, vectors, router.Pooling(params.pooling, params.layer),
-                          str(calibration.work_dir() / "banks" / prefix),
+                          str(work_dir() / "banks" / prefix),
                           {"inputs": params.paths(), "study_prefix": prefix, "storage": storage})
     return register_bank(bank_dir, params.model_dump(), params.tracking_uri, params.alias)
 

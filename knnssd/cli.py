@@ -399,14 +399,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from knnssd.routing.bank import BankError
-    from knnssd.serving.batch import OutputError
-    from knnssd.models import ModelError
-    from knnssd.prompts import PromptError
+    from knnssd import console
     from knnssd.engine.skip import MaskError
     from knnssd.flows.server import PrefectUnavailable
-
-    from knnssd import console
+    from knnssd.models import ModelError
+    from knnssd.prompts import PromptError
+    from knnssd.routing.bank import BankError
+    from knnssd.serving.batch import OutputError
     from knnssd.tracking import RegistryError
 
     a = parser().parse_args(argv)

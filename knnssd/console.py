@@ -7,7 +7,11 @@ are sent through the same two handlers instead. Prefect leaves the root handlers
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import sys
+import threading
 from pathlib import Path
 
 from knnssd.settings import work_dir
@@ -50,3 +54,29 @@ def adopt_library_loggers() -> None:
         logger = logging.getLogger(name)
         logger.handlers = []
         logger.propagate = True
+
+
+class _LogLines(io.TextIOBase):
+    def __init__(self, logger: logging.Logger, stream):
+        self.logger, self.stream = logger, stream
+        self.inside = threading.local()
+
+    def write(self, text: str) -> int:
+        if getattr(self.inside, "on", False):  # a handler that writes to sys.stderr: the real stream
+            return self.stream.write(text)
+        self.inside.on = True
+        try:
+            for line in text.splitlines():
+                if line.strip():
+                    self.logger.info(line.strip())
+        finally:
+            self.inside.on = False
+        return len(text)
+
+
+@contextlib.contextmanager
+def stderr_to_log(name: str):
+    """What a library prints straight to stderr (MLflow's "Successfully registered model ..."), logged
+    at INFO under ``name`` instead (a handler that itself writes to sys.stderr gets the real stream)."""
+    with contextlib.redirect_stderr(_LogLines(logging.getLogger(name), sys.stderr)):
+        yield

@@ -193,7 +193,8 @@ def convert_gguf(gguf: Path, label: str) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            with _no_tqdm():  # transformers' per-tensor conversion bar (plain tqdm, not HF's switchable one)
+                model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
             model.hf_quantizer = None  # weights are plain fp32 now; drop the GGUF marker so it can be saved
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
@@ -205,6 +206,19 @@ def convert_gguf(gguf: Path, label: str) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
+
+
+@contextlib.contextmanager
+def _no_tqdm():
+    old = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = old
 
 
 def _source(name: str) -> tuple[str, Path | str]:

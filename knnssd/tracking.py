@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from knnssd import __version__, reachable
+from knnssd.console import stderr_to_log
 from knnssd.settings import tracking_uri, work_dir
 
 # The pyfunc model is logged from its code file (MLflow "models from code"): a path, not an import.
@@ -95,10 +96,9 @@ def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: 
     import mlflow
     from mlflow import MlflowClient
 
-
     setup(uri)
     name = registered_name(model)
-    with mlflow.start_run(run_name=run_name) as run:
+    with mlflow.start_run(run_name=run_name) as run, stderr_to_log("mlflow"):
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
         for pic in sorted(Path(bank_dir).glob("*.png")):

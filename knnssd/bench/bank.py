@@ -26,7 +26,6 @@ import json
 import random
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,7 +33,8 @@ import torch
 
 from knnssd.routing import bank as banks
 from knnssd import models, prompts
-from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.bench.hf import hf_generate
+from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import build
 
 METHODS = ("ar", "hf_generate", "hf_pld", "static_ssd", "oracle", "knn_masks", "knn_routed")
@@ -135,16 +135,9 @@ class Runner:
                     "accepted": sum(s.accepted), "steps": s.steps, "label": res.label}
         ids = self.lm.tokenizer(p.prompt).input_ids
         if method.startswith("hf_"):
-            x = torch.tensor([ids], device=self.lm.device)
-            extra = {"prompt_lookup_num_tokens": self.cfg.pld_tokens} if method == "hf_pld" else {}
-            t = time.perf_counter()
-            out = self.lm.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=self.cfg.max_new_tokens,
-                                         do_sample=False, pad_token_id=self.lm.tokenizer.pad_token_id or 0, **extra)
-            s = time.perf_counter() - t
-            toks = out[0, len(ids):].tolist()
-            eos = set(self.routed.eos)
-            cut = next((i + 1 for i, t_ in enumerate(toks) if t_ in eos), len(toks))  # HF pads after EOS
-            return {"tokens": toks[:cut], "s": s}
+            toks, s = hf_generate(self.lm, ids, self.cfg.max_new_tokens, self.routed.eos,
+                                  self.cfg.pld_tokens if method == "hf_pld" else 0)
+            return {"tokens": toks, "s": s}
         drafter = self.oracle.get(p.domain) if method == "oracle" else self.drafters[method]
         toks, st = generate(self.dec, ids, drafter, self.gen)
         return {"tokens": toks, "s": st.total_s, "drafted": st.drafted, "accepted": sum(st.accepted),
@@ -214,8 +207,8 @@ def _agg(ms: dict[str, list[dict]], ids: list[str], method: str, ref: str = "ar"
     steps = sum(x.get("steps", 0) for x in first)
     agree = [all(x["tokens"] == ms[i]["ar"][0]["tokens"] for x in ms[i][method]) for i in ids]
     out = {"speedup_vs_ar": t_ref / t, "tokens_per_s": tokens / t, "seconds": t, "prompts": len(ids),
-           "acceptance_rate": acc / drafted if drafted else None,
-           "mean_accepted": (acc + steps) / steps if steps else None, "agreement_with_ar": sum(agree) / len(agree)}
+           "acceptance_rate": acceptance_rate(acc, drafted) if drafted else None,  # None: not a drafter
+           "mean_accepted": mean_accepted(acc, steps) if steps else None, "agreement_with_ar": sum(agree) / len(agree)}
     if "route_s" in first[0]:
         route = sum(statistics.median(x["route_s"] for x in ms[i][method]) for i in ids)
         out["routing_overhead_pct"] = 100 * route / t

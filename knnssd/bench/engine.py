@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,10 +16,11 @@ import torch
 
 from knnssd import models
 from knnssd import prompts as prompt_sets
+from knnssd.bench.hf import hf_generate
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import Decoder, SkipMask
-from knnssd.engine.timing import median_ms
+from knnssd.engine.timing import pass_timer
 
 
 @dataclass
@@ -59,15 +59,7 @@ def fixed_drafters(n_layers: int, can_skip: bool) -> dict[str, DrafterConfig]:
 
 def step_costs(dec: Decoder, context: int = 128, max_k: int = 12) -> dict:
     """ms per full step, per draft step for several mask sizes, and verify cost for k = 1..max_k tokens."""
-    vocab = dec.stack.embed.shape[0]
-    ids = torch.randint(0, vocab, (context + max_k,), generator=torch.Generator().manual_seed(0)).to(dec.stack.device)
-    dev = dec.stack.device
-    dec.reserve(context + max_k)
-    dec.forward(ids[:context], 0)
-
-    def ms(k: int, **kw) -> float:
-        return median_ms(lambda: dec.forward(ids[context : context + k], context, last=k == 1, **kw), dev, repeats=7)
-
+    ms = pass_timer(dec, context, max_k, repeats=7)
     full = ms(1)
     verify = {k: ms(k) for k in range(1, max_k + 1)}
     draft = {}
@@ -100,11 +92,8 @@ def run(cfg: EngineBench, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
 
     def one(method: str, ids: list[int]):
         if method == "hf_generate":
-            t = time.perf_counter()
-            x = torch.tensor([ids], device=lm.device)
-            out = lm.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.max_new_tokens,
-                                    do_sample=False, pad_token_id=lm.tokenizer.pad_token_id or 0)
-            return out[0, len(ids):].tolist(), None, time.perf_counter() - t
+            toks, s = hf_generate(lm, ids, cfg.max_new_tokens, gen_cfg.eos_ids)
+            return toks, None, s
         out, st = generate(dec, ids, drafters.get(method), gen_cfg)
         return out, st, st.total_s
 

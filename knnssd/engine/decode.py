@@ -32,6 +32,17 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()  # generation stops after the token that completes one (kept)
 
 
+def acceptance_rate(accepted: int, drafted: int) -> float:
+    """Accepted drafted tokens / drafted tokens (0 when nothing was drafted)."""
+    return accepted / drafted if drafted else 0.0
+
+
+def mean_accepted(accepted: int, steps: int) -> float:
+    """Tokens emitted per full-model step after the prefill: the accepted drafts plus each step's own
+    token, over the steps (1.0 for plain AR, and when nothing ran)."""
+    return (accepted + steps) / steps if steps else 1.0
+
+
 @dataclass
 class DecodeStats:
     """What one generation did. ``accepted[i]`` drafted tokens were accepted at verify step i."""
@@ -51,13 +62,11 @@ class DecodeStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted drafted tokens / drafted tokens (0 when nothing was drafted)."""
-        return sum(self.accepted) / self.drafted if self.drafted else 0.0
+        return acceptance_rate(sum(self.accepted), self.drafted)
 
     @property
     def mean_accepted(self) -> float:
-        """Tokens emitted per full-model step after the prefill (accepted drafts + 1); 1.0 for plain AR."""
-        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else 1.0
+        return mean_accepted(sum(self.accepted), len(self.accepted))
 
     @property
     def decode_s(self) -> float:

@@ -26,3 +26,19 @@ def median_ms(fn: Callable[[], object], device: torch.device | str, repeats: int
         sync(device)
         ts.append(time.perf_counter() - t)
     return statistics.median(ts) * 1e3
+
+
+def pass_timer(dec, context: int, max_t: int, repeats: int = 5) -> Callable[..., float]:
+    """Fill ``dec``'s cache with ``context`` random tokens and return ``ms(t, mask=None, stack=None)``:
+    the median milliseconds of a ``t``-token pass after them (``t`` = 1 keeps only the last logits,
+    as a plain step does). The one setup behind the search's and the engine bench's step costs."""
+    device = dec.device
+    vocab = dec.stack.embed.shape[0]
+    ids = torch.randint(0, vocab, (context + max_t,), generator=torch.Generator().manual_seed(0)).to(device)
+    dec.reserve(context + max_t)
+    dec.forward(ids[:context], 0)
+
+    def ms(t: int, mask=None, stack=None) -> float:
+        return median_ms(lambda: dec.forward(ids[context : context + t], context, mask, stack, t == 1), device, repeats)
+
+    return ms

@@ -17,8 +17,8 @@ import numpy as np
 
 from knnssd import __version__
 from knnssd.engine.drafters import DrafterConfig
-from knnssd.routing.router import Cluster, Pooling, Router
 from knnssd.engine.skip import MaskError, SkipMask
+from knnssd.routing.router import Cluster, Pooling, Router, stack_anchors
 
 FORMAT = 1
 
@@ -183,9 +183,11 @@ def from_clusters(clusters: list[Cluster], results: dict[int, dict], model: str,
             mean_accepted=r["mean_accepted"], members=len(c.members), domains=c.domains,
             search={k: r[k] for k in ("proxy_speedup", "proxy_trials", "real_trials", "search_s", "ms_per_token",
                                       "ar_ms_per_token") if k in r}))
-    # unmatched prompts get the configuration that is fastest over the most prompts
-    fallback = max(bcs, key=lambda b: (b.speedup - 1.0) * b.members).id
-    anchors = np.concatenate([c.anchors for c in clusters])
-    owner = np.concatenate([np.full(len(c.anchors), c.id) for c in clusters])
-    return Bank(model, fingerprint, n_layers, dtype, bcs, anchors, owner, pooling, 3, min_similarity, fallback, created,
-                extra=extra or {}, center=center)
+    anchors, owner = stack_anchors(clusters)
+    return Bank(model, fingerprint, n_layers, dtype, bcs, anchors, owner, pooling, 3, min_similarity,
+                fallback_cluster(bcs), created, extra=extra or {}, center=center)
+
+
+def fallback_cluster(clusters: list[BankCluster]) -> int:
+    """The cluster whose configuration serves unmatched prompts: the one fastest over the most prompts."""
+    return max(clusters, key=lambda b: (b.speedup - 1.0) * b.members).id

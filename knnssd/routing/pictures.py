@@ -15,6 +15,13 @@ def _plt():
     return plt
 
 
+def draw(bank, vectors: np.ndarray | None, domains: list[str | None] | None, folder: Path) -> None:
+    """The bank's pictures, saved beside it: ``skip_heatmap.png`` and ``anchor_map.png`` (``vectors``
+    in the router's space: centered like the anchors)."""
+    skip_heatmap(bank, Path(folder) / "skip_heatmap.png")
+    anchor_map(bank, vectors, domains, Path(folder) / "anchor_map.png")
+
+
 def skip_heatmap(bank, path: Path) -> Path:
     """Rows: clusters; columns: sub-layers (attention | MLP); dark = skipped while drafting."""
     from knnssd.engine.skip import SkipMask

@@ -161,6 +161,13 @@ class Route:
     votes: dict[int, float]
 
 
+def stack_anchors(clusters: list[Cluster]) -> tuple[np.ndarray, np.ndarray]:
+    """All clusters' anchors as one (N, E) matrix, and the cluster id of each row."""
+    anchors = np.concatenate([c.anchors for c in clusters])
+    owner = np.concatenate([np.full(len(c.anchors), c.id) for c in clusters])
+    return anchors, owner
+
+
 class Router:
     """kNN over normalised anchors (faiss inner product); the k nearest anchors vote by similarity."""
 
@@ -178,9 +185,7 @@ class Router:
     @classmethod
     def from_clusters(cls, clusters: list[Cluster], k: int = 3, min_similarity: float = -1.0,
                       center: np.ndarray | None = None) -> "Router":
-        anchors = np.concatenate([c.anchors for c in clusters])
-        owner = np.concatenate([np.full(len(c.anchors), c.id) for c in clusters])
-        return cls(anchors, owner, k, min_similarity, center)
+        return cls(*stack_anchors(clusters), k, min_similarity, center)
 
     def route(self, vector: np.ndarray) -> Route:
         sims, idx = self.index.search(centered(np.asarray(vector)[None], self.center), self.k)

@@ -200,8 +200,7 @@ def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[di
     banks.validate(bank)
     out_dir = Path(out_dir)
     bank.save(out_dir)
-    pictures.skip_heatmap(bank, out_dir / "skip_heatmap.png")
-    pictures.anchor_map(bank, router.centered(x, center), domains, out_dir / "anchor_map.png")
+    pictures.draw(bank, router.centered(x, center), domains, out_dir)
     return out_dir
 
 

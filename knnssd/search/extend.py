@@ -52,11 +52,10 @@ def merged(bank: banks.Bank, clusters: list[router.Cluster], results: list[dict]
     add = banks.from_clusters(clusters, {r["cluster"]: r for r in results}, bank.model, bank.fingerprint,
                               bank.n_layers, bank.dtype, bank.pooling, bank.min_similarity, "", None, bank.center)
     all_clusters = [*bank.clusters, *add.clusters]
-    fallback = max(all_clusters, key=lambda b: (b.speedup - 1.0) * b.members).id
     extra = {**bank.extra, "extended_from": source, "added": [*bank.extra.get("added", []), *[c.label for c in add.clusters]]}
     out = banks.Bank(bank.model, bank.fingerprint, bank.n_layers, bank.dtype, all_clusters,
                      np.concatenate([bank.anchors, add.anchors]), np.concatenate([bank.anchor_cluster, add.anchor_cluster]),
-                     bank.pooling, bank.router_k, bank.min_similarity, fallback,
+                     bank.pooling, bank.router_k, bank.min_similarity, banks.fallback_cluster(all_clusters),
                      dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), extra=extra, center=bank.center)
     banks.validate(out)
     return out
@@ -84,6 +83,5 @@ def build(base_dir: Path, clusters: list[router.Cluster], results: list[dict], v
     out_dir = Path(out_dir)
     bank.save(out_dir)
     _, domains, x = router.load_vectors(vectors)
-    pictures.skip_heatmap(bank, out_dir / "skip_heatmap.png")
-    pictures.anchor_map(bank, router.centered(x, bank.center), domains, out_dir / "anchor_map.png")
+    pictures.draw(bank, router.centered(x, bank.center), domains, out_dir)
     return out_dir

@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import DrafterConfig, NGram, adapt_length, build
 from knnssd.engine.skip import Decoder, SkipMask
-from knnssd.engine.timing import median_ms
+from knnssd.engine.timing import pass_timer
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,8 @@ class Costs:
 
 @torch.inference_mode()
 def measure_costs(dec: Decoder, max_t: int = 11, context: int = 128) -> Costs:
-    vocab = dec.stack.embed.shape[0]
-    ids = torch.randint(0, vocab, (context + max_t,), generator=torch.Generator().manual_seed(0)).to(dec.stack.device)
-    dev = dec.stack.device
-    dec.reserve(context + max_t)
-    dec.forward(ids[:context], 0)
-    verify = [median_ms(lambda t=t: dec.forward(ids[context : context + t], context, last=t == 1), dev)
-              for t in range(1, max_t + 1)]
+    ms = pass_timer(dec, context, max_t)
+    verify = [ms(t) for t in range(1, max_t + 1)]
     n = dec.n_layers
     draft = {}
     for name, stack in (("full", None), ("int8", dec.int8_stack() if dec.can_skip else None)):
@@ -96,7 +91,7 @@ def measure_costs(dec: Decoder, max_t: int = 11, context: int = 128) -> Costs:
         for key, mask in (("none", SkipMask.none(n)), ("attn", SkipMask.from_layers(n, attn=range(n))),
                           ("mlp", SkipMask.from_layers(n, mlp=range(n))),
                           ("all", SkipMask.from_layers(n, attn=range(n), mlp=range(n)))):
-            t[key] = median_ms(lambda m=mask, s=stack: dec.forward(ids[context : context + 1], context, m, s, True), dev)
+            t[key] = ms(1, mask, stack)
         attn = max(0.0, (t["none"] - t["attn"] + t["mlp"] - t["all"]) / (2 * n))
         mlp = max(0.0, (t["none"] - t["mlp"] + t["attn"] - t["all"]) / (2 * n))
         draft[name] = (t["all"], attn, mlp)
@@ -193,7 +188,7 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
                 k = adapt_length(k, policy.max_len, len(d_tokens), a)
             j += a + 1
     speedup = ar_t / spec_t if spec_t else 1.0
-    return speedup, (accepted / drafted if drafted else 0.0), ((accepted + steps) / steps if steps else 1.0)
+    return speedup, acceptance_rate(accepted, drafted), mean_accepted(accepted, steps)
 
 
 def best_policy(samples, traces, costs, draft_ms, proposals_by_sizes, kinds) -> tuple[Policy, tuple[float, float, float]]:
@@ -391,8 +386,8 @@ def search_cluster(dec, tokenizer, cluster_id: int, texts: list[str], budget: Bu
                 break
         trial.set_user_attr("ms_per_token", 1e3 * sp_s / max(1, tokens))
         trial.set_user_attr("ar_ms_per_token", 1e3 * ar_s / max(1, tokens))
-        trial.set_user_attr("acceptance", acc / drafted if drafted else 0.0)
-        trial.set_user_attr("mean_accepted", (acc + steps) / steps if steps else 1.0)
+        trial.set_user_attr("acceptance", acceptance_rate(acc, drafted))
+        trial.set_user_attr("mean_accepted", mean_accepted(acc, steps))
         if pruned:
             real.tell(trial, state=optuna.trial.TrialState.PRUNED)
         else:

@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from knnssd.engine.decode import acceptance_rate, mean_accepted
 from knnssd.engine.params import GenerateParams
-
-from knnssd.serving.routed import RoutedGenerator
 from knnssd.prompts import Prompt
+from knnssd.serving.routed import RoutedGenerator
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +237,6 @@ def summarize(rows: list[dict], generated: int, output: Path, unmatched_log: str
     return Summary(
         rows=n, generated=generated, unmatched=sum(not r["matched"] for r in rows), new_tokens=tokens, seconds=secs,
         tokens_per_s=tokens / secs if secs else 0.0,
-        acceptance_rate=accepted / drafted if drafted else 0.0,
-        mean_accepted=(accepted + steps) / steps if steps else 1.0, route_ms=1e3 * route / max(1, n),
+        acceptance_rate=acceptance_rate(accepted, drafted),
+        mean_accepted=mean_accepted(accepted, steps), route_ms=1e3 * route / max(1, n),
         route_overhead_pct=100 * route / secs if secs else 0.0, output=str(output), unmatched_log=unmatched_log)
