@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -193,7 +194,7 @@ def convert_gguf(gguf: Path, label: str) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            with _no_tqdm():  # transformers' per-tensor conversion bar (plain tqdm, not HF's switchable one)
+            with contextlib.redirect_stderr(io.StringIO()):  # transformers' per-tensor bar (plain tqdm, no switch)
                 model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
             model.hf_quantizer = None  # weights are plain fp32 now; drop the GGUF marker so it can be saved
             if hasattr(model.config, "quantization_config"):
@@ -206,19 +207,6 @@ def convert_gguf(gguf: Path, label: str) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
-
-
-@contextlib.contextmanager
-def _no_tqdm():
-    old = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = old
 
 
 def _source(name: str) -> tuple[str, Path | str]:

@@ -134,3 +134,10 @@ def test_decoding_never_touches_the_config():
     cfg = DrafterConfig(kind="hybrid", mask=SkipMask.from_layers(4, attn=[1, 2]).to_dict(), int8=True)
     generate(dec, prompt_ids("gemma3", 1), build(cfg, 4), GenerationConfig(max_new_tokens=12))
     assert model.config.to_dict() == before
+
+
+def test_search_cache_key_reads_the_engine_and_search_sources():
+    from knnssd.search import calibration
+
+    key = calibration.code_version()  # a missing source file fails here, not as a Prefect cache-key log line
+    assert len(key) == 16 and key == calibration.code_version()

@@ -66,13 +66,15 @@ def _step_costs(spec: ModelSpec) -> optimize.Costs:
 eos_ids = models.eos_ids
 
 
-def code_version(modules=("search", "decode", "drafters", "sampling", "skip", "stack", "cache", "calibration")) -> str:
-    """A hash of the sources a search result depends on: cached results from older code are not reused."""
+def code_version() -> str:
+    """A hash of the sources a search result depends on (the engine, the search, this module):
+    cached results from older code are not reused."""
     import hashlib
 
+    package = Path(__file__).parents[1]
     h = hashlib.sha256()
-    for m in modules:
-        h.update((Path(__file__).parent / f"{m}.py").read_bytes())
+    for path in sorted([*(package / "engine").glob("*.py"), *(package / "search").glob("*.py")]):
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
