@@ -20,8 +20,8 @@ device, the dtype and the model's shapes (``exactness.py`` measures it at load):
 and ``padded(impl, R)`` of the static ones: the queries of a call with fewer than R tokens are
 padded with zero rows to R (gpt-fast's verification at a fixed length), so one-token steps and
 short verify passes run the kernel shape of longer ones. On the dev machine's CPU (Zen 4, no
-AMX) only padded ones were row-invariant in the whole model: ``sdpa_pad4`` in bf16 and
-``fp32_pad2`` in both dtypes (the kernels take another path below a few query rows), while in
+AMX) only padded ones were row-invariant in the whole model: ``sdpa_pad4``, ``sdpa_fold_r4`` and
+``fp32_pad2`` in bf16 and fp32 (the kernels take another path below a few query rows), while in
 isolation, on random inputs, plain ``sdpa`` was; so the probe runs the real model.
 """
 from __future__ import annotations
