@@ -41,8 +41,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     a = ap.parse_args()
     from knnssd import models
-    from knnssd.bench import engine as bench_engine
     from knnssd import prompts as prompt_sets
+    from knnssd.bench import engine as bench_engine
     from knnssd.engine.decode import GenerationConfig, generate
     from knnssd.engine.drafters import build
     from knnssd.engine.skip import make_decoder

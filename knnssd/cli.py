@@ -187,11 +187,11 @@ def cmd_demo(a) -> int:
 def cmd_generate(a) -> int:
     from knnssd.flows.generate import generate
 
-    from knnssd.routing import bank as banks
     from knnssd import tracking
-    from knnssd.serving.batch import check, check_output, writing
     from knnssd.engine.params import GenerateParams
     from knnssd.prompts import load
+    from knnssd.routing import bank as banks
+    from knnssd.serving.batch import check, check_output, writing
 
     # every check a retry cannot change runs here, in seconds, before any server starts or model loads
     params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,

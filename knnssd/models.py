@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from knnssd.engine import exactness
-from knnssd.settings import cache_dir
 from knnssd.engine.skip import Decoder, HFDecoder, make_decoder
+from knnssd.settings import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from knnssd.search import calibration
 
 from knnssd.routing import router
 
+from knnssd.prompts import Prompt
 from knnssd.search import optimize
 from knnssd.search.calibration import ModelSpec
-from knnssd.prompts import Prompt
 
 from knnssd.tasks.retry import transient
 

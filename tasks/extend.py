@@ -7,11 +7,11 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from knnssd.routing import bank as banks
 from knnssd import prompts, tracking
+from knnssd.routing import bank as banks
+from knnssd.routing import router
 from knnssd.search import extend
 from knnssd.serving import promote
-from knnssd.routing import router
 from knnssd.serving import watch
 
 from knnssd.tasks.retry import transient

@@ -8,8 +8,8 @@ from prefect.cache_policies import NO_CACHE
 
 from knnssd import prompts, tracking
 
-from knnssd.serving import batch
 from knnssd.engine.params import GenerateParams
+from knnssd.serving import batch
 from knnssd.serving.routed import RoutedGenerator
 
 from knnssd.tasks.retry import transient

@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from knnssd.routing import bank as banks
-from knnssd.search import extend
-from knnssd.routing import router
-from knnssd.serving import watch
 from knnssd.prompts import Prompt
+from knnssd.routing import bank as banks
+from knnssd.routing import router
+from knnssd.search import extend
+from knnssd.serving import watch
 from test_router_bank import blobs, make_bank
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from knnssd.routing import bank as banks
 from knnssd import tracking
+from knnssd.routing import bank as banks
 from knnssd.search import calibration
 
 pytestmark = pytest.mark.integration

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from knnssd.routing import bank as banks
 from knnssd import tracking
-from knnssd.search import calibration
-from knnssd.search.calibration import ModelSpec
 from knnssd.engine.drafters import DrafterConfig
 from knnssd.engine.skip import SkipMask
+from knnssd.routing import bank as banks
+from knnssd.search import calibration
+from knnssd.search.calibration import ModelSpec
 from test_integration_calibrate import fixed_bank, small_inputs
 from test_integration_deploy import PREFECT, ROOT, free_port, prefect_server, wait_http  # noqa: F401
 

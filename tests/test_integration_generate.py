@@ -16,9 +16,9 @@ import pytest
 
 from knnssd import prompts, tracking
 
-from knnssd.search import calibration
 from knnssd.engine.drafters import DrafterConfig
 from knnssd.engine.skip import SkipMask
+from knnssd.search import calibration
 from test_integration_calibrate import fixed_bank
 from test_integration_deploy import free_port, wait_http
 

@@ -11,9 +11,9 @@ import pytest
 
 from knnssd import tracking
 
-from knnssd.serving import batch
 from knnssd.engine.params import GenerateParams, check_prompt
 from knnssd.engine.sampling import Warp
+from knnssd.serving import batch
 
 
 @pytest.mark.parametrize("field,value", [

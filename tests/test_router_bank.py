@@ -3,10 +3,10 @@ import json
 import numpy as np
 import pytest
 
-from knnssd.routing import bank as banks
-from knnssd.routing import router
 from knnssd.engine.drafters import DrafterConfig
 from knnssd.engine.skip import SkipMask
+from knnssd.routing import bank as banks
+from knnssd.routing import router
 
 
 def blobs(n_per=20, dim=16, centers=3, seed=0):

@@ -1,10 +1,10 @@
 """The proxy simulation replays the real speculative loop exactly for n-gram drafting."""
 import pytest
 
-from knnssd.search import optimize
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import SkipMask, make_decoder
+from knnssd.search import optimize
 from tiny import prompt_ids, tiny
 
 

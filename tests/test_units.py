@@ -6,9 +6,9 @@ import torch
 from knnssd import models
 from knnssd.engine.cache import BUCKET, CacheFull, KVCache
 from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.sequence import Sequence
 from knnssd.engine.drafters import DrafterConfig, NGram, build
 from knnssd.engine.sampling import Warp
+from knnssd.engine.sequence import Sequence
 from knnssd.engine.skip import MaskError, SkipMask, make_decoder
 from tiny import prompt_ids, tiny
 

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from knnssd.routing import bank as banks
 from knnssd import models, prompts
 from knnssd.bench.hf import hf_generate
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import build
+from knnssd.routing import bank as banks
 
 METHODS = ("ar", "hf_generate", "hf_pld", "static_ssd", "oracle", "knn_masks", "knn_routed")
 OOD_METHODS = ("ar", "hf_pld", "static_ssd", "knn_masks", "knn_routed")

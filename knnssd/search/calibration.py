@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from knnssd.routing import bank as banks
 from knnssd import models, prompts, tracking
+from knnssd.routing import bank as banks
 from knnssd.routing import pictures
 from knnssd.routing import router
 from knnssd.search import optimize

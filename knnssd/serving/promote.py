@@ -32,9 +32,9 @@ def compare(candidate_dir, champion_dir, rows: list[prompts.Prompt], versions: t
             max_new_tokens: int = 64, tolerance: float = 0.03) -> Comparison:
     from tqdm import tqdm
 
-    from knnssd.routing import bank as banks
     from knnssd import models
     from knnssd.engine.params import GenerateParams
+    from knnssd.routing import bank as banks
     from knnssd.serving.routed import RoutedGenerator
 
     if not rows:

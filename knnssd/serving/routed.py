@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from knnssd.routing import bank as banks
 from knnssd import models
 from knnssd.engine.decode import DecodeStats, GenerationConfig, decode, prefill
 from knnssd.engine.drafters import build
 from knnssd.engine.params import GenerateParams, prompt_ids
+from knnssd.routing import bank as banks
 
 log = logging.getLogger(__name__)
 
