@@ -3,9 +3,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from knnssd.search import calibration
-
-from knnssd.search import optimize
+from knnssd.search import calibration, optimize
 
 
 class SearchParams(BaseModel):

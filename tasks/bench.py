@@ -5,7 +5,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from knnssd.bench import bank as bench
-
 from knnssd.tasks.retry import transient
 
 

@@ -6,14 +6,10 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE, CacheKeyFnPolicy
 
-from knnssd.search import calibration
-
-from knnssd.routing import router
-
 from knnssd.prompts import Prompt
-from knnssd.search import optimize
+from knnssd.routing import router
+from knnssd.search import calibration, optimize
 from knnssd.search.calibration import ModelSpec
-
 from knnssd.tasks.retry import transient
 
 

@@ -11,9 +11,7 @@ from knnssd import prompts, tracking
 from knnssd.routing import bank as banks
 from knnssd.routing import router
 from knnssd.search import extend
-from knnssd.serving import promote
-from knnssd.serving import watch
-
+from knnssd.serving import promote, watch
 from knnssd.tasks.retry import transient
 
 

@@ -7,11 +7,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from knnssd import prompts, tracking
-
 from knnssd.engine.params import GenerateParams
 from knnssd.serving import batch
 from knnssd.serving.routed import RoutedGenerator
-
 from knnssd.tasks.retry import transient
 
 

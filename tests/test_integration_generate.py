@@ -15,7 +15,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from knnssd import prompts, tracking
-
 from knnssd.engine.drafters import DrafterConfig
 from knnssd.engine.skip import SkipMask
 from knnssd.search import calibration

@@ -6,7 +6,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from knnssd import prompts
-
 from knnssd.search import calibration
 
 

@@ -10,7 +10,6 @@ import time
 import pytest
 
 from knnssd import tracking
-
 from knnssd.engine.params import GenerateParams, check_prompt
 from knnssd.engine.sampling import Warp
 from knnssd.serving import batch

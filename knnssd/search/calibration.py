@@ -22,8 +22,7 @@ import torch
 
 from knnssd import models, prompts, tracking
 from knnssd.routing import bank as banks
-from knnssd.routing import pictures
-from knnssd.routing import router
+from knnssd.routing import pictures, router
 from knnssd.search import optimize
 from knnssd.settings import cache_dir, work_dir
 
