@@ -58,19 +58,21 @@ def folded(rows: int = 1) -> "Attention":
     of SmolLM2, padded to 4; an 11-token pass 33, padded to 36)."""
 
     def mask(pos, length, window):
-        return pos.shape[0], allowed(pos, length, window)
+        return pos.shape[0], allowed(pos, length, window), {}  # {G: folded rows' mask}, filled by the first layer
 
     def attend(q, k, v, m, scale):
-        T, allowed_ = m
+        T, allowed_, folded_masks = m
         _, H, D = q.shape
         KV = k.shape[1]
         G = H // KV
         R = -(-G * T // rows) * rows
         qg = q.reshape(T, KV, G, D).permute(1, 2, 0, 3).reshape(1, KV, G * T, D)
-        mg = allowed_.repeat(G, 1)
         if R > G * T:
             qg = torch.cat((qg, qg.new_zeros(1, KV, R - G * T, D)), 2)
-            mg = torch.cat((mg, mg[:1].expand(R - G * T, -1)))
+        mg = folded_masks.get(G)
+        if mg is None:  # padding rows see what the first row sees: never a row with no visible key
+            mg = allowed_.repeat(G, 1)
+            folded_masks[G] = mg = torch.cat((mg, mg[:1].expand(R - G * T, -1))) if R > G * T else mg
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
         return o[0, :, : G * T].reshape(KV, G, T, D).permute(2, 0, 1, 3).reshape(1, T, H * D)
 

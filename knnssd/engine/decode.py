@@ -22,7 +22,6 @@ from knnssd.engine.sampling import Warp, greedy_verify, probs, rejection_verify,
 from knnssd.engine.sequence import Sequence
 
 
-
 @dataclass(frozen=True)
 class GenerationConfig:
     max_new_tokens: int = 128

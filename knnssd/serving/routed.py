@@ -60,7 +60,6 @@ class RoutedGenerator:
         self.router = bank.router()
         self.drafters = {c.id: build(c.drafter, self.decoder.n_layers, self.decoder.can_skip) for c in bank.clusters}
         self.eos = models.eos_ids(lm)
-        self._busy = lm.busy  # the model's one decoder is held from prefill to the last token
 
     @classmethod
     def from_model_uri(cls, model_uri: str, model: str | None = None, dtype: str = "auto", device: str = "auto",
@@ -81,7 +80,7 @@ class RoutedGenerator:
 
     def generate(self, prompt: str, params: GenerateParams = GenerateParams()) -> Result:
         ids, truncated = self.tokenize(prompt, params.max_prompt_tokens)
-        with self._busy:
+        with self.lm.busy:  # the model's one decoder is held from prefill to the last token
             return self._generate(ids, truncated, params)
 
     def _generate(self, ids: list[int], truncated: bool, params: GenerateParams) -> Result:
