@@ -94,11 +94,16 @@ def _fp32(q, k, v, mask, scale):
     return o.to(q.dtype)
 
 
+CAUSAL = "causal"  # a ``_dynamic`` mask: the queries are all keys 0..end-1 (a fresh prefill)
+
+
 def _dynamic_mask(pos, length, window):
-    end = int(pos[-1]) + 1
-    if pos.shape[0] == 1:
+    T, end = pos.shape[0], int(pos[-1]) + 1
+    if T == 1:
         lo = end - window if window is not None and end > window else 0
         return slice(lo, end), None
+    if T == end and window is None:  # SDPA skips the masked blocks itself
+        return slice(0, end), CAUSAL
     return slice(0, end), allowed(pos, end, window)
 
 
@@ -110,6 +115,10 @@ def _dynamic(q, k, v, mask, scale):
     if m is None:  # one query: the G query heads of each KV head become rows (no repeated K/V, no mask)
         o = F.scaled_dot_product_attention(q[0].view(1, KV, H // KV, D), k, v, scale=scale)
         return o.view(1, 1, H * D)
+    if isinstance(m, str):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
+                                           enable_gqa=H != KV)
+        return o.transpose(1, 2).reshape(1, T, H * D)
     return _sdpa(q, k, v, m, scale)
 
 
@@ -122,6 +131,7 @@ class Attention:
     static: bool  # shapes do not depend on the position (CUDA-graph capturable)
 
 
+PREFILL_ROWS = 16  # longer calls are prefills: ``skip.Decoder`` runs them with ``SDPA_DYNAMIC``
 SDPA = Attention("sdpa", allowed, _sdpa, cache_fp32=False, static=True)
 SDPA_FOLD = folded()
 FP32 = Attention("fp32", _fp32_mask, _fp32, cache_fp32=True, static=True)

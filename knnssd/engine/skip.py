@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from knnssd.engine.attention import SDPA, Attention
+from knnssd.engine.attention import PREFILL_ROWS, SDPA, SDPA_DYNAMIC, Attention
 from knnssd.engine.cache import KVCache
 from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf
 
@@ -209,14 +209,17 @@ class Decoder:
         if s.embed_scale is not None:
             h = h * s.embed_scale
         rope = self._rope(pos, h)
+        # a prefill's rows are never compared with one-token steps (plain and speculative runs share it), so
+        # it takes the fastest form: causal SDPA over the keys written so far
+        attn = SDPA_DYNAMIC if T > PREFILL_ROWS and not self.attention.cache_fp32 else self.attention
         masks: dict[int | None, object] = {}
         skip_a = mask.attn if mask is not None else None
         skip_m = mask.mlp if mask is not None else None
         for i, layer in enumerate(s.layers):
             if skip_a is None or not skip_a[i]:
                 if layer.window not in masks:
-                    masks[layer.window] = self.attention.mask(pos, self.cache.length, layer.window)
-                h = h + self._attention(layer, i, h, pos, rope[layer.rope], masks[layer.window])
+                    masks[layer.window] = attn.mask(pos, self.cache.length, layer.window)
+                h = h + self._attention(layer, i, h, pos, rope[layer.rope], attn, masks[layer.window])
             if skip_m is None or not skip_m[i]:
                 gate, up = layer.gate_up(layer.mlp_norm(h)).chunk(2, dim=-1)
                 y = layer.down(layer.act(gate) * up)
@@ -231,7 +234,8 @@ class Decoder:
             logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
         return Output(logits.float(), hidden, tapped)
 
-    def _attention(self, layer: Layer, i: int, h: torch.Tensor, pos: torch.Tensor, rope, mask) -> torch.Tensor:
+    def _attention(self, layer: Layer, i: int, h: torch.Tensor, pos: torch.Tensor, rope, attn: Attention, mask
+                   ) -> torch.Tensor:
         s, T = self.stack, h.shape[1]
         H, KV, D = s.n_heads, s.n_kv, s.head_dim
         qkv = layer.qkv(layer.attn_norm(h)).view(T, H + 2 * KV, D)
@@ -241,7 +245,7 @@ class Decoder:
             qk = qkv[:, : H + KV]
         qk = _rope(qk, *rope)  # (T, H+KV, D)
         kc, vc = self.cache.write(i, pos, qk[:, H:].transpose(0, 1)[None], qkv[:, H + KV :].transpose(0, 1)[None])
-        o = layer.o(self.attention.attend(qk[:, :H], kc, vc, mask, s.scale))
+        o = layer.o(attn.attend(qk[:, :H], kc, vc, mask, s.scale))
         if layer.attn_post_norm is not None:
             o = layer.attn_post_norm(o)
         return o
