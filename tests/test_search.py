@@ -1,5 +1,6 @@
 """The proxy simulation replays the real speculative loop exactly for n-gram drafting."""
 import pytest
+import torch
 
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
@@ -43,3 +44,21 @@ def test_cost_model_is_linear_in_kept_sublayers():
     assert len(costs.verify) == 4 and set(costs.draft) == {"full", "int8"}
     none, half = SkipMask.none(4), SkipMask.from_layers(4, attn=[0, 1], mlp=[2, 3])
     assert costs.draft_ms(half, False) <= costs.draft_ms(none, False)
+
+
+def test_influence_finds_planted_zero_layers_and_the_first_mask_skips_exactly_them():
+    from knnssd.bench.planted import plant
+
+    p = plant(tiny("llama"), count=2, every=2)
+    assert p.layers == (2, 5) and p.n_layers == 6
+    dec = make_decoder(p.model)
+    ids = prompt_ids("llama", 0)
+    base = make_decoder(tiny("llama")).forward(torch.tensor(ids), 0).logits
+    assert torch.allclose(dec.forward(torch.tensor(ids), 0).logits, base, atol=1e-5)  # the planted layers add nothing
+    sizes = optimize.influence(dec, [optimize.Sample(ids, ids[:6])], context=64)
+    assert sizes.shape == (2, 6)
+    assert all(sizes[r, i] == 0 for r in range(2) for i in p.layers)
+    assert all(sizes[r, i] > 0 for r in range(2) for i in range(6) if i not in p.layers)
+    first = optimize.influence_masks(sizes)[0]
+    assert first == SkipMask.from_layers(6, attn=p.layers, mlp=p.layers)
+    assert optimize.trial_mask(optimize.trial_params(first, True), 6) == first

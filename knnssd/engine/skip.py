@@ -118,6 +118,7 @@ class Output(NamedTuple):
     logits: torch.Tensor  # (T, V), or (1, V) with last=True; float32
     hidden: torch.Tensor  # (T, E) final-normed hidden states
     tapped: torch.Tensor | None = None  # (T, E) residual stream after layer ``tap``, when asked for
+    influence: torch.Tensor | None = None  # (2, L) when asked for: see ``Decoder.forward``
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -130,6 +131,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
         return x * cos + x.roll(d // 2, -1) * sin_signed
     xr = x[..., :d]
     return torch.cat((xr * cos + xr.roll(d // 2, -1) * sin_signed, x[..., d:]), dim=-1)
+
+
+def _relative(y: torch.Tensor, h: torch.Tensor) -> float:
+    """Mean over tokens of ||y|| / ||h|| (float32 norms)."""
+    return float((y.float().norm(dim=-1) / h.float().norm(dim=-1).clamp_min(1e-12)).mean())
 
 
 def _rope_pair(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,8 +199,12 @@ class Decoder:
     @torch.inference_mode()
     def forward(
         self, ids: torch.Tensor, start: int | torch.Tensor, mask: SkipMask | None = None, stack: Stack | None = None,
-        last: bool = False, tap: int | None = None,
+        last: bool = False, tap: int | None = None, influence: bool = False,
     ) -> Output:
+        """``influence``: also return, per attention (row 0) and MLP (row 1) sub-layer, the size of its update
+        relative to the residual stream it adds to, ||y|| / ||h||, averaged over the tokens (0 for a
+        sub-layer that adds nothing, e.g. one whose output projection is zero; the search's first masks
+        skip the smallest)."""
         s = stack or self.stack
         tapped = None
         T = ids.shape[0]
@@ -215,16 +225,22 @@ class Decoder:
         masks: dict[int | None, object] = {}
         skip_a = mask.attn if mask is not None else None
         skip_m = mask.mlp if mask is not None else None
+        sizes = torch.zeros(2, len(s.layers)) if influence else None
         for i, layer in enumerate(s.layers):
             if skip_a is None or not skip_a[i]:
                 if layer.window not in masks:
                     masks[layer.window] = attn.mask(pos, self.cache.length, layer.window)
-                h = h + self._attention(layer, i, h, pos, rope[layer.rope], attn, masks[layer.window])
+                y = self._attention(layer, i, h, pos, rope[layer.rope], attn, masks[layer.window])
+                if sizes is not None:
+                    sizes[0, i] = _relative(y, h)
+                h = h + y
             if skip_m is None or not skip_m[i]:
                 gate, up = layer.gate_up(layer.mlp_norm(h)).chunk(2, dim=-1)
                 y = layer.down(layer.act(gate) * up)
                 if layer.mlp_post_norm is not None:
                     y = layer.mlp_post_norm(y)
+                if sizes is not None:
+                    sizes[1, i] = _relative(y, h)
                 h = h + y
             if i == tap:
                 tapped = h[0]
@@ -232,7 +248,7 @@ class Decoder:
         logits = s.lm_head(hidden[-1:] if last else hidden)
         if s.final_softcap is not None:
             logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
-        return Output(logits.float(), hidden, tapped)
+        return Output(logits.float(), hidden, tapped, sizes)
 
     def _attention(self, layer: Layer, i: int, h: torch.Tensor, pos: torch.Tensor, rope, attn: Attention, mask
                    ) -> torch.Tensor:

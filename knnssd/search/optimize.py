@@ -98,6 +98,41 @@ def measure_costs(dec: Decoder, max_t: int = 11, context: int = 128) -> Costs:
     return Costs(verify, draft)
 
 
+def trial_params(mask: SkipMask, int8: bool) -> dict:
+    """A draft's mask and precision as stage-1 trial parameters: ``int8``, ``a{i}`` and ``m{i}`` (skip layer i's
+    attention / MLP). The one encoding of a mask in a study; ``trial_mask`` reads it back."""
+    return {"int8": bool(int8), **{f"a{i}": bool(b) for i, b in enumerate(mask.attn)},
+            **{f"m{i}": bool(b) for i, b in enumerate(mask.mlp)}}
+
+
+def trial_mask(params: dict, n_layers: int) -> SkipMask:
+    return SkipMask(tuple(params[f"a{i}"] for i in range(n_layers)), tuple(params[f"m{i}"] for i in range(n_layers)))
+
+
+FREE = 1e-4  # a sub-layer whose update is this small next to the residual stream changes (almost) nothing
+
+
+@torch.inference_mode()
+def influence(dec: Decoder, samples: list["Sample"], context: int) -> torch.Tensor:
+    """(2, L): each attention (row 0) and MLP (row 1) sub-layer's update relative to the residual stream,
+    averaged over teacher-forced passes of the samples (``Decoder.forward(influence=True)``)."""
+    total = torch.zeros(2, dec.n_layers)
+    for s in samples:
+        ids = torch.tensor(s.prompt[-context:] + s.cont, dtype=torch.long, device=dec.device)
+        total += dec.forward(ids, 0, influence=True).influence
+    return total / max(1, len(samples))
+
+
+def influence_masks(sizes: torch.Tensor) -> list[SkipMask]:
+    """The search's first masks: skip the least influential sub-layers, first all the (near) free ones
+    (update < ``FREE``), then the smallest eighth and quarter of them."""
+    n = sizes.shape[1]
+    order = sizes.flatten().argsort(stable=True).tolist()  # j < n: attention of layer j; else MLP of layer j - n
+    counts = list(dict.fromkeys(c for c in (int((sizes < FREE).sum()), 2 * n // 8, 2 * n // 4) if c))
+    return [SkipMask.from_layers(n, attn=[j for j in order[:c] if j < n], mlp=[j - n for j in order[:c] if j >= n])
+            for c in counts]
+
+
 @dataclass
 class Trace:
     """One teacher-forced draft pass: per continuation position, top-1 match and its probability."""
@@ -294,10 +329,13 @@ def proxy_stage(dec, tokenizer, cluster_id: int, texts: list[str], budget: Budge
         proxy.set_user_attr("costs", asdict(costs))
     if not proxy.trials:
         for int8 in precisions:
-            proxy.enqueue_trial({"int8": int8, **{f"a{i}": False for i in range(n)}, **{f"m{i}": False for i in range(n)}})
+            proxy.enqueue_trial(trial_params(SkipMask.none(n), int8))
         for params in warm_start or []:
             if budget.int8 or not params.get("int8"):
                 proxy.enqueue_trial(params)
+        for mask in influence_masks(influence(dec, samples, budget.context)):
+            for int8 in precisions:
+                proxy.enqueue_trial(trial_params(mask, int8))
 
     def objective(trial):
         int8 = trial.suggest_categorical("int8", precisions)
@@ -343,7 +381,7 @@ def search_cluster(dec, tokenizer, cluster_id: int, texts: list[str], budget: Bu
     for t in ranked:
         if len(cands) >= quota:
             break
-        mask = SkipMask(tuple(t.params[f"a{i}"] for i in range(n)), tuple(t.params[f"m{i}"] for i in range(n)))
+        mask = trial_mask(t.params, n)
         p = t.user_attrs["policy"]
         cfg = to_config(Policy(p["kind"], p["max_len"], p["threshold"], p["adaptive"], tuple(p["ngram_sizes"])),
                         mask, t.params["int8"])
@@ -420,5 +458,4 @@ def warm_params(config: dict, n_layers: int) -> dict | None:
         return None
     m = SkipMask.from_dict(cfg.mask)
     m.validate(n_layers)
-    return {"int8": bool(cfg.int8), **{f"a{i}": bool(m.attn[i]) for i in range(n_layers)},
-            **{f"m{i}": bool(m.mlp[i]) for i in range(n_layers)}}
+    return trial_params(m, bool(cfg.int8))
