@@ -176,6 +176,22 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_plant(a) -> int:
+    from knnssd import models
+    from knnssd.bench.planted import plant, save
+
+    out = Path(a.out)
+    if a.layers < 1 or a.every < 1:
+        raise ValueError("--layers and --every must be >= 1")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not an empty folder")
+    lm = models.load(a.model, "float32", "cpu")
+    p = plant(lm.model, a.layers, a.every)
+    save(p, lm.tokenizer, out)
+    print(f"{out}: {lm.name} with {len(p.layers)} zero-output layers inserted at {list(p.layers)} ({p.n_layers} layers)")
+    return 0
+
+
 def cmd_demo(a) -> int:
     from knnssd.demo import DemoConfig, run
 
@@ -387,6 +403,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--flow", action="store_true", help="run as the Prefect flow `bench`")
     e.set_defaults(fn=cmd_bench)
 
+    pl = sub.add_parser("plant", help="a test model with planted redundancy: zero-output layers the mask search must skip")
+    pl.add_argument("--model", default="smollm2")
+    pl.add_argument("--layers", type=int, default=8, help="zero layers to insert")
+    pl.add_argument("--every", type=int, default=3, help="insert one after every N-th original layer")
+    pl.add_argument("--out", required=True, help="new model folder (for --model of other commands)")
+    pl.set_defaults(fn=cmd_plant)
+
     r = sub.add_parser("route-eval", help="routing accuracy and overhead on the eval rows of the five domains")
     r.add_argument("--model-uri", required=True)
     r.add_argument("--data", default=None)
@@ -414,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     try:
-        if a.cmd not in ("complete", "bench-engine", "ui"):  # the commands that use MLflow
+        if a.cmd not in ("complete", "bench-engine", "ui", "plant"):  # the commands that use MLflow
             console.adopt_library_loggers()
         return a.fn(a)
     except (ModelError, PromptError, MaskError, BankError, RegistryError, OutputError, ValueError, FileNotFoundError,
