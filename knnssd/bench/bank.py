@@ -11,6 +11,9 @@ Terms, defined once:
 - *speedup* of a method over a set of prompts: the reference's summed time / the method's summed
   time (times are whole generations: tokenize-free prefill + routing + decoding).
 - *agreement*: fraction of prompts whose tokens equal own AR's in every pass.
+- *mask ablation*: ``knn_unmasked`` routes like ``knn_routed`` but runs each cluster's drafter
+  with its skip mask cleared (same kind, precision, lengths); the ablation table compares the two
+  cluster by cluster, on the eval prompts routed there (run when the bank has a mask).
 
 No method keeps state from one prompt to the next (the router is a pure function of the prompt),
 so a stream's speedup depends on which prompts it holds, not on their order; the per-``r`` numbers
@@ -35,9 +38,10 @@ from knnssd import models, prompts
 from knnssd.bench.hf import hf_generate
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import build
+from knnssd.engine.skip import SkipMask
 from knnssd.routing import bank as banks
 
-METHODS = ("ar", "hf_generate", "hf_pld", "static_ssd", "oracle", "knn_masks", "knn_routed")
+METHODS = ("ar", "hf_generate", "hf_pld", "static_ssd", "oracle", "knn_masks", "knn_unmasked", "knn_routed")
 OOD_METHODS = ("ar", "hf_pld", "static_ssd", "knn_masks", "knn_routed")
 RATIOS = (0.0, 0.3, 0.7, 1.0)
 
@@ -103,6 +107,8 @@ class Runner:
         self.routed = RoutedGenerator(self.lm, bank)
         self.dec = self.routed.decoder
         self.masks = RoutedGenerator(self.lm, banks.load(folder(cfg.masks_bank))) if cfg.masks_bank else None
+        self.bank = bank
+        self.unmasked = RoutedGenerator(self.lm, bank.unmasked()) if bank.masked() else None
         static = banks.load(folder(cfg.static_bank)) if cfg.static_bank else None
         if static is not None:
             static.check_model(self.lm.fingerprint, self.dec.n_layers)
@@ -121,18 +127,18 @@ class Runner:
 
     def available(self, method: str) -> bool:
         return {"hf_generate": self.cfg.hf, "hf_pld": self.cfg.hf, "static_ssd": "static_ssd" in self.drafters,
-                "knn_masks": self.masks is not None}.get(method, True)
+                "knn_masks": self.masks is not None, "knn_unmasked": self.unmasked is not None}.get(method, True)
 
     @torch.inference_mode()
     def run(self, method: str, p: prompts.Prompt) -> dict:
         from knnssd.engine.params import GenerateParams
 
-        if method in ("knn_routed", "knn_masks"):
-            g = self.routed if method == "knn_routed" else self.masks
-            res = g.generate(p.prompt, GenerateParams(max_new_tokens=self.cfg.max_new_tokens))
+        routed = {"knn_routed": self.routed, "knn_masks": self.masks, "knn_unmasked": self.unmasked}
+        if method in routed:
+            res = routed[method].generate(p.prompt, GenerateParams(max_new_tokens=self.cfg.max_new_tokens))
             s = res.stats
             return {"tokens": res.tokens, "s": res.latency_s, "route_s": res.route_s, "drafted": s.drafted,
-                    "accepted": sum(s.accepted), "steps": s.steps, "label": res.label}
+                    "accepted": sum(s.accepted), "steps": s.steps, "label": res.label, "cluster": res.cluster}
         ids = self.lm.tokenizer(p.prompt).input_ids
         if method.startswith("hf_"):
             toks, s = hf_generate(self.lm, ids, self.cfg.max_new_tokens, self.routed.eos,
@@ -253,8 +259,26 @@ def summarise(done: dict, cfg: BenchConfig, runner: Runner) -> dict:
         rs = [ood_ms[i]["knn_routed"][0] for i in ood_ms if set_of[i] == s and "knn_routed" in ood_ms[i]]
         if rs:
             report["ood"][s]["routed_labels"] = {lab: sum(x["label"] == lab for x in rs) for lab in {x["label"] for x in rs}}
+    report["mask_ablation"] = mask_ablation(eval_ms, ids, runner.bank) if runner.unmasked is not None else None
     report["targets"] = targets(report)
     return report
+
+
+def mask_ablation(eval_ms: dict, ids: list[str], bank) -> list[dict]:
+    """Per masked cluster: its drafter with and without its mask, on the eval prompts routed to it."""
+    rows = []
+    for c in bank.masked():
+        mine = [i for i in ids if "knn_routed" in eval_ms[i] and eval_ms[i]["knn_routed"][0].get("cluster") == c.id]
+        with_mask, without = _agg(eval_ms, mine, "knn_routed"), _agg(eval_ms, mine, "knn_unmasked")
+        mask = SkipMask.from_dict(c.config["mask"])
+        rows.append({"cluster": c.id, "label": c.label, "drafter": c.drafter.describe(), "skipped": mask.n_skipped,
+                     "sublayers": 2 * mask.n_layers, "prompts": len(mine),
+                     "speedup_with_mask": (with_mask or {}).get("speedup_vs_ar"),
+                     "speedup_without_mask": (without or {}).get("speedup_vs_ar"),
+                     "mask_gain": with_mask["speedup_vs_ar"] / without["speedup_vs_ar"] if with_mask and without else None,
+                     "mean_accepted_with": (with_mask or {}).get("mean_accepted"),
+                     "mean_accepted_without": (without or {}).get("mean_accepted")})
+    return rows
 
 
 def targets(rep: dict) -> dict:
@@ -313,6 +337,14 @@ def markdown(rep: dict) -> str:
         for s, row in rep["ood"].items():
             lines.append(f"| {s} | " + " | ".join(f((row.get(m) or {}).get("speedup_vs_ar")) for m in om)
                          + f" | {row.get('routed_labels', {})} |")
+    if rep.get("mask_ablation"):
+        lines += ["", "## Mask ablation (each masked cluster's drafter, with vs without its mask; eval prompts routed there)",
+                  "", "| cluster | drafter | skipped | prompts | speedup with mask | without | gain | mean accepted with / without |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rep["mask_ablation"]:
+            lines.append(f"| {r['cluster']} {r['label']} | {r['drafter']} | {r['skipped']}/{r['sublayers']} | {r['prompts']} | "
+                         f"{f(r['speedup_with_mask'])} | {f(r['speedup_without_mask'])} | {f(r['mask_gain'], 3)} | "
+                         f"{f(r['mean_accepted_with'])} / {f(r['mean_accepted_without'])} |")
     lines += ["", f"routing accuracy (eval): {f(rep['routing_accuracy'], 3)}", "",
               "## Targets", "", *[f"- {k}: {f(v, 3)}" for k, v in rep["targets"].items()]]
     return "\n".join(lines) + "\n"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +64,14 @@ class Bank:
 
     def router(self) -> Router:
         return Router(self.anchors, self.anchor_cluster, self.router_k, self.min_similarity, self.center)
+
+    def masked(self) -> list[BankCluster]:
+        """The clusters whose drafter skips sub-layers."""
+        return [c for c in self.clusters if c.config.get("mask") and SkipMask.from_dict(c.config["mask"]).n_skipped]
+
+    def unmasked(self) -> "Bank":
+        """The same bank with every mask cleared (the mask ablation: same drafters, no skipped sub-layers)."""
+        return replace(self, clusters=[replace(c, config={**c.config, "mask": None}) for c in self.clusters])
 
     def cluster(self, cid: int | None) -> BankCluster:
         cid = self.fallback if cid is None else cid
