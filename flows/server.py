@@ -88,9 +88,25 @@ def local_api() -> Iterator[str]:
         raise PrefectUnavailable(f"the temporary Prefect server did not start ({str(e).splitlines()[0][:200]})") from None
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-            yield server.api_url
+            try:
+                yield server.api_url
+            finally:
+                _drain()
     finally:
         server.stop()
+
+
+def _drain(timeout: float = 10) -> None:
+    """Deliver the logs and events Prefect still holds while the server answers: at interpreter exit,
+    its workers would otherwise retry a stopped server with backoff, for a minute or more."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=timeout)
+        except Exception:  # noqa: BLE001 - best effort: nothing to deliver is not an error
+            pass
 
 
 def _free_port() -> int:
