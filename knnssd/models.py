@@ -210,22 +210,23 @@ def convert_gguf(gguf: Path, label: str) -> Path:
 
 
 def _source(name: str) -> tuple[str, Path | str]:
-    """(label, folder or hub id) for a short name, folder, .gguf file or hub id."""
+    """(label, folder or hub id) for a short name, folder, .gguf file or hub id. The label loads the same
+    model again (banks record it): the short name, the absolute path, or the hub id."""
     if name in EMBEDDED:
         return name, convert_gguf(embedded_gguf(name), name)
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelError(f"GGUF file not found: {path}")
-        return path.stem, convert_gguf(path, path.stem)
+        return str(path.resolve()), convert_gguf(path, path.stem)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path} is a folder without config.json; not a Hugging Face model folder")
-        return path.name, path
+        return str(path.resolve()), path
     if path.exists():
         raise ModelError(f"{path} is neither a model folder nor a .gguf file")
     if name.count("/") == 1 and not name.startswith((".", "/")):
-        return name.split("/")[1], name  # hub id, resolved from the local HF cache (offline by default)
+        return name, name  # hub id, resolved from the local HF cache (offline by default)
     known = ", ".join(EMBEDDED)
     raise ModelError(f"unknown model '{name}': not one of {known}, a local folder, a .gguf file or a hub id")
 
