@@ -16,6 +16,7 @@ from pathlib import Path
 
 from knnssd import __version__, reachable
 from knnssd.console import stderr_to_log
+from knnssd.engine.skip import SkipMask
 from knnssd.settings import tracking_uri, work_dir
 
 # The pyfunc model is logged from its code file (MLflow "models from code"): a path, not an import.
@@ -109,6 +110,7 @@ def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: 
                                        signature=signature(), await_registration_for=60)
         version = str(info.registered_model_version)
     client = MlflowClient()
+    client.update_model_version(name, version, description=describe(bank_dir, run.info.run_id))
     aliases = [alias]
     client.set_registered_model_alias(name, alias, version)
     if alias == "candidate":
@@ -118,6 +120,25 @@ def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: 
             client.set_registered_model_alias(name, "champion", version)
             aliases.append("champion")
     return Registered(name, version, run.info.run_id, aliases)
+
+
+def describe(bank_dir: Path, run_id: str) -> str:
+    """A version's description in the MLflow UI (markdown): the skip heatmap and one row per cluster."""
+    from knnssd.routing import bank as banks
+
+    b = banks.load(bank_dir)
+    lines = [f"**{b.model}**, {b.dtype}, {b.n_layers} layers: {len(b.clusters)} clusters over {len(b.anchors)} anchors.",
+             "", f"![skip heatmap: dark = skipped while drafting](/get-artifact?path=pictures%2Fskip_heatmap.png&run_uuid={run_id})",
+             "", "| cluster | domain | drafter | skipped sub-layers | speedup (calib) |", "|---|---|---|---|---|"]
+    for c in b.clusters:
+        mask = c.config.get("mask")
+        skipped = "–"
+        if mask:
+            m = SkipMask.from_dict(mask)
+            skipped = (f"{m.n_skipped}/{2 * m.n_layers}: attn {[i for i, x in enumerate(m.attn) if x]}, "
+                       f"mlp {[i for i, x in enumerate(m.mlp) if x]}")
+        lines.append(f"| {c.id} | {c.label} | {c.drafter.describe()} | {skipped} | {c.speedup:.2f} |")
+    return "\n".join(lines)
 
 
 def signature():
