@@ -2,7 +2,7 @@
 
 The inserted layers add nothing to the residual stream, so their 16 sub-layers are pure cost: a
 calibration (Prefect flow, MLflow sqlite) must skip at least 80% of them in the chosen mask, the
-bank's heatmap artifact must be there, and ``knnssd bench``'s mask ablation must run the same
+bank's heatmap must be there and in the version's description (the MLflow UI page), and ``knnssd bench``'s mask ablation must run the same
 drafter without its mask on eval prompts, with the same output. How much the mask gains is a
 measurement, shown by the bench table (see the README), not asserted in a timed test.
 """
@@ -33,13 +33,18 @@ def test_calibration_skips_the_planted_sublayers(smollm2, data_dir, prefect_harn
     reg = calibrate(params)
     bank_dir = tracking.download_bank(f"models:/{reg['name']}@champion", tmp_path / "dl", uri)
     bank = banks.load(bank_dir)
+    assert bank.model == str(folder.resolve())  # a folder model's bank loads it again (bench below, generate, serve)
     assert bank.n_layers == 38 and "skip_heatmap.png" in {p.name for p in bank_dir.iterdir()}
     (cluster,) = bank.clusters
     mask = SkipMask.from_dict(cluster.config["mask"])
     found = sum(mask.attn[i] for i in planted.layers) + sum(mask.mlp[i] for i in planted.layers)
     assert found >= 0.8 * 2 * len(planted.layers), (cluster.config, planted.layers)
+    from mlflow import MlflowClient
 
-    rep = bench(BenchConfig(bank=str(bank_dir), model=str(folder), dtype="float32", data=data_dir, domains=("reasoning",), ood=(),
+    shown = MlflowClient(uri).get_model_version(reg["name"], reg["version"]).description  # what the UI shows
+    assert "pictures%2Fskip_heatmap.png" in shown and f"{mask.n_skipped}/76" in shown
+
+    rep = bench(BenchConfig(bank=str(bank_dir), dtype="float32", data=data_dir, domains=("reasoning",), ood=(),
                             prompts=2, ood_prompts=0, max_new_tokens=24, repeats=1, ratios=(0.0,), hf=False,
                             out=tmp_path / "bench", tracking_uri=uri), log=lambda msg: None)
     (row,) = rep["mask_ablation"]
