@@ -79,7 +79,7 @@ def test_calibrate_flow_end_to_end(isolated, data_dir, prefect_harness):
 def _journal_trials(storage: str) -> int:
     import optuna
 
-    from knnssd.search.optimize import storage_for
+    from knnssd.search.study import storage_for
 
     st = storage_for(storage)
     return sum(len([t for t in s.trials if t.state.is_finished()]) for s in

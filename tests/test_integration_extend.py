@@ -110,7 +110,7 @@ def test_two_workers_share_one_study_then_one_version(data_dir, prefect_harness,
     import optuna
 
     from knnssd.flows.calibrate import CalibrateParams, calibrate
-    from knnssd.search.optimize import storage_for
+    from knnssd.search.study import storage_for
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     journal = tmp_path / "studies.journal"

@@ -5,21 +5,22 @@ import torch
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import SkipMask, make_decoder
-from knnssd.search import optimize
+from knnssd.search import proxy, study
+from knnssd.search.costs import Costs, measure_costs
 from tiny import prompt_ids, tiny
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_simulated_ngram_counts_equal_real_loop(adaptive):
     dec = make_decoder(tiny("llama"))
-    costs = optimize.Costs(verify=[1.0 + 0.05 * t for t in range(12)], draft={"full": (1.0, 0.0, 0.0)})
+    costs = Costs(verify=[1.0 + 0.05 * t for t in range(12)], draft={"full": (1.0, 0.0, 0.0)})
     for i in (1, 3):
         ids = prompt_ids("llama", i)
         cont, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=40))
-        s = optimize.Sample(ids, cont)
-        policy = optimize.Policy("ngram", 5, adaptive=adaptive, ngram_sizes=(2, 1))
-        props = [optimize._ngram_proposals(s, (2, 1), 10)]
-        _, acc, mean = optimize.simulate([s], None, policy, costs, 0.0, props)
+        s = proxy.Sample(ids, cont)
+        policy = proxy.Policy("ngram", 5, adaptive=adaptive, ngram_sizes=(2, 1))
+        props = [proxy.ngram_proposals(s, (2, 1), 10)]
+        _, acc, mean = proxy.simulate([s], None, policy, costs, 0.0, props)
         cfg = DrafterConfig(kind="ngram", max_len=5, ngram_sizes=[2, 1], adaptive=adaptive)
         out, st = generate(dec, ids, build(cfg, 4), GenerationConfig(max_new_tokens=40))
         assert out == cont
@@ -30,17 +31,17 @@ def test_simulated_exact_drafts_are_all_accepted():
     dec = make_decoder(tiny("qwen3"))
     ids = prompt_ids("qwen3", 0)
     cont, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=30))
-    s = optimize.Sample(ids, cont)
-    traces = optimize.trace(dec, [s], SkipMask.none(4), False, 64)
-    costs = optimize.Costs(verify=[10.0] * 12, draft={"full": (2.0, 0.0, 0.0)})
-    sp, acc, mean = optimize.simulate([s], traces, optimize.Policy("layer_skip", 4), costs, 2.0, None)
+    s = proxy.Sample(ids, cont)
+    traces = proxy.trace(dec, [s], SkipMask.none(4), False, 64)
+    costs = Costs(verify=[10.0] * 12, draft={"full": (2.0, 0.0, 0.0)})
+    sp, acc, mean = proxy.simulate([s], traces, proxy.Policy("layer_skip", 4), costs, 2.0, None)
     assert acc == 1.0 and mean == pytest.approx(29 / 6)  # 29 tokens after the prefill's, in steps of <= 5
     assert sp > 1.5
 
 
 def test_cost_model_is_linear_in_kept_sublayers():
     dec = make_decoder(tiny("llama"))
-    costs = optimize.measure_costs(dec, max_t=4, context=16)
+    costs = measure_costs(dec, max_t=4, context=16)
     assert len(costs.verify) == 4 and set(costs.draft) == {"full", "int8"}
     none, half = SkipMask.none(4), SkipMask.from_layers(4, attn=[0, 1], mlp=[2, 3])
     assert costs.draft_ms(half, False) <= costs.draft_ms(none, False)
@@ -55,10 +56,10 @@ def test_influence_finds_planted_zero_layers_and_the_first_mask_skips_exactly_th
     ids = prompt_ids("llama", 0)
     base = make_decoder(tiny("llama")).forward(torch.tensor(ids), 0).logits
     assert torch.allclose(dec.forward(torch.tensor(ids), 0).logits, base, atol=1e-5)  # the planted layers add nothing
-    sizes = optimize.influence(dec, [optimize.Sample(ids, ids[:6])], context=64)
+    sizes = proxy.influence(dec, [proxy.Sample(ids, ids[:6])], context=64)
     assert sizes.shape == (2, 6)
     assert all(sizes[r, i] == 0 for r in range(2) for i in p.layers)
     assert all(sizes[r, i] > 0 for r in range(2) for i in range(6) if i not in p.layers)
-    first = optimize.influence_masks(sizes)[0]
+    first = proxy.influence_masks(sizes)[0]
     assert first == SkipMask.from_layers(6, attn=p.layers, mlp=p.layers)
-    assert optimize.trial_mask(optimize.trial_params(first, True), 6) == first
+    assert study.trial_mask(study.trial_params(first, True), 6) == first

@@ -24,6 +24,8 @@ from knnssd import models, prompts, tracking
 from knnssd.routing import bank as banks
 from knnssd.routing import pictures, router
 from knnssd.search import optimize
+from knnssd.search.costs import Costs, measure_costs
+from knnssd.search.study import storage_for
 from knnssd.settings import cache_dir, work_dir
 
 log = logging.getLogger(__name__)
@@ -51,15 +53,15 @@ def _runtime(spec: ModelSpec):
     return lm, lm.decoder
 
 
-def step_costs(spec: ModelSpec) -> optimize.Costs:
+def step_costs(spec: ModelSpec) -> Costs:
     """Step times measured once per process (under the machine lock, like every timing)."""
     with machine_lock():
         return _step_costs(spec)
 
 
 @functools.lru_cache(maxsize=2)
-def _step_costs(spec: ModelSpec) -> optimize.Costs:
-    return optimize.measure_costs(runtime(spec)[1])
+def _step_costs(spec: ModelSpec) -> Costs:
+    return measure_costs(runtime(spec)[1])
 
 
 eos_ids = models.eos_ids
@@ -164,7 +166,7 @@ def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budge
     with machine_lock():
         bar = tqdm(total=budget.proxy_trials + budget.real_candidates + 1, desc=f"search {cluster.label}",
                    file=sys.stderr, mininterval=2)
-        result = optimize.search_cluster(dec, lm.tokenizer, cluster.id, texts, budget, optimize.storage_for(storage),
+        result = optimize.search_cluster(dec, lm.tokenizer, cluster.id, texts, budget, storage_for(storage),
                                        study_prefix, eos_ids(lm), costs=costs, warm_start=warm_start,
                                        progress=lambda study, trial: bar.update(1))
         bar.close()
@@ -179,7 +181,7 @@ def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], bud
 
     lm, dec = runtime(spec)
     bar = tqdm(total=n_trials, desc=f"worker {cluster.label}", file=sys.stderr, mininterval=2)
-    pr = optimize.proxy_stage(dec, lm.tokenizer, cluster.id, texts, budget, optimize.storage_for(storage), study_prefix,
+    pr = optimize.proxy_stage(dec, lm.tokenizer, cluster.id, texts, budget, storage_for(storage), study_prefix,
                             eos_ids(lm), step_costs(spec), n_trials=n_trials, progress=lambda s, t: bar.update(1))
     bar.close()
     return {"cluster": cluster.id, "label": cluster.label, "added": n_trials, "study_trials": len(pr.study.trials)}

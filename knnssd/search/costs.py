@@ -1,0 +1,48 @@
+"""Measured step costs the proxy stage scores drafting policies with.
+
+Terms: ``v(T)`` the measured time of one full-model pass over T tokens; ``c`` the measured time
+of one draft step for a mask and precision, linear in the kept sub-layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from knnssd.engine.skip import Decoder, SkipMask
+from knnssd.engine.timing import pass_timer
+
+
+@dataclass
+class Costs:
+    """Measured step times (ms) at a typical context; draft cost is linear in kept sub-layers."""
+
+    verify: list[float]  # verify[T-1]: one full pass over T tokens; verify[0] is a plain AR step
+    draft: dict[str, tuple[float, float, float]]  # precision -> (base, per attention, per MLP)
+
+    def draft_ms(self, mask: SkipMask, int8: bool) -> float:
+        base, attn, mlp = self.draft["int8" if int8 else "full"]
+        return base + attn * (mask.n_layers - sum(mask.attn)) + mlp * (mask.n_layers - sum(mask.mlp))
+
+    def verify_ms(self, t: int) -> float:
+        return self.verify[min(t, len(self.verify)) - 1]
+
+
+@torch.inference_mode()
+def measure_costs(dec: Decoder, max_t: int = 11, context: int = 128) -> Costs:
+    ms = pass_timer(dec, context, max_t)
+    verify = [ms(t) for t in range(1, max_t + 1)]
+    n = dec.n_layers
+    draft = {}
+    for name, stack in (("full", None), ("int8", dec.int8_stack() if dec.can_skip else None)):
+        if name == "int8" and stack is None:
+            continue
+        t = {}
+        for key, mask in (("none", SkipMask.none(n)), ("attn", SkipMask.from_layers(n, attn=range(n))),
+                          ("mlp", SkipMask.from_layers(n, mlp=range(n))),
+                          ("all", SkipMask.from_layers(n, attn=range(n), mlp=range(n)))):
+            t[key] = ms(1, mask, stack)
+        attn = max(0.0, (t["none"] - t["attn"] + t["mlp"] - t["all"]) / (2 * n))
+        mlp = max(0.0, (t["none"] - t["mlp"] + t["attn"] - t["all"]) / (2 * n))
+        draft[name] = (t["all"], attn, mlp)
+    return Costs(verify, draft)

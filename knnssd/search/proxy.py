@@ -1,0 +1,166 @@
+"""The proxy stage's model of a drafter: teacher-forced traces replayed through the speculative loop.
+
+One teacher-forced pass of a draft (a skip mask and precision) over prompts and their plain AR
+continuations gives, per position, whether the draft's top token matches and how confident it
+was (``Trace``). ``simulate`` replays the speculative loop on those traces with measured step
+costs (``costs.Costs``) and predicts the speedup of a drafting policy (kind, confidence threshold,
+max draft length, adaptive length, n-gram sizes); ``best_policy`` tries them all. The first masks
+tried skip the least influential sub-layers (``influence``).
+
+Terms: a policy's ``k`` is its max draft length.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
+from knnssd.engine.drafters import DrafterConfig, NGram, adapt_length
+from knnssd.engine.skip import Decoder, SkipMask
+from knnssd.search.costs import Costs
+
+THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.9)
+MAX_LENS = (2, 3, 4, 6, 8, 10)
+NGRAM_SIZES = ((3, 2, 1), (3, 2), (4, 3, 2))
+
+
+@dataclass
+class Trace:
+    """One teacher-forced draft pass: per continuation position, top-1 match and its probability."""
+
+    match: np.ndarray  # (n,) bool
+    conf: np.ndarray  # (n,) float32
+
+
+@dataclass
+class Sample:
+    prompt: list[int]  # full prompt ids (n-gram lookup sees all of it)
+    cont: list[int]  # plain AR continuation
+
+
+def teacher_samples(dec, tokenizer, texts: list[str], max_new_tokens: int, eos: tuple[int, ...]) -> list[Sample]:
+    """Each text's prompt ids and plain AR continuation (the sequences every trace teacher-forces)."""
+    out = []
+    for text in texts:
+        ids = tokenizer(text).input_ids
+        cont, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=eos))
+        out.append(Sample(ids, cont))
+    return out
+
+
+@torch.inference_mode()
+def trace(dec: Decoder, samples: list[Sample], mask: SkipMask, int8: bool, context: int) -> list[Trace]:
+    stack = dec.int8_stack() if int8 else None
+    out = []
+    for s in samples:
+        ctx = s.prompt[-context:]
+        ids = torch.tensor(ctx + s.cont, dtype=torch.long, device=dec.stack.device)
+        logits = dec.forward(ids, 0, mask, stack).logits[len(ctx) - 1 : -1]
+        p = logits.softmax(-1)
+        conf, top = p.max(-1)
+        out.append(Trace((top.cpu() == torch.tensor(s.cont)).numpy(), conf.cpu().numpy()))
+    return out
+
+
+@dataclass(frozen=True)
+class Policy:
+    kind: str  # "layer_skip" | "hybrid" | "ngram"
+    max_len: int
+    threshold: float = 0.0
+    adaptive: bool = False
+    ngram_sizes: tuple[int, ...] = (3, 2, 1)
+
+
+def ngram_proposals(sample: Sample, sizes: tuple[int, ...], max_len: int) -> list[list[int]]:
+    """proposal[j] = what NGram would propose after prompt + cont[:j] (for j = 1..n-1)."""
+    ng = NGram(sizes, max_len)
+    key = object()
+    return [[]] + [ng.lookup(key, sample.prompt + sample.cont[:j], max_len) for j in range(1, len(sample.cont))]
+
+
+def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, costs: Costs, draft_ms: float,
+             proposals: list[list[list[int]]] | None) -> tuple[float, float, float]:
+    """Replay the speculative loop on teacher-forced traces: (predicted decode speedup, acceptance, mean accepted)."""
+    spec_t = ar_t = 0.0
+    drafted = accepted = steps = 0
+    for si, s in enumerate(samples):
+        n = len(s.cont)
+        j, k = 1, policy.max_len  # cont[0] comes from the prefill in both AR and speculative decoding
+        while j < n:
+            room = n - j - 1
+            d_tokens: list[bool] = []
+            cost = 0.0
+            prop = proposals[si][j] if proposals is not None and policy.kind in ("ngram", "hybrid") else []
+            kk = min(k, room)
+            if prop and kk > 0:
+                prop = prop[:kk]
+                d_tokens = [prop[i] == s.cont[j + i] for i in range(len(prop))]
+            elif policy.kind != "ngram" and kk > 0:
+                tr = traces[si]
+                for i in range(kk):
+                    d_tokens.append(bool(tr.match[j + i]))
+                    if tr.conf[j + i] < policy.threshold:
+                        break
+                cost = draft_ms * len(d_tokens)
+            a = 0
+            while a < len(d_tokens) and d_tokens[a]:
+                a += 1
+            spec_t += cost + costs.verify_ms(len(d_tokens) + 1)
+            emitted = min(a + 1, n - j)
+            ar_t += emitted * costs.verify_ms(1)
+            drafted += len(d_tokens)
+            accepted += a
+            steps += 1
+            if policy.adaptive:
+                k = adapt_length(k, policy.max_len, len(d_tokens), a)
+            j += a + 1
+    speedup = ar_t / spec_t if spec_t else 1.0
+    return speedup, acceptance_rate(accepted, drafted), mean_accepted(accepted, steps)
+
+
+def best_policy(samples, traces, costs, draft_ms, proposals_by_sizes, kinds) -> tuple[Policy, tuple[float, float, float]]:
+    best, best_res = None, (0.0, 0.0, 0.0)
+    for kind in kinds:
+        sizes_opts = NGRAM_SIZES if kind in ("ngram", "hybrid") else (NGRAM_SIZES[0],)
+        thr_opts = THRESHOLDS if kind != "ngram" else (0.0,)
+        for sizes, thr, k, adaptive in itertools.product(sizes_opts, thr_opts, MAX_LENS, (False, True)):
+            pol = Policy(kind, k, thr, adaptive, sizes)
+            res = simulate(samples, traces, pol, costs, draft_ms, proposals_by_sizes.get(sizes))
+            if res[0] > best_res[0]:
+                best, best_res = pol, res
+    return best, best_res
+
+
+def to_config(policy: Policy, mask: SkipMask | None, int8: bool) -> DrafterConfig:
+    if policy.kind == "ngram":
+        return DrafterConfig(kind="ngram", max_len=policy.max_len, adaptive=policy.adaptive,
+                             ngram_sizes=list(policy.ngram_sizes))
+    return DrafterConfig(kind=policy.kind, mask=mask.to_dict(), max_len=policy.max_len, threshold=policy.threshold,
+                         int8=int8, ngram_sizes=list(policy.ngram_sizes), adaptive=policy.adaptive)
+
+
+FREE = 1e-4  # a sub-layer whose update is this small next to the residual stream changes (almost) nothing
+
+
+@torch.inference_mode()
+def influence(dec: Decoder, samples: list["Sample"], context: int) -> torch.Tensor:
+    """(2, L): each attention (row 0) and MLP (row 1) sub-layer's update relative to the residual stream,
+    averaged over teacher-forced passes of the samples (``Decoder.forward(influence=True)``)."""
+    total = torch.zeros(2, dec.n_layers)
+    for s in samples:
+        ids = torch.tensor(s.prompt[-context:] + s.cont, dtype=torch.long, device=dec.device)
+        total += dec.forward(ids, 0, influence=True).influence
+    return total / max(1, len(samples))
+
+
+def influence_masks(sizes: torch.Tensor) -> list[SkipMask]:
+    """The search's first masks: skip the least influential sub-layers, first all the (near) free ones
+    (update < ``FREE``), then the smallest eighth and quarter of them."""
+    n = sizes.shape[1]
+    order = sizes.flatten().argsort(stable=True).tolist()  # j < n: attention of layer j; else MLP of layer j - n
+    counts = list(dict.fromkeys(c for c in (int((sizes < FREE).sum()), 2 * n // 8, 2 * n // 4) if c))
+    return [SkipMask.from_layers(n, attn=[j for j in order[:c] if j < n], mlp=[j - n for j in order[:c] if j >= n])
+            for c in counts]

@@ -1,0 +1,49 @@
+"""Optuna studies of a search: storage, creation, finished trials, and the one encoding of a mask as
+trial parameters."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from knnssd.engine.skip import SkipMask
+
+
+def trial_params(mask: SkipMask, int8: bool) -> dict:
+    """A draft's mask and precision as stage-1 trial parameters: ``int8``, ``a{i}`` and ``m{i}`` (skip layer i's
+    attention / MLP). The one encoding of a mask in a study; ``trial_mask`` reads it back."""
+    return {"int8": bool(int8), **{f"a{i}": bool(b) for i, b in enumerate(mask.attn)},
+            **{f"m{i}": bool(b) for i, b in enumerate(mask.mlp)}}
+
+
+def trial_mask(params: dict, n_layers: int) -> SkipMask:
+    return SkipMask(tuple(params[f"a{i}"] for i in range(n_layers)), tuple(params[f"m{i}"] for i in range(n_layers)))
+
+
+def open_study(storage, name: str, direction: str = "maximize", seed: int = 0):
+    import optuna
+
+    with warnings.catch_warnings():  # multivariate TPE is "experimental"; its per-trial notices are noise here
+        warnings.simplefilter("ignore")
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True,
+                                             warn_independent_sampling=False)
+    return optuna.create_study(storage=storage, study_name=name, direction=direction, sampler=sampler,
+                               pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1),
+                               load_if_exists=True)
+
+
+def storage_for(url_or_path: str):
+    """An Optuna storage: a journal file path (default) or any storage URL (sqlite:///, postgresql://, ...)."""
+    import optuna
+
+    if "://" in url_or_path:
+        return url_or_path
+    from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+    Path(url_or_path).parent.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.JournalStorage(JournalFileBackend(url_or_path, lock_obj=JournalFileOpenLock(url_or_path)))
+
+
+def finished(study) -> list:
+    import optuna
+
+    return [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
