@@ -8,6 +8,7 @@ from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE, CacheKeyFnPoli
 
 from knnssd.prompts import Prompt
 from knnssd.routing import router
+from knnssd.routing.bank import ClusterResult
 from knnssd.search import calibration, optimize
 from knnssd.search.calibration import ModelSpec
 from knnssd.tasks.retry import transient
@@ -35,7 +36,7 @@ def cluster_prompts(vectors: str, k_per_domain: int, n_clusters: int | None, lab
 
 @task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=SEARCH_CACHE, task_run_name="search-{cluster.label}")
 def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: optimize.Budget, storage: str,
-                   study_prefix: str, warm_start: list[dict] | None = None) -> dict:
+                   study_prefix: str, warm_start: list[dict] | None = None) -> ClusterResult:
     """A retry (or a rerun after a kill) resumes the cluster's Optuna studies from ``storage``."""
     texts = calibration.cluster_texts(cluster, rows)
     return calibration.search_one(spec, cluster, texts, budget, storage, study_prefix, warm_start)
@@ -50,7 +51,7 @@ def proxy_trials(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], b
 
 
 @task(cache_policy=NO_CACHE)
-def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[dict], vectors: str,
+def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[ClusterResult], vectors: str,
                pooling: router.Pooling, out_dir: str, extra: dict) -> str:
     return str(calibration.build_bank(spec, clusters, results, Path(vectors), pooling, Path(out_dir), extra))
 

@@ -41,7 +41,7 @@ def warm_starts(bank_dir: str, cluster: router.Cluster, n: int) -> list[dict]:
 
 
 @task(cache_policy=NO_CACHE)
-def merge_bank(bank_dir: str, clusters: list[router.Cluster], results: list[dict], vectors: str, out_dir: str,
+def merge_bank(bank_dir: str, clusters: list[router.Cluster], results: list[banks.ClusterResult], vectors: str, out_dir: str,
                source: str) -> str:
     return str(extend.build(Path(bank_dir), clusters, results, Path(vectors), Path(out_dir), source))
 

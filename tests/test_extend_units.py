@@ -23,8 +23,7 @@ def test_new_domain_clusters_merge_and_route(tmp_path):
         extend.new_clusters(base, path, "d0")
     warm = extend.warm_start(base, clusters[0])
     assert warm and warm[0]["int8"] is True and warm[0]["m1"] is True and warm[0]["a0"] is False
-    results = [{"cluster": 3, "config": {"kind": "ngram", "max_len": 6}, "speedup": 1.9, "acceptance_rate": 0.5,
-                "mean_accepted": 2.0}]
+    results = [banks.ClusterResult(3, {"kind": "ngram", "max_len": 6}, speedup=1.9, acceptance_rate=0.5, mean_accepted=2.0)]
     merged = extend.merged(base, clusters, results, "models:/x/1")
     assert [c.label for c in merged.clusters] == ["d0", "d1", "d2", "new"]
     assert len(merged.anchors) == len(base.anchors) + 2 and merged.extra["added"] == ["new"]

@@ -40,8 +40,8 @@ def fixed_bank(tmp: Path, data_dir: Path, name: str, cfg_of, labelled: bool = Tr
     vectors = calibration.embed(spec, rows)
     clusters = (calibration.make_clusters(vectors, k_per_domain=2) if labelled
                 else calibration.make_clusters(vectors, n_clusters=1, labelled=False))
-    results = [{"cluster": c.id, "config": cfg_of(c).to_dict(), "speedup": 1.2, "acceptance_rate": 0.6,
-                "mean_accepted": 2.0} for c in clusters]
+    results = [banks.ClusterResult(c.id, cfg_of(c).to_dict(), speedup=1.2, acceptance_rate=0.6, mean_accepted=2.0)
+               for c in clusters]
     return calibration.build_bank(spec, clusters, results, vectors, calibration.router.Pooling(), tmp / name)
 
 

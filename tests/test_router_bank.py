@@ -51,8 +51,8 @@ def make_bank(tmp_path, n_layers=4):
     x, labels = blobs(n_per=6, dim=8)
     clusters = router.build_clusters([str(i) for i in range(len(x))], labels, x, k_per_domain=2)
     cfg = DrafterConfig(kind="hybrid", mask=SkipMask.from_layers(n_layers, mlp=[1]).to_dict(), int8=True).to_dict()
-    results = {c.id: {"config": cfg, "speedup": 1.3 + c.id / 10, "acceptance_rate": 0.7, "mean_accepted": 2.1}
-               for c in clusters}
+    results = [banks.ClusterResult(c.id, cfg, speedup=1.3 + c.id / 10, acceptance_rate=0.7, mean_accepted=2.1)
+               for c in clusters]
     b = banks.from_clusters(clusters, results, "tiny", "abc", n_layers, "float32", router.Pooling(), 0.2, "now")
     return b, b.save(tmp_path / "bank")
 

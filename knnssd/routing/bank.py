@@ -11,6 +11,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +40,28 @@ class BankCluster:
     domains: dict[str, int] = field(default_factory=dict)
     search: dict = field(default_factory=dict)  # trials, seconds, proxy speedup, candidates
 
-    @property
+    @cached_property
     def drafter(self) -> DrafterConfig:
+        """``config`` parsed (once: a bank's clusters are read on every request)."""
         return DrafterConfig.from_dict(self.config)
+
+
+@dataclass(frozen=True)
+class ClusterResult:
+    """One cluster's search, measured: what the bank keeps of it (``search.optimize.search_cluster``)."""
+
+    cluster: int
+    config: dict  # DrafterConfig.to_dict() of the winner ("none" = plain AR)
+    speedup: float  # measured on calib prompts (>= 1.0: plain AR is a candidate)
+    acceptance_rate: float = 0.0
+    mean_accepted: float = 1.0
+    ms_per_token: float = math.nan
+    ar_ms_per_token: float = math.nan
+    proxy_speedup: float = 1.0
+    proxy_trials: int = 0
+    real_trials: int = 0
+    search_s: float = 0.0
+    candidates: list[dict] = field(default_factory=list)  # every measured candidate
 
 
 @dataclass
@@ -179,18 +199,21 @@ def validate(bank: Bank) -> None:
             raise BankError(f"cluster {c.id} ({c.label}): speedup {c.speedup} is not a positive number")
 
 
-def from_clusters(clusters: list[Cluster], results: dict[int, dict], model: str, fingerprint: str, n_layers: int,
+def from_clusters(clusters: list[Cluster], results: list[ClusterResult], model: str, fingerprint: str, n_layers: int,
                   dtype: str, pooling: Pooling, min_similarity: float, created: str, extra: dict | None = None,
                   center: np.ndarray | None = None) -> Bank:
-    """Assemble a bank from clusters and per-cluster search results (``search.ClusterResult.to_dict``)."""
+    """Assemble a bank from clusters and their search results."""
+    by_id = {r.cluster: r for r in results}
     bcs = []
     for c in clusters:
-        r = results[c.id]
+        r = by_id[c.id]
         bcs.append(BankCluster(
-            id=c.id, label=c.label, config=r["config"], speedup=r["speedup"], acceptance_rate=r["acceptance_rate"],
-            mean_accepted=r["mean_accepted"], members=len(c.members), domains=c.domains,
-            search={k: r[k] for k in ("proxy_speedup", "proxy_trials", "real_trials", "search_s", "ms_per_token",
-                                      "ar_ms_per_token") if k in r}))
+            id=c.id, label=c.label, config=r.config, speedup=r.speedup, acceptance_rate=r.acceptance_rate,
+            mean_accepted=r.mean_accepted, members=len(c.members), domains=c.domains,
+            search={k: v for k, v in (("proxy_speedup", r.proxy_speedup), ("proxy_trials", r.proxy_trials),
+                                      ("real_trials", r.real_trials), ("search_s", r.search_s),
+                                      ("ms_per_token", r.ms_per_token), ("ar_ms_per_token", r.ar_ms_per_token))
+                    if not math.isnan(v)}))  # NaN: not measured (a JSON round trip would not keep it equal)
     anchors, owner = stack_anchors(clusters)
     return Bank(model, fingerprint, n_layers, dtype, bcs, anchors, owner, pooling, 3, min_similarity,
                 fallback_cluster(bcs), created, extra=extra or {}, center=center)

@@ -157,8 +157,8 @@ def cluster_texts(cluster: router.Cluster, rows: list[prompts.Prompt]) -> list[s
 
 
 def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: optimize.Budget,
-               storage: str, study_prefix: str, warm_start: list[dict] | None = None) -> dict:
-    """Search one cluster (resumable through ``storage``); returns ``ClusterResult.to_dict()``."""
+               storage: str, study_prefix: str, warm_start: list[dict] | None = None) -> banks.ClusterResult:
+    """Search one cluster (resumable through ``storage``)."""
     from tqdm import tqdm
 
     lm, dec = runtime(spec)
@@ -170,7 +170,7 @@ def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budge
                                        study_prefix, eos_ids(lm), costs=costs, warm_start=warm_start,
                                        progress=lambda study, trial: bar.update(1))
         bar.close()
-    return result.to_dict()
+    return result
 
 
 def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: optimize.Budget, storage: str,
@@ -187,17 +187,16 @@ def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], bud
     return {"cluster": cluster.id, "label": cluster.label, "added": n_trials, "study_trials": len(pr.study.trials)}
 
 
-def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[dict], vectors: Path,
+def build_bank(spec: ModelSpec, clusters: list[router.Cluster], results: list[banks.ClusterResult], vectors: Path,
                pooling: router.Pooling, out_dir: Path, extra: dict | None = None) -> Path:
     """Write the bank folder (bank.json, anchors.parquet, pictures) and return it."""
     lm, dec = runtime(spec)
     ids, domains, x = router.load_vectors(vectors)
-    by_cluster = {r["cluster"]: r for r in results}
     center = router.center_of(x)
     min_sim = router.unmatched_threshold(ids, router.centered(x, center), clusters)
     extra = {**(extra or {}), "device": str(lm.device),
              "exactness": dec.exactness.to_dict() if dec.exactness is not None else None}
-    bank = banks.from_clusters(clusters, by_cluster, lm.name, lm.fingerprint, dec.n_layers,
+    bank = banks.from_clusters(clusters, results, lm.name, lm.fingerprint, dec.n_layers,
                                lm.dtype_name, pooling, min_sim,
                                dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), extra, center)
     banks.validate(bank)

@@ -47,9 +47,9 @@ def warm_start(bank: banks.Bank, cluster: router.Cluster, n: int = 3) -> list[di
     return out
 
 
-def merged(bank: banks.Bank, clusters: list[router.Cluster], results: list[dict], source: str) -> banks.Bank:
+def merged(bank: banks.Bank, clusters: list[router.Cluster], results: list[banks.ClusterResult], source: str) -> banks.Bank:
     """The base bank plus the new clusters (router space, threshold and pooling kept)."""
-    add = banks.from_clusters(clusters, {r["cluster"]: r for r in results}, bank.model, bank.fingerprint,
+    add = banks.from_clusters(clusters, results, bank.model, bank.fingerprint,
                               bank.n_layers, bank.dtype, bank.pooling, bank.min_similarity, "", None, bank.center)
     all_clusters = [*bank.clusters, *add.clusters]
     extra = {**bank.extra, "extended_from": source, "added": [*bank.extra.get("added", []), *[c.label for c in add.clusters]]}
@@ -73,7 +73,7 @@ def split_rows(rows: list, name: str) -> tuple[list, list]:
     return rows[:cut], rows[cut:]
 
 
-def build(base_dir: Path, clusters: list[router.Cluster], results: list[dict], vectors: Path, out_dir: Path,
+def build(base_dir: Path, clusters: list[router.Cluster], results: list[banks.ClusterResult], vectors: Path, out_dir: Path,
           source: str) -> Path:
     """Write the merged bank (and its pictures) to ``out_dir``."""
     from knnssd.routing import pictures

@@ -24,11 +24,12 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import SkipMask
+from knnssd.routing.bank import ClusterResult
 from knnssd.search.costs import Costs, measure_costs
 from knnssd.search.proxy import (MAX_LENS, NGRAM_SIZES, Policy, Sample, best_policy, influence, influence_masks,
                                  ngram_proposals, teacher_samples, to_config, trace)
@@ -55,25 +56,6 @@ class Budget:
         if unknown or not self.kinds:
             raise ValueError(f"unknown drafter kinds {sorted(unknown)}; choose from layer_skip, ngram, hybrid")
         self.kinds = tuple(self.kinds)
-
-
-@dataclass
-class ClusterResult:
-    cluster: int
-    config: dict  # DrafterConfig.to_dict() of the winner ("none" = plain AR)
-    speedup: float  # measured on calib prompts (>= 1.0: plain AR is a candidate)
-    acceptance_rate: float
-    mean_accepted: float
-    ms_per_token: float
-    ar_ms_per_token: float
-    proxy_speedup: float
-    proxy_trials: int
-    real_trials: int
-    search_s: float
-    candidates: list[dict] = field(default_factory=list)  # every measured candidate
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
