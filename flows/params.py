@@ -1,34 +1,45 @@
-"""Flow parameters shared by the calibration-type flows (validated by Prefect through pydantic)."""
+"""Flow parameters shared by the calibration-type flows (validated by Prefect through pydantic).
+
+The search settings are not declared here: ``BudgetParams`` is made from ``search.Budget``
+(names, types, defaults, help), as the CLI options are (``cli.budget_args``).
+"""
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+import dataclasses
+import typing
 
-from knnssd.search import calibration, optimize
+from pydantic import Field, create_model
+
+from knnssd.search import calibration
+from knnssd.search.budget import Budget
 
 
-class SearchParams(BaseModel):
+def _budget_fields() -> dict:
+    hints = typing.get_type_hints(Budget)
+    out = {}
+    for f in dataclasses.fields(Budget):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kind = hints[f.name]
+        if isinstance(default, tuple):  # JSON has no tuples: a list in flow parameters
+            kind, default = list[str], list(default)
+        out[f.name] = (kind, Field(default, description=f.metadata["help"]))
+    return out
+
+
+BudgetParams = create_model("BudgetParams", **_budget_fields())
+
+
+class SearchParams(BudgetParams):
     """The model and the per-cluster search budget."""
 
     model: str = "smollm2"
     dtype: str = "auto"
-    k_per_domain: int = 10
-    proxy_trials: int = 40
-    real_candidates: int = 4
-    minutes: float | None = None
-    proxy_prompts: int = 8
-    real_prompts: int = 4
-    max_new_tokens: int = 64
+    k_per_domain: int = Field(10, description="anchors (clusters) per labelled domain")
     storage: str | None = Field(None, description="Optuna storage: journal file path or URL (default artifacts/optuna)")
     tracking_uri: str | None = None
-    seed: int = 0
-    kinds: list[str] = Field(default_factory=lambda: ["layer_skip", "ngram", "hybrid"],
-                             description="drafter kinds searched; plain AR is always a candidate")
-    int8: bool = True
 
-    def budget(self) -> optimize.Budget:
-        return optimize.Budget(self.proxy_trials, self.real_candidates, self.minutes, self.proxy_prompts,
-                             self.real_prompts, self.max_new_tokens, seed=self.seed, kinds=tuple(self.kinds),
-                             int8=self.int8)
+    def budget(self) -> Budget:
+        return Budget(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Budget)})
 
     def storage_url(self) -> str:
         return self.storage or calibration.default_storage()

@@ -79,15 +79,12 @@ def cmd_complete(a) -> int:
 
 
 def _calibrate_params(a) -> dict:
-    from knnssd.search.optimize import Budget
+    from knnssd.search.budget import Budget
 
     params = dict(
         model=a.model, dtype=a.dtype, inputs=a.input or [], domain_from_file=a.domain_from_file,
         labelled=not a.unlabelled, k_per_domain=a.k_per_domain, n_clusters=a.clusters, pooling=a.pooling,
-        layer=a.layer, proxy_trials=a.trials, real_candidates=a.candidates, minutes=a.minutes,
-        proxy_prompts=a.proxy_prompts, real_prompts=a.real_prompts, max_new_tokens=a.max_new_tokens,
-        storage=a.storage, tracking_uri=a.tracking_uri, seed=a.seed, kinds=a.kinds.split(","), int8=not a.no_int8,
-        alias=a.alias,
+        layer=a.layer, storage=a.storage, tracking_uri=a.tracking_uri, alias=a.alias, **budget_values(a),
     )
     _check_inputs(params["inputs"])
     Budget(kinds=tuple(params["kinds"]))  # validates before any server starts
@@ -116,9 +113,8 @@ def cmd_add_domain(a) -> int:
     _check_inputs(a.input)
     _check_tracking(a.tracking_uri)
     params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
-                             k_per_domain=a.k_per_domain, warm=a.warm, proxy_trials=a.trials,
-                             real_candidates=a.candidates, minutes=a.minutes, max_new_tokens=a.max_new_tokens,
-                             storage=a.storage, tracking_uri=a.tracking_uri, seed=a.seed)
+                             k_per_domain=a.k_per_domain, warm=a.warm, storage=a.storage, tracking_uri=a.tracking_uri,
+                             **budget_values(a))
     print(json.dumps(_flow(add_domain, params)))
     return 0
 
@@ -254,18 +250,42 @@ def _calibrate_args(k: argparse.ArgumentParser) -> None:
     k.add_argument("--clusters", type=int, default=None, help="clusters for an unlabelled pool (default: silhouette)")
     k.add_argument("--pooling", default="mean", choices=["mean", "last"])
     k.add_argument("--layer", type=int, default=-1, help="hidden state to pool (-1: after the final norm)")
-    k.add_argument("--trials", type=int, default=40, help="proxy-stage trials per cluster")
-    k.add_argument("--candidates", type=int, default=4, help="configurations timed for real per cluster")
-    k.add_argument("--minutes", type=float, default=None, help="time cap per cluster search")
-    k.add_argument("--proxy-prompts", type=int, default=8)
-    k.add_argument("--real-prompts", type=int, default=4)
-    k.add_argument("--max-new-tokens", type=int, default=64)
+    budget_args(k)
     k.add_argument("--storage", default=None, help="Optuna storage: journal file path or URL (sqlite:///, postgresql://)")
     k.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///artifacts/mlflow.db)")
-    k.add_argument("--seed", type=int, default=0)
-    k.add_argument("--kinds", default="layer_skip,ngram,hybrid", help="drafter kinds to search (comma-separated)")
-    k.add_argument("--no-int8", action="store_true", help="full-precision drafts only (the paper's layer skipping)")
     k.add_argument("--alias", default="candidate", help="alias for the new version (default candidate)")
+
+
+def budget_args(p: argparse.ArgumentParser) -> None:
+    """The search settings as options, made from ``search.budget.Budget`` (its one declaration): each
+    option's dest is the field's name, so ``budget_values`` reads them back."""
+    import dataclasses
+    import typing
+
+    from knnssd.search.budget import Budget
+
+    hints = typing.get_type_hints(Budget)
+    for f in dataclasses.fields(Budget):
+        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        metavar = flag.lstrip("-").replace("-", "_").upper()
+        if isinstance(default, bool):  # a flag that turns a default-on setting off
+            p.add_argument(flag, dest=f.name, action="store_false", help=f.metadata["help"])
+        elif isinstance(default, tuple):
+            p.add_argument(flag, dest=f.name, default=list(default), type=lambda v: [x for x in v.split(",") if x],
+                           metavar=metavar, help=f"{f.metadata['help']} (comma-separated; default {','.join(default)})")
+        else:
+            kind = float if hints[f.name] in (float, float | None) else int
+            p.add_argument(flag, dest=f.name, type=kind, default=default, metavar=metavar,
+                           help=f"{f.metadata['help']} (default {'none' if default is None else default})")
+
+
+def budget_values(a) -> dict:
+    import dataclasses
+
+    from knnssd.search.budget import Budget
+
+    return {f.name: getattr(a, f.name) for f in dataclasses.fields(Budget)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -319,13 +339,9 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--model-uri", default=None, help="base version (default models:/knnssd-<model>@champion)")
     n.add_argument("--k-per-domain", type=int, default=10)
     n.add_argument("--warm", type=int, default=3, help="nearest old clusters to warm-start from (0: cold)")
-    n.add_argument("--trials", type=int, default=40)
-    n.add_argument("--candidates", type=int, default=4)
-    n.add_argument("--minutes", type=float, default=None)
-    n.add_argument("--max-new-tokens", type=int, default=64)
+    budget_args(n)
     n.add_argument("--storage", default=None)
     n.add_argument("--tracking-uri", default=None)
-    n.add_argument("--seed", type=int, default=0)
     n.set_defaults(fn=cmd_add_domain)
 
     o = sub.add_parser("promote", help="time candidate vs champion on eval prompts; move champion if not worse")

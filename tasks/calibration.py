@@ -9,7 +9,8 @@ from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE, CacheKeyFnPoli
 from knnssd.prompts import Prompt
 from knnssd.routing import router
 from knnssd.routing.bank import ClusterResult
-from knnssd.search import calibration, optimize
+from knnssd.search import calibration
+from knnssd.search.budget import Budget
 from knnssd.search.calibration import ModelSpec
 from knnssd.tasks.retry import transient
 
@@ -35,7 +36,7 @@ def cluster_prompts(vectors: str, k_per_domain: int, n_clusters: int | None, lab
 
 
 @task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=SEARCH_CACHE, task_run_name="search-{cluster.label}")
-def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: optimize.Budget, storage: str,
+def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: Budget, storage: str,
                    study_prefix: str, warm_start: list[dict] | None = None) -> ClusterResult:
     """A retry (or a rerun after a kill) resumes the cluster's Optuna studies from ``storage``."""
     texts = calibration.cluster_texts(cluster, rows)
@@ -43,7 +44,7 @@ def search_cluster(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt],
 
 
 @task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=NO_CACHE, task_run_name="proxy-worker-{cluster.label}")
-def proxy_trials(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: optimize.Budget, storage: str,
+def proxy_trials(spec: ModelSpec, cluster: router.Cluster, rows: list[Prompt], budget: Budget, storage: str,
                  study_prefix: str, n_trials: int) -> dict:
     """Scale-out: add ``n_trials`` stage-1 trials to the cluster's shared study."""
     return calibration.proxy_worker(spec, cluster, calibration.cluster_texts(cluster, rows), budget, storage,
@@ -62,7 +63,7 @@ def register_bank(bank_dir: str, params: dict, tracking_uri: str | None, alias: 
 
 
 @task(cache_policy=NO_CACHE)
-def study_prefix(spec: ModelSpec, vectors: str, clusters: list[router.Cluster], budget: optimize.Budget) -> str:
+def study_prefix(spec: ModelSpec, vectors: str, clusters: list[router.Cluster], budget: Budget) -> str:
     """A name that is the same on a rerun with the same inputs, so searches resume."""
     lm, _ = calibration.runtime(spec)
     key = router.content_key(lm.fingerprint, spec.dtype, Path(vectors).name, [(c.label, c.members) for c in clusters],

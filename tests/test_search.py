@@ -63,3 +63,32 @@ def test_influence_finds_planted_zero_layers_and_the_first_mask_skips_exactly_th
     first = proxy.influence_masks(sizes)[0]
     assert first == SkipMask.from_layers(6, attn=p.layers, mlp=p.layers)
     assert study.trial_mask(study.trial_params(first, True), 6) == first
+
+
+def test_search_settings_are_declared_once():
+    """Budget is the one declaration: the flow parameters and the CLI options are made from it, with its
+    defaults, and prefect.yaml restates none of them."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from knnssd.cli import parser
+    from knnssd.flows.add_domain import AddDomainParams
+    from knnssd.flows.calibrate import CalibrateParams
+    from knnssd.search.budget import Budget
+
+    budget = Budget()
+    names = [f.name for f in dataclasses.fields(Budget)]
+    assert CalibrateParams().budget() == budget
+    assert all(n in AddDomainParams.model_fields for n in names)
+    for cmd in ("calibrate", "search-worker", "add-domain"):
+        argv = [cmd, "--name", "x", "--input", "f"] if cmd == "add-domain" else [cmd]
+        a = parser().parse_args(argv)
+        assert Budget(**{n: getattr(a, n) for n in names}) == budget, cmd
+    a = parser().parse_args(["calibrate", "--trials", "3", "--kinds", "ngram", "--no-int8", "--minutes", "1.5"])
+    assert (a.proxy_trials, a.kinds, a.int8, a.minutes) == (3, ["ngram"], False, 1.5)
+    deployments = yaml.safe_load((Path(__file__).parents[1] / "prefect.yaml").read_text())["deployments"]
+    for d in deployments:
+        restated = set((d.get("parameters") or {}).get("params") or {}) & set(names)
+        assert not restated, f"prefect.yaml deployment {d['name']} restates {sorted(restated)}"

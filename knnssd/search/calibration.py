@@ -24,6 +24,7 @@ from knnssd import models, prompts, tracking
 from knnssd.routing import bank as banks
 from knnssd.routing import pictures, router
 from knnssd.search import optimize
+from knnssd.search.budget import Budget
 from knnssd.search.costs import Costs, measure_costs
 from knnssd.search.study import storage_for
 from knnssd.settings import cache_dir, work_dir
@@ -156,7 +157,7 @@ def cluster_texts(cluster: router.Cluster, rows: list[prompts.Prompt]) -> list[s
     return out
 
 
-def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: optimize.Budget,
+def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: Budget,
                storage: str, study_prefix: str, warm_start: list[dict] | None = None) -> banks.ClusterResult:
     """Search one cluster (resumable through ``storage``)."""
     from tqdm import tqdm
@@ -173,7 +174,7 @@ def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budge
     return result
 
 
-def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: optimize.Budget, storage: str,
+def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budget: Budget, storage: str,
                  study_prefix: str, n_trials: int) -> dict:
     """Add exactly ``n_trials`` stage-1 trials to a cluster's study, which other processes or machines
     may be working at the same time (no machine lock: stage-1 trials time nothing)."""

@@ -30,32 +30,13 @@ from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, me
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import SkipMask
 from knnssd.routing.bank import ClusterResult
+from knnssd.search.budget import Budget
 from knnssd.search.costs import Costs, measure_costs
 from knnssd.search.proxy import (MAX_LENS, NGRAM_SIZES, Policy, Sample, best_policy, influence, influence_masks,
                                  ngram_proposals, teacher_samples, to_config, trace)
 from knnssd.search.study import finished, open_study, trial_mask, trial_params
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Budget:
-    proxy_trials: int = 40  # stage 1 trials (masks)
-    real_candidates: int = 4  # stage 2 configurations timed besides plain AR
-    minutes: float | None = None  # wall-clock cap for the whole search of one cluster
-    proxy_prompts: int = 8  # calib prompts used for traces
-    real_prompts: int = 4  # calib prompts timed per candidate
-    max_new_tokens: int = 64
-    context: int = 192  # prompt tokens kept in teacher-forced passes
-    seed: int = 0
-    kinds: tuple[str, ...] = ("layer_skip", "ngram", "hybrid")  # drafter kinds searched (plain AR always is)
-    int8: bool = True  # allow int8 draft weights (False: the paper's pure layer skipping)
-
-    def __post_init__(self):
-        unknown = set(self.kinds) - {"layer_skip", "ngram", "hybrid"}
-        if unknown or not self.kinds:
-            raise ValueError(f"unknown drafter kinds {sorted(unknown)}; choose from layer_skip, ngram, hybrid")
-        self.kinds = tuple(self.kinds)
 
 
 @dataclass

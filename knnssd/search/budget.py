@@ -1,0 +1,40 @@
+"""The search settings, declared once: ``Budget``, what one cluster's search may spend and on what.
+
+The flow parameters (``flows/params.py``) and the CLI options (``cli.budget_args``) are made from
+these fields (name, type, default, help, flag); ``prefect.yaml`` restates none of them. No heavy
+imports here: the CLI builds its options from this module before anything loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def setting(default, help: str, flag: str | None = None):
+    """A search setting: its default, help text and command-line flag (default ``--<name-with-dashes>``)."""
+    meta = {"help": help, "flag": flag}
+    if isinstance(default, tuple):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Budget:
+    """What one cluster's search may spend, and on what."""
+
+    proxy_trials: int = setting(40, "stage-1 (proxy) trials per cluster", "--trials")
+    real_candidates: int = setting(4, "configurations timed for real per cluster, besides plain AR", "--candidates")
+    minutes: float | None = setting(None, "wall-clock cap per cluster search")
+    proxy_prompts: int = setting(8, "calib prompts per cluster traced in stage 1")
+    real_prompts: int = setting(4, "calib prompts per cluster timed in stage 2")
+    max_new_tokens: int = setting(64, "tokens generated per prompt while searching")
+    context: int = setting(192, "prompt tokens kept in teacher-forced passes")
+    seed: int = setting(0, "sampler seed")
+    kinds: tuple[str, ...] = setting(("layer_skip", "ngram", "hybrid"), "drafter kinds searched; plain AR always is")
+    int8: bool = setting(True, "int8 draft weights allowed (--no-int8: full precision only, the paper's layer skipping)",
+                         "--no-int8")
+
+    def __post_init__(self):
+        unknown = set(self.kinds) - {"layer_skip", "ngram", "hybrid"}
+        if unknown or not self.kinds:
+            raise ValueError(f"unknown drafter kinds {sorted(unknown)}; choose from layer_skip, ngram, hybrid")
+        self.kinds = tuple(self.kinds)
