@@ -167,9 +167,9 @@ def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budge
     with machine_lock():
         bar = tqdm(total=budget.proxy_trials + budget.real_candidates + 1, desc=f"search {cluster.label}",
                    file=sys.stderr, mininterval=2)
-        result = optimize.search_cluster(dec, lm.tokenizer, cluster.id, texts, budget, storage_for(storage),
-                                       study_prefix, eos_ids(lm), costs=costs, warm_start=warm_start,
-                                       progress=lambda study, trial: bar.update(1))
+        job = optimize.ClusterJob(cluster.id, texts, storage_for(storage), study_prefix, list(warm_start or []))
+        result = optimize.search_cluster(optimize.SearchModel(dec, lm.tokenizer, eos_ids(lm), costs), job, budget,
+                                         progress=lambda study, trial: bar.update(1))
         bar.close()
     return result
 
@@ -182,8 +182,9 @@ def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], bud
 
     lm, dec = runtime(spec)
     bar = tqdm(total=n_trials, desc=f"worker {cluster.label}", file=sys.stderr, mininterval=2)
-    pr = optimize.proxy_stage(dec, lm.tokenizer, cluster.id, texts, budget, storage_for(storage), study_prefix,
-                            eos_ids(lm), step_costs(spec), n_trials=n_trials, progress=lambda s, t: bar.update(1))
+    pr = optimize.proxy_stage(optimize.SearchModel(dec, lm.tokenizer, eos_ids(lm), step_costs(spec)),
+                              optimize.ClusterJob(cluster.id, texts, storage_for(storage), study_prefix), budget,
+                              n_trials=n_trials, progress=lambda s, t: bar.update(1))
     bar.close()
     return {"cluster": cluster.id, "label": cluster.label, "added": n_trials, "study_trials": len(pr.study.trials)}
 

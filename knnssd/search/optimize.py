@@ -24,19 +24,43 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.skip import Decoder, SkipMask
 from knnssd.routing.bank import ClusterResult
 from knnssd.search.budget import Budget
-from knnssd.search.costs import Costs, measure_costs
+from knnssd.search.costs import Costs
 from knnssd.search.proxy import (MAX_LENS, NGRAM_SIZES, Policy, Sample, best_policy, influence, influence_masks,
                                  ngram_proposals, teacher_samples, to_config, trace)
-from knnssd.search.study import finished, open_study, trial_mask, trial_params
+from knnssd.search.study import finished, open_study, search_space, trial_mask, trial_params
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SearchModel:
+    """The model side of a search: what runs drafts and times them."""
+
+    dec: Decoder
+    tokenizer: object
+    eos: tuple[int, ...]
+    costs: Costs  # measured step costs (``costs.measure_costs``)
+
+
+@dataclass(frozen=True)
+class ClusterJob:
+    """One cluster's search: its calib prompts and where its studies live (a rerun resumes them)."""
+
+    cluster: int
+    texts: list[str]
+    storage: object  # an Optuna storage (``study.storage_for``)
+    prefix: str  # study names: <prefix>-c<cluster>-proxy / -real
+    warm_start: list[dict] = field(default_factory=list)  # stage-1 params tried first (``warm_params``)
+
+    def study(self, stage: str, seed: int):
+        return open_study(self.storage, f"{self.prefix}-c{self.cluster}-{stage}", seed=seed)
 
 
 @dataclass
@@ -49,20 +73,20 @@ class Proxy:
     kinds: tuple[str, ...]  # layer-skip kinds searched (empty: none, n-gram / AR only)
 
 
-def proxy_stage(dec, tokenizer, cluster_id: int, texts: list[str], budget: Budget, storage, study_prefix: str,
-                eos: tuple[int, ...], costs: Costs, warm_start: list[dict] | None = None, progress=None,
-                n_trials: int | None = None, deadline: float | None = None) -> Proxy:
+def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, n_trials: int | None = None,
+                deadline: float | None = None) -> Proxy:
     """Run stage-1 trials: up to ``budget.proxy_trials`` in the study (``n_trials=None``), or exactly
     ``n_trials`` more (a scale-out worker; several processes or machines may share one study)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    samples = teacher_samples(dec, tokenizer, texts[: budget.proxy_prompts], budget.max_new_tokens, eos)
+    dec, costs = m.dec, m.costs
+    samples = teacher_samples(dec, m.tokenizer, job.texts[: budget.proxy_prompts], budget.max_new_tokens, m.eos)
     proposals = {sizes: [ngram_proposals(s, sizes, max(MAX_LENS)) for s in samples] for sizes in NGRAM_SIZES}
     n = dec.n_layers
     kinds = tuple(k for k in ("layer_skip", "hybrid") if k in budget.kinds) if dec.can_skip else ()
     precisions = [True, False] if budget.int8 else [False]
-    proxy = open_study(storage, f"{study_prefix}-c{cluster_id}-proxy", seed=budget.seed)
+    proxy = job.study("proxy", budget.seed)
     if not kinds:
         return Proxy(proxy, samples, proposals, kinds)
     stored = proxy.user_attrs.get("costs")  # every worker of a study scores with the same step costs
@@ -73,18 +97,18 @@ def proxy_stage(dec, tokenizer, cluster_id: int, texts: list[str], budget: Budge
     if not proxy.trials:
         for int8 in precisions:
             proxy.enqueue_trial(trial_params(SkipMask.none(n), int8))
-        for params in warm_start or []:
+        for params in job.warm_start:
             if budget.int8 or not params.get("int8"):
                 proxy.enqueue_trial(params)
         for mask in influence_masks(influence(dec, samples, budget.context)):
             for int8 in precisions:
                 proxy.enqueue_trial(trial_params(mask, int8))
 
+    space = search_space(n, precisions)
+
     def objective(trial):
-        int8 = trial.suggest_categorical("int8", precisions)
-        attn = [trial.suggest_categorical(f"a{i}", [False, True]) for i in range(n)]
-        mlp = [trial.suggest_categorical(f"m{i}", [False, True]) for i in range(n)]
-        mask = SkipMask(tuple(attn), tuple(mlp))
+        params = {name: trial.suggest_categorical(name, choices) for name, choices in space.items()}
+        mask, int8 = trial_mask(params, n), params["int8"]
         traces = trace(dec, samples, mask, int8, budget.context)
         pol, (sp, acc, mean) = best_policy(samples, traces, costs, costs.draft_ms(mask, int8), proposals, kinds)
         trial.set_user_attr("policy", asdict(pol))
@@ -99,18 +123,15 @@ def proxy_stage(dec, tokenizer, cluster_id: int, texts: list[str], budget: Budge
     return Proxy(proxy, samples, proposals, kinds)
 
 
-def search_cluster(dec, tokenizer, cluster_id: int, texts: list[str], budget: Budget, storage, study_prefix: str,
-                   eos: tuple[int, ...], costs: Costs | None = None, warm_start: list[dict] | None = None,
-                   progress=None) -> ClusterResult:
+def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=None) -> ClusterResult:
     """Search one cluster; rerunning with the same storage and prefix resumes where it stopped."""
     import optuna
 
     t0 = time.perf_counter()
     deadline = t0 + budget.minutes * 60 if budget.minutes else None
-    costs = costs or measure_costs(dec)
+    dec, costs = m.dec, m.costs
     n = dec.n_layers
-    stage1 = proxy_stage(dec, tokenizer, cluster_id, texts, budget, storage, study_prefix, eos, costs, warm_start,
-                         progress, deadline=deadline)
+    stage1 = proxy_stage(m, job, budget, progress, deadline=deadline)
     proxy, samples, proposals, kinds = stage1.study, stage1.samples, stage1.proposals, stage1.kinds
 
     # candidates for stage 2: the best pure n-gram policy + the best distinct proxy configurations
@@ -134,10 +155,10 @@ def search_cluster(dec, tokenizer, cluster_id: int, texts: list[str], budget: Bu
             cands.append((cfg, t.value))
 
     # stage 2: real timing, interleaved with plain AR prompt by prompt
-    real = open_study(storage, f"{study_prefix}-c{cluster_id}-real", seed=budget.seed)
+    real = job.study("real", budget.seed)
     measured = {t.user_attrs["config"]: t for t in finished(real) if "config" in t.user_attrs}
-    prompt_ids = [tokenizer(x).input_ids for x in texts[: budget.real_prompts]]
-    gen = GenerationConfig(max_new_tokens=budget.max_new_tokens, eos_ids=eos)
+    prompt_ids = [m.tokenizer(x).input_ids for x in job.texts[: budget.real_prompts]]
+    gen = GenerationConfig(max_new_tokens=budget.max_new_tokens, eos_ids=m.eos)
     for cfg, proxy_sp in cands:
         key = json.dumps(cfg.to_dict(), sort_keys=True)
         if key in measured or (deadline is not None and time.perf_counter() > deadline):
@@ -186,7 +207,7 @@ def search_cluster(dec, tokenizer, cluster_id: int, texts: list[str], budget: Bu
                 "ms_per_token": (best or {}).get("ar_ms_per_token", math.nan),
                 "ar_ms_per_token": (best or {}).get("ar_ms_per_token", math.nan), "proxy_speedup": 1.0}
     return ClusterResult(
-        cluster=cluster_id, config=best["config"], speedup=best["speedup"], acceptance_rate=best["acceptance"],
+        cluster=job.cluster, config=best["config"], speedup=best["speedup"], acceptance_rate=best["acceptance"],
         mean_accepted=best["mean_accepted"], ms_per_token=best["ms_per_token"],
         ar_ms_per_token=best["ar_ms_per_token"], proxy_speedup=best["proxy_speedup"],
         proxy_trials=len(finished(proxy)), real_trials=len(finished(real)), search_s=time.perf_counter() - t0,

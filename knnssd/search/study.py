@@ -15,6 +15,12 @@ def trial_params(mask: SkipMask, int8: bool) -> dict:
             **{f"m{i}": bool(b) for i, b in enumerate(mask.mlp)}}
 
 
+def search_space(n_layers: int, precisions: list[bool]) -> dict[str, list]:
+    """Each stage-1 parameter's choices (the names of ``trial_params``)."""
+    return {"int8": precisions, **{f"a{i}": [False, True] for i in range(n_layers)},
+            **{f"m{i}": [False, True] for i in range(n_layers)}}
+
+
 def trial_mask(params: dict, n_layers: int) -> SkipMask:
     return SkipMask(tuple(params[f"a{i}"] for i in range(n_layers)), tuple(params[f"m{i}"] for i in range(n_layers)))
 
