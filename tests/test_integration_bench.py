@@ -14,12 +14,12 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def banks(tmp_path_factory, data_dir):
-    """Three banks with fixed configurations (no search): routed drafters, masks only, static."""
+    """Three banks with fixed configurations (no search): routed drafters (one with a mask), masks only, static."""
     tmp = tmp_path_factory.mktemp("bench")
     os.environ["KNNSSD_WORK"] = str(tmp / "work")
     skip = SkipMask.from_layers(30, attn=[20, 24], mlp=[26]).to_dict()
-    routed = {"reasoning": DrafterConfig(kind="hybrid", mask=SkipMask.none(30).to_dict(), max_len=6, threshold=0.5,
-                                         int8=True, adaptive=True),
+    routed = {"reasoning": DrafterConfig(kind="hybrid", mask=SkipMask.from_layers(30, mlp=[27]).to_dict(), max_len=6,
+                                         threshold=0.5, int8=True, adaptive=True),
               "translation": DrafterConfig(kind="ngram", max_len=8, adaptive=True)}
     masks = DrafterConfig(kind="layer_skip", mask=skip, max_len=4, threshold=0.6)
     out = {"bank": str(fixed_bank(tmp, data_dir, "routed", lambda c: routed[c.label])),
@@ -50,6 +50,9 @@ def test_reduced_bench_through_flow(banks, data_dir, prefect_harness, tmp_path):
     assert 0 <= rep["targets"]["routing_overhead_pct"] < 5
     assert summary["mlflow_run_id"] == rep["mlflow_run_id"]
     assert "| **mixed** |" in (out / "bench.md").read_text()
+    rows = rep["mask_ablation"]  # the masked reasoning clusters, with vs without their mask
+    assert rows and all(r["label"] == "reasoning" and r["skipped"] == 1 for r in rows)
+    assert sum(r["prompts"] for r in rows) == 1 and any(r["mask_gain"] is not None for r in rows)
 
     # a rerun with the same settings resumes the journal: nothing is measured again
     journal = next(out.glob("measurements-*.jsonl"))
