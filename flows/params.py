@@ -1,28 +1,25 @@
 """Flow parameters shared by the calibration-type flows (validated by Prefect through pydantic).
 
-The search settings are not declared here: ``BudgetParams`` is made from ``search.Budget``
-(names, types, defaults, help), as the CLI options are (``cli.budget_args``).
+The search settings are not declared here: ``BudgetParams`` is made from ``search/budget.py``'s
+``Budget`` (names, types, defaults, help), as the CLI options are (``cli.budget_args``).
 """
 from __future__ import annotations
 
 import dataclasses
-import typing
 
 from pydantic import Field, create_model
 
 from knnssd.search import calibration
-from knnssd.search.budget import Budget
+from knnssd.search.budget import Budget, settings
 
 
 def _budget_fields() -> dict:
-    hints = typing.get_type_hints(Budget)
     out = {}
-    for f in dataclasses.fields(Budget):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kind = hints[f.name]
+    for st in settings():
+        kind, default = st.kind, st.default
         if isinstance(default, tuple):  # JSON has no tuples: a list in flow parameters
             kind, default = list[str], list(default)
-        out[f.name] = (kind, Field(default, description=f.metadata["help"]))
+        out[st.name] = (kind, Field(default, description=st.help))
     return out
 
 

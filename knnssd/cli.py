@@ -259,33 +259,25 @@ def _calibrate_args(k: argparse.ArgumentParser) -> None:
 def budget_args(p: argparse.ArgumentParser) -> None:
     """The search settings as options, made from ``search.budget.Budget`` (its one declaration): each
     option's dest is the field's name, so ``budget_values`` reads them back."""
-    import dataclasses
-    import typing
+    from knnssd.search.budget import settings
 
-    from knnssd.search.budget import Budget
-
-    hints = typing.get_type_hints(Budget)
-    for f in dataclasses.fields(Budget):
-        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        metavar = flag.lstrip("-").replace("-", "_").upper()
-        if isinstance(default, bool):  # a flag that turns a default-on setting off
-            p.add_argument(flag, dest=f.name, action="store_false", help=f.metadata["help"])
-        elif isinstance(default, tuple):
-            p.add_argument(flag, dest=f.name, default=list(default), type=lambda v: [x for x in v.split(",") if x],
-                           metavar=metavar, help=f"{f.metadata['help']} (comma-separated; default {','.join(default)})")
+    for st in settings():
+        metavar = st.flag.lstrip("-").replace("-", "_").upper()
+        if isinstance(st.default, bool):  # a flag that turns a default-on setting off
+            p.add_argument(st.flag, dest=st.name, action="store_false", help=st.help)
+        elif isinstance(st.default, tuple):
+            p.add_argument(st.flag, dest=st.name, default=list(st.default), type=lambda v: [x for x in v.split(",") if x],
+                           metavar=metavar, help=f"{st.help} (comma-separated; default {','.join(st.default)})")
         else:
-            kind = float if hints[f.name] in (float, float | None) else int
-            p.add_argument(flag, dest=f.name, type=kind, default=default, metavar=metavar,
-                           help=f"{f.metadata['help']} (default {'none' if default is None else default})")
+            p.add_argument(st.flag, dest=st.name, type=float if st.kind in (float, float | None) else int,
+                           default=st.default, metavar=metavar,
+                           help=f"{st.help} (default {'none' if st.default is None else st.default})")
 
 
 def budget_values(a) -> dict:
-    import dataclasses
+    from knnssd.search.budget import settings
 
-    from knnssd.search.budget import Budget
-
-    return {f.name: getattr(a, f.name) for f in dataclasses.fields(Budget)}
+    return {st.name: getattr(a, st.name) for st in settings()}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -6,6 +6,8 @@ imports here: the CLI builds its options from this module before anything loads.
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 
 
@@ -38,3 +40,24 @@ class Budget:
         if unknown or not self.kinds:
             raise ValueError(f"unknown drafter kinds {sorted(unknown)}; choose from layer_skip, ngram, hybrid")
         self.kinds = tuple(self.kinds)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``Budget`` field, as the flow parameters and the CLI options are made from it."""
+
+    name: str
+    kind: object  # its type
+    default: object
+    help: str
+    flag: str  # the command-line option
+
+
+def settings() -> list[Setting]:
+    hints = typing.get_type_hints(Budget)
+    out = []
+    for f in dataclasses.fields(Budget):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out.append(Setting(f.name, hints[f.name], default, f.metadata["help"],
+                           f.metadata["flag"] or "--" + f.name.replace("_", "-")))
+    return out
