@@ -16,7 +16,6 @@ from pathlib import Path
 
 from knnssd import __version__, reachable
 from knnssd.console import stderr_to_log
-from knnssd.engine.skip import SkipMask
 from knnssd.settings import tracking_uri, work_dir
 
 # The pyfunc model is logged from its code file (MLflow "models from code"): a path, not an import.
@@ -131,12 +130,10 @@ def describe(bank_dir: Path, run_id: str) -> str:
              "", f"![skip heatmap: dark = skipped while drafting](/get-artifact?path=pictures%2Fskip_heatmap.png&run_uuid={run_id})",
              "", "| cluster | domain | drafter | skipped sub-layers | speedup (calib) |", "|---|---|---|---|---|"]
     for c in b.clusters:
-        mask = c.config.get("mask")
         skipped = "–"
-        if mask:
-            m = SkipMask.from_dict(mask)
-            skipped = (f"{m.n_skipped}/{2 * m.n_layers}: attn {[i for i, x in enumerate(m.attn) if x]}, "
-                       f"mlp {[i for i, x in enumerate(m.mlp) if x]}")
+        if c.mask is not None:
+            d = c.mask.to_dict()
+            skipped = f"{c.mask.n_skipped}/{2 * c.mask.n_layers}: attn {d['skip_attn']}, mlp {d['skip_mlp']}"
         lines.append(f"| {c.id} | {c.label} | {c.drafter.describe()} | {skipped} | {c.speedup:.2f} |")
     return "\n".join(lines)
 

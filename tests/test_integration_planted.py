@@ -2,9 +2,10 @@
 
 The inserted layers add nothing to the residual stream, so their 16 sub-layers are pure cost: a
 calibration (Prefect flow, MLflow sqlite) must skip at least 80% of them in the chosen mask, the
-bank's heatmap must be there and in the version's description (the MLflow UI page), and ``knnssd bench``'s mask ablation must run the same
-drafter without its mask on eval prompts, with the same output. How much the mask gains is a
-measurement, shown by the bench table (see the README), not asserted in a timed test.
+bank's heatmap must be there and in the version's description (the MLflow UI page), and ``knnssd
+bench``'s mask ablation must run the same drafter without its mask on eval prompts, with the same
+output. How much the mask gains is a measurement, shown by the bench table (see the README), not
+asserted in a timed test.
 """
 import pytest
 

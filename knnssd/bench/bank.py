@@ -38,7 +38,6 @@ from knnssd import models, prompts
 from knnssd.bench.hf import hf_generate
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import build
-from knnssd.engine.skip import SkipMask
 from knnssd.routing import bank as banks
 
 METHODS = ("ar", "hf_generate", "hf_pld", "static_ssd", "oracle", "knn_masks", "knn_unmasked", "knn_routed")
@@ -270,9 +269,8 @@ def mask_ablation(eval_ms: dict, ids: list[str], bank) -> list[dict]:
     for c in bank.masked():
         mine = [i for i in ids if "knn_routed" in eval_ms[i] and eval_ms[i]["knn_routed"][0].get("cluster") == c.id]
         with_mask, without = _agg(eval_ms, mine, "knn_routed"), _agg(eval_ms, mine, "knn_unmasked")
-        mask = SkipMask.from_dict(c.config["mask"])
-        rows.append({"cluster": c.id, "label": c.label, "drafter": c.drafter.describe(), "skipped": mask.n_skipped,
-                     "sublayers": 2 * mask.n_layers, "prompts": len(mine),
+        rows.append({"cluster": c.id, "label": c.label, "drafter": c.drafter.describe(), "skipped": c.mask.n_skipped,
+                     "sublayers": 2 * c.mask.n_layers, "prompts": len(mine),
                      "speedup_with_mask": (with_mask or {}).get("speedup_vs_ar"),
                      "speedup_without_mask": (without or {}).get("speedup_vs_ar"),
                      "mask_gain": with_mask["speedup_vs_ar"] / without["speedup_vs_ar"] if with_mask and without else None,

@@ -34,9 +34,10 @@ def plant(model: torch.nn.Module, count: int = 8, every: int = 3) -> Planted:
     if count < 1 or every < 1 or count * every > len(src):
         raise ValueError(f"cannot plant {count} layers, one every {every}, in a model of {len(src)} layers")
     model = copy.deepcopy(model)
-    layers, planted = [], []
+    layers, planted, sources = [], [], []  # sources[j]: the original layer new layer j copies
     for i, layer in enumerate(model.model.layers):
         layers.append(layer)
+        sources.append(i)
         if len(planted) < count and (i + 1) % every == 0:
             extra = copy.deepcopy(layer)
             with torch.no_grad():
@@ -46,28 +47,15 @@ def plant(model: torch.nn.Module, count: int = 8, every: int = 3) -> Planted:
                         lin.bias.zero_()
             planted.append(len(layers))
             layers.append(extra)
+            sources.append(i)
     for j, layer in enumerate(layers):
         layer.self_attn.layer_idx = j
     model.model.layers = torch.nn.ModuleList(layers)
     cfg = model.config
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        cfg.layer_types = [types[min(i, len(types) - 1)] for i in _source_index(len(src), planted)]
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = [cfg.layer_types[i] for i in sources]
     cfg.num_hidden_layers = len(layers)
     return Planted(model, tuple(planted))
-
-
-def _source_index(n_src: int, planted: list[int]) -> list[int]:
-    """For each new layer, the original layer it copies."""
-    out, i = [], 0
-    for j in range(n_src + len(planted)):
-        if j in planted:
-            out.append(i - 1)
-        else:
-            out.append(i)
-            i += 1
-    return out
-
 
 def save(planted: Planted, tokenizer, out: Path) -> Path:
     """Write the model folder ``knnssd calibrate --model`` reads (weights, config, tokenizer, and the

@@ -45,6 +45,11 @@ class BankCluster:
         """``config`` parsed (once: a bank's clusters are read on every request)."""
         return DrafterConfig.from_dict(self.config)
 
+    @cached_property
+    def mask(self) -> SkipMask | None:
+        """The drafter's skip mask (None for n-gram drafting and plain AR)."""
+        return SkipMask.from_dict(self.drafter.mask) if self.drafter.mask else None
+
 
 @dataclass(frozen=True)
 class ClusterResult:
@@ -87,7 +92,7 @@ class Bank:
 
     def masked(self) -> list[BankCluster]:
         """The clusters whose drafter skips sub-layers."""
-        return [c for c in self.clusters if c.config.get("mask") and SkipMask.from_dict(c.config["mask"]).n_skipped]
+        return [c for c in self.clusters if c.mask is not None and c.mask.n_skipped]
 
     def unmasked(self) -> "Bank":
         """The same bank with every mask cleared (the mask ablation: same drafters, no skipped sub-layers)."""

@@ -24,16 +24,14 @@ def draw(bank, vectors: np.ndarray | None, domains: list[str | None] | None, fol
 
 def skip_heatmap(bank, path: Path) -> Path:
     """Rows: clusters; columns: sub-layers (attention | MLP); dark = skipped while drafting."""
-    from knnssd.engine.skip import SkipMask
-
     plt = _plt()
     n = bank.n_layers
     grid = np.zeros((len(bank.clusters), 2 * n))
     labels = []
     for r, c in enumerate(bank.clusters):
         cfg = c.drafter
-        if cfg.mask is not None and cfg.kind in ("layer_skip", "hybrid"):
-            grid[r] = SkipMask.from_dict(cfg.mask).bits
+        if c.mask is not None and cfg.kind in ("layer_skip", "hybrid"):
+            grid[r] = c.mask.bits
         labels.append(f"{c.label} · {cfg.kind}{' int8' if cfg.int8 else ''} · {c.speedup:.2f}x")
     fig, ax = plt.subplots(figsize=(max(6, 0.18 * 2 * n + 3), 0.45 * len(labels) + 1.6))
     ax.imshow(grid, aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
