@@ -91,12 +91,12 @@ def local_api() -> Iterator[str]:
             try:
                 yield server.api_url
             finally:
-                _drain()
+                drain()
     finally:
         server.stop()
 
 
-def _drain(timeout: float = 10) -> None:
+def drain(timeout: float = 10) -> None:
     """Deliver the logs and events Prefect still holds while the server answers: at interpreter exit,
     its workers would otherwise retry a stopped server with backoff, for a minute or more."""
     from prefect.events.worker import EventsWorker

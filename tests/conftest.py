@@ -1,4 +1,6 @@
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -7,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
+from servers import PREFECT, free_port, wait_http  # noqa: E402
 
 for key, value in {
     "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true",
@@ -41,9 +44,35 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
-def prefect_harness():
-    """A throwaway Prefect API for the session (flows run against it, not a server of the user's)."""
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_api(tmp_path_factory) -> dict:
+    """One real `prefect server` on 127.0.0.1 for the session, in a throwaway PREFECT_HOME (its
+    database is migrated once, not by every command). Yields the environment that points a
+    subprocess at it (``{**os.environ, **prefect_api}``): CLI commands then check it instead of
+    starting a temporary server of their own."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = open(home / "server.log", "w")
+    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/health", 120, server)
+        yield {"PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+        log.close()
 
-    with prefect_test_harness(server_startup_timeout=120):
+
+@pytest.fixture(scope="session")
+def prefect_harness(prefect_api):
+    """Flows called in this process run against the session's Prefect server."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from knnssd.flows.server import drain
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api["PREFECT_API_URL"]}):
         yield
+        drain()

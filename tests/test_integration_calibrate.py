@@ -86,7 +86,7 @@ def _journal_trials(storage: str) -> int:
                (optuna.load_study(study_name=x.study_name, storage=st) for x in optuna.get_all_study_summaries(st)))
 
 
-def test_sigkill_mid_search_then_rerun_resumes(isolated, data_dir):
+def test_sigkill_mid_search_then_rerun_resumes(isolated, data_dir, prefect_api):
     tmp, uri = isolated
     storage = str(tmp / "studies.journal")
     args = [sys.executable, "-m", "knnssd.cli", "calibrate", "--dtype", "float32", "--k-per-domain", "2",
@@ -94,7 +94,7 @@ def test_sigkill_mid_search_then_rerun_resumes(isolated, data_dir):
             "--max-new-tokens", "16", "--storage", storage, "--tracking-uri", uri]
     for p in small_inputs(data_dir, tmp / "in", n=6):
         args += ["--input", p]
-    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect")}
+    env = {**os.environ, **prefect_api}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 400
     before = 0

@@ -15,7 +15,8 @@ from knnssd.routing import bank as banks
 from knnssd.search import calibration
 from knnssd.search.calibration import ModelSpec
 from test_integration_calibrate import fixed_bank, small_inputs
-from test_integration_deploy import PREFECT, ROOT, free_port, prefect_server, wait_http  # noqa: F401
+from servers import PREFECT, free_port, wait_http
+from test_integration_deploy import ROOT
 
 pytestmark = pytest.mark.integration
 SPEC = ModelSpec("smollm2", "float32")
@@ -77,17 +78,17 @@ def test_add_domain_then_promote(base_bank, data_dir, prefect_harness, tmp_path)
     assert again["promote"] is False  # the candidate already is the champion
 
 
-def test_watch_deployment_adds_a_dropped_domain_once(base_bank, data_dir, prefect_server, tmp_path):
+def test_watch_deployment_adds_a_dropped_domain_once(base_bank, data_dir, prefect_api, tmp_path):
     bank_dir, tmp = base_bank
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     calibration.register(bank_dir, {"base": True}, uri)
     drop = tmp_path / "drop"
     new_domain_file(data_dir, drop / "sql.jsonl")
-    env = {**prefect_server, "KNNSSD_HOME": str(ROOT), "KNNSSD_WORK": str(tmp_path / "work"), "MLFLOW_TRACKING_URI": uri,
-           "KNNSSD_DROP": str(drop), "KNNSSD_DATA": str(data_dir)}
+    env = {**os.environ, **prefect_api, "KNNSSD_HOME": str(ROOT), "KNNSSD_WORK": str(tmp_path / "work"),
+           "MLFLOW_TRACKING_URI": uri, "KNNSSD_DROP": str(drop), "KNNSSD_DATA": str(data_dir)}
     run = lambda *a, **kw: subprocess.run([PREFECT, *a], env=env, cwd=ROOT, capture_output=True, text=True,  # noqa: E731
                                           timeout=kw.get("timeout", 120))
-    assert run("work-pool", "create", "knnssd-process", "--type", "process").returncode == 0
+    assert run("work-pool", "create", "knnssd-process", "--type", "process", "--overwrite").returncode == 0
     out = run("--no-prompt", "deploy", "-n", "watch-drop-folder-smollm2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     params = {"params": {"drop": str(drop), "min_prompts": 5, "dtype": "float32", "use_unmatched": False,
@@ -106,7 +107,7 @@ def test_watch_deployment_adds_a_dropped_domain_once(base_bank, data_dir, prefec
     assert list(state) == ["sql.jsonl"] and state["sql.jsonl"]["result"]["version"] == "2"
 
 
-def test_two_workers_share_one_study_then_one_version(data_dir, prefect_harness, tmp_path):
+def test_two_workers_share_one_study_then_one_version(data_dir, prefect_api, prefect_harness, tmp_path):
     import optuna
 
     from knnssd.flows.calibrate import CalibrateParams, calibrate
@@ -118,10 +119,9 @@ def test_two_workers_share_one_study_then_one_version(data_dir, prefect_harness,
     common = ["--model", "smollm2", "--dtype", "float32", "--input", inputs[0], "--k-per-domain", "2", "--trials", "6",
               "--candidates", "1", "--proxy-prompts", "1", "--real-prompts", "1", "--max-new-tokens", "12",
               "--storage", str(journal), "--tracking-uri", uri]
-    env = {**os.environ, "KNNSSD_WORK": str(tmp_path / "work")}
+    env = {**os.environ, **prefect_api, "KNNSSD_WORK": str(tmp_path / "work")}
     procs = [subprocess.Popen([sys.executable, "-m", "knnssd.cli", "search-worker", *common, "--worker-trials", "3"],
-                              env={**env, "PREFECT_HOME": str(tmp_path / f"prefect{i}")}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     for p in procs:
         out, _ = p.communicate(timeout=600)
         assert p.returncode == 0, out[-3000:]

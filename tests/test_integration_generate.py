@@ -19,7 +19,7 @@ from knnssd.engine.drafters import DrafterConfig
 from knnssd.engine.skip import SkipMask
 from knnssd.search import calibration
 from test_integration_calibrate import fixed_bank
-from test_integration_deploy import free_port, wait_http
+from servers import free_port, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -47,8 +47,10 @@ def eval_file(data_dir: Path, out: Path, n=3) -> Path:
     return out
 
 
-def cli_env(registered, tmp_path) -> dict:
-    return {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "PREFECT_HOME": str(tmp_path / "prefect")}
+def cli_env(registered, prefect_env: dict) -> dict:
+    """The environment of a `knnssd generate` subprocess: the registered bank's MLflow, and either the
+    session's Prefect server (``prefect_api``) or a PREFECT_HOME of its own (a temporary server)."""
+    return {**prefect_env, "MLFLOW_TRACKING_URI": registered["uri"]}
 
 
 def generate_argv(inp: Path, out: Path, max_new_tokens: int) -> list[str]:
@@ -80,7 +82,7 @@ def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tm
     inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=5)
     out = tmp_path / "out.parquet"
     args = generate_argv(inp, out, max_new_tokens=24)
-    env = cli_env(registered, tmp_path)
+    env = cli_env(registered, {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")})  # its own temporary server
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     journal = out.with_name(out.name + ".progress.jsonl")
     deadline = time.time() + 300
@@ -136,12 +138,12 @@ def _locked(out: Path) -> bool:
         return True
 
 
-def test_two_generate_runs_on_one_output(registered, data_dir, tmp_path):
+def test_two_generate_runs_on_one_output(registered, data_dir, tmp_path, prefect_api):
     """The second run refuses at once, naming the first; the first completes with every row."""
     inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=1)
     out = tmp_path / "out.parquet"
     args = generate_argv(inp, out, max_new_tokens=8)
-    env = cli_env(registered, tmp_path)
+    env = cli_env(registered, {**os.environ, **prefect_api})
     first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lock = out.with_name(out.name + ".lock")
     deadline = time.time() + 120
@@ -157,13 +159,13 @@ def test_two_generate_runs_on_one_output(registered, data_dir, tmp_path):
     assert not lock.exists()
 
 
-def test_unreachable_tracking_and_corrupt_bank_fail_fast(registered, data_dir, tmp_path):
+def test_unreachable_tracking_and_corrupt_bank_fail_fast(registered, data_dir, tmp_path, prefect_api):
     """One line, in seconds, before any server starts or model loads, with no retry and no traceback."""
     inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=1)
     bank = tmp_path / "bank"
     bank.mkdir()
     (bank / "bank.json").write_text('{"format": ')
-    env = cli_env(registered, tmp_path)
+    env = cli_env(registered, {**os.environ, **prefect_api})
     for extra, message in ((["--model-uri", "models:/knnssd-smollm2@champion", "--tracking-uri", "http://127.0.0.1:9"],
                             "does not answer"),
                            (["--model-uri", str(bank)], "is corrupt")):
@@ -183,13 +185,13 @@ def test_unreachable_tracking_and_corrupt_bank_fail_fast(registered, data_dir, t
     (["--model-uri", "knnssd-smollm2"], "neither models:/"),
     (["--max-new-tokens", "0"], "must be >= 1"),
 ])
-def test_generate_bad_input_is_one_line(registered, data_dir, tmp_path, args, message):
+def test_generate_bad_input_is_one_line(registered, data_dir, tmp_path, prefect_api, args, message):
     inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=1)
     argv = ["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp), "--output",
             str(tmp_path / "o.parquet"), "--max-new-tokens", "4"]
     for k, v in zip(args[::2], args[1::2]):
         argv[argv.index(k) + 1] = v
-    env = cli_env(registered, tmp_path)
+    env = cli_env(registered, {**os.environ, **prefect_api})
     out = subprocess.run([sys.executable, "-m", "knnssd.cli", *argv], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
