@@ -10,6 +10,7 @@ from knnssd import prompts
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import Decoder, SkipMask
+from cli_cases import run_cli
 
 pytestmark = pytest.mark.integration
 MAX_NEW = 32
@@ -84,22 +85,12 @@ def test_bench_engine_json(tiny_with_tokenizer, data_dir):
         assert d["agreement_with_ar"] == 1.0, name  # fp32: exact
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--model", "nope"], "unknown model 'nope'"),
-    (["--prompt", " "], "empty prompt"),
-])
-def test_cli_bad_input_is_one_line(args, message, tmp_path):
-    argv = ["complete", "--prompt", "hi", "--model", "smollm2"]
-    for k, v in zip(args[::2], args[1::2]):
-        argv[argv.index(k) + 1] = v
-    out = subprocess.run([sys.executable, "-m", "knnssd.cli", *argv], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].startswith("knnssd: error:") and message in out.stderr
-
-
-def test_cli_wrong_mask_length(tmp_path):
+def test_cli_bad_input_is_one_line(tmp_path):
     mask = tmp_path / "mask.json"
     mask.write_text(SkipMask.from_layers(4, attn=[1]).to_json())
-    out = subprocess.run([sys.executable, "-m", "knnssd.cli", "complete", "--prompt", "hi", "--mask", str(mask),
-                          "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and "skip mask is for 4 layers; the model has 30" in out.stderr
+    cases = [(["complete", "--prompt", "hi", "--model", "nope"], "unknown model 'nope'"),
+             (["complete", "--prompt", " ", "--model", "smollm2"], "empty prompt"),
+             (["complete", "--prompt", "hi", "--mask", str(mask), "--max-new-tokens", "4"],
+              "skip mask is for 4 layers; the model has 30")]
+    for (argv, message), res in zip(cases, run_cli([argv for argv, _ in cases])):
+        assert res.code == 2 and res.stderr[-1].startswith("knnssd: error:") and message in res.stderr[-1], res

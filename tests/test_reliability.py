@@ -13,6 +13,7 @@ from knnssd import tracking
 from knnssd.engine.params import GenerateParams, check_prompt
 from knnssd.engine.sampling import Warp
 from knnssd.serving import batch
+from cli_cases import run_cli
 
 
 @pytest.mark.parametrize("field,value", [
@@ -113,10 +114,7 @@ def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
         (["generate", "--model-uri", str(tmp_path), "--input", str(inp), "--output", str(tmp_path),
           ], "is a folder"),
     ]
-    for args, message in cases:
-        t0 = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "knnssd.cli", *args], env=env, capture_output=True, timeout=120)
-        err = out.stderr.decode(errors="replace").strip().splitlines()
-        assert out.returncode == 2 and len(err) == 1 and message in err[0], (args, err)
-        assert time.monotonic() - t0 < 30, args
+    for (args, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
+        assert res.code == 2 and len(res.stderr) == 1 and message in res.stderr[0], (args, res)
+        assert res.seconds < 30, args
     assert not list(tmp_path.glob("*.progress.jsonl")) and not list(tmp_path.glob("*.lock"))
