@@ -7,6 +7,7 @@ import urllib.request
 from pathlib import Path
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: prefect.yaml, flows/
 
 
 def free_port() -> int:

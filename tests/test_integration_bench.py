@@ -34,7 +34,7 @@ def test_reduced_bench_through_flow(banks, data_dir, prefect_harness, tmp_path):
 
     paths, tmp = banks
     cfg = bench.BenchConfig(**paths, dtype="float32", data=data_dir, domains=("reasoning", "translation"),
-                            ood=("ood_math",), prompts=1, ood_prompts=1, max_new_tokens=12, repeats=2,
+                            ood=("ood_math",), prompts=1, ood_prompts=1, max_new_tokens=8, repeats=2,
                             ratios=(0.0, 1.0), out=tmp_path / "results", tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
     summary = bench_flow(cfg)
     out = tmp_path / "results"

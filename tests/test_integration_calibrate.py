@@ -1,4 +1,5 @@
-"""Calibration end to end through the Prefect flow on SmolLM2, with a real MLflow (sqlite)."""
+"""Calibration end to end on SmolLM2 (the CLI, killed and resumed, then its Prefect deployment on a
+process worker), with a real MLflow (sqlite); and fixed banks for the other integration tests."""
 import json
 import os
 import signal
@@ -12,9 +13,9 @@ import pytest
 from knnssd import tracking
 from knnssd.routing import bank as banks
 from knnssd.search import calibration
+from servers import PREFECT, ROOT
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_inputs(data_dir: Path, out: Path, domains=("reasoning", "translation"), n=10) -> list[str]:
@@ -53,29 +54,6 @@ def isolated(tmp_path, monkeypatch):
     return tmp_path, uri
 
 
-def test_calibrate_flow_end_to_end(isolated, data_dir, prefect_harness):
-    from knnssd.flows.calibrate import CalibrateParams, calibrate
-
-    tmp, uri = isolated
-    t0 = time.time()
-    params = CalibrateParams(model="smollm2", dtype="float32", inputs=small_inputs(data_dir, tmp / "in"), k_per_domain=3,
-                             proxy_trials=4, real_candidates=1, proxy_prompts=2, real_prompts=1, max_new_tokens=24,
-                             storage=str(tmp / "studies.journal"), tracking_uri=uri)
-    reg = calibrate(params)
-    assert time.time() - t0 < 300
-    assert reg["name"] == "knnssd-smollm2" and set(reg["aliases"]) == {"candidate", "champion"}
-    folder = tracking.download_bank("models:/knnssd-smollm2@champion", tmp / "dl", uri)
-    bank = banks.load(folder)  # validates
-    assert {c.label for c in bank.clusters} == {"reasoning", "translation"}
-    assert len(bank.anchors) == 6 and bank.model == "smollm2" and bank.n_layers == 30
-    assert all(c.speedup >= 1.0 for c in bank.clusters)  # plain AR is always a candidate
-    assert {"skip_heatmap.png", "anchor_map.png"} <= {p.name for p in folder.iterdir()}
-    # a second calibration adds a version: candidate moves, champion stays
-    reg2 = calibrate(params)
-    assert reg2["version"] != reg["version"] and reg2["aliases"] == ["candidate"]
-    assert str(tracking.resolve("models:/knnssd-smollm2@champion", uri).version) == reg["version"]
-
-
 def _journal_trials(storage: str) -> int:
     import optuna
 
@@ -86,13 +64,22 @@ def _journal_trials(storage: str) -> int:
                (optuna.load_study(study_name=x.study_name, storage=st) for x in optuna.get_all_study_summaries(st)))
 
 
-def test_sigkill_mid_search_then_rerun_resumes(isolated, data_dir, prefect_api):
+def test_calibration_killed_mid_search_resumes_then_its_deployment_adds_a_version(isolated, data_dir, prefect_api):
+    """One calibration three ways, in turn, on the session's Prefect server and one MLflow (sqlite):
+    1. ``knnssd calibrate`` SIGKILLed mid-search registers nothing;
+    2. the same command again resumes the studies and registers version 1 (candidate and champion);
+    3. the calibrate deployment from prefect.yaml, on a process worker, with the same settings: the
+       studies' budget is met, so it adds no trial, and its version 2 becomes the candidate while the
+       champion stays version 1."""
     tmp, uri = isolated
     storage = str(tmp / "studies.journal")
+    inputs = small_inputs(data_dir, tmp / "in", n=6)
+    settings = {"k_per_domain": 2, "proxy_trials": 12, "real_candidates": 1, "proxy_prompts": 2, "real_prompts": 1,
+                "max_new_tokens": 16}
     args = [sys.executable, "-m", "knnssd.cli", "calibrate", "--dtype", "float32", "--k-per-domain", "2",
             "--trials", "12", "--candidates", "1", "--proxy-prompts", "2", "--real-prompts", "1",
             "--max-new-tokens", "16", "--storage", storage, "--tracking-uri", uri]
-    for p in small_inputs(data_dir, tmp / "in", n=6):
+    for p in inputs:
         args += ["--input", p]
     env = {**os.environ, **prefect_api}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -110,7 +97,34 @@ def test_sigkill_mid_search_then_rerun_resumes(isolated, data_dir, prefect_api):
     assert tracking.versions("smollm2", uri) == []  # nothing registered by the killed run
     before = _journal_trials(storage)
 
+    t0 = time.time()
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert time.time() - t0 < 300
     assert _journal_trials(storage) >= before + 1
-    assert len(tracking.versions("smollm2", uri)) == 1
+    reg = json.loads(out.stdout.strip().splitlines()[-1])
+    assert reg["name"] == "knnssd-smollm2" and reg["version"] == "1" and set(reg["aliases"]) == {"candidate", "champion"}
+    folder = tracking.download_bank("models:/knnssd-smollm2@champion", tmp / "dl", uri)
+    bank = banks.load(folder)  # validates
+    assert {c.label for c in bank.clusters} == {"reasoning", "translation"}
+    assert len(bank.anchors) == 4 and bank.model == "smollm2" and bank.n_layers == 30
+    assert all(c.speedup >= 1.0 for c in bank.clusters)  # plain AR is always a candidate
+    assert {"skip_heatmap.png", "anchor_map.png"} <= {p.name for p in folder.iterdir()}
+
+    trials = _journal_trials(storage)
+    deployed = {**env, "KNNSSD_HOME": str(ROOT), "MLFLOW_TRACKING_URI": uri}
+    run = lambda *a, **kw: subprocess.run([PREFECT, *a], env=deployed, cwd=ROOT, capture_output=True,  # noqa: E731
+                                          text=True, timeout=kw.get("timeout", 120))
+    out = run("work-pool", "create", "knnssd-process", "--type", "process", "--overwrite")
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = run("--no-prompt", "deploy", "-n", "calibrate-smollm2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    params = {"params": {"model": "smollm2", "dtype": "float32", "inputs": inputs, "storage": storage, **settings}}
+    out = run("deployment", "run", "calibrate/calibrate-smollm2", "--params", json.dumps(params))
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = run("worker", "start", "--pool", "knnssd-process", "--run-once", timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert len(tracking.versions("smollm2", uri)) == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert _journal_trials(storage) == trials  # the budget was already met
+    assert str(tracking.resolve("models:/knnssd-smollm2@candidate", uri).version) == "2"
+    assert str(tracking.resolve("models:/knnssd-smollm2@champion", uri).version) == "1"

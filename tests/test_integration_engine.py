@@ -13,7 +13,7 @@ from knnssd.engine.skip import Decoder, SkipMask
 from cli_cases import run_cli
 
 pytestmark = pytest.mark.integration
-MAX_NEW = 32
+MAX_NEW = 24
 
 
 def test_smollm2_speculative_equals_hf_generate(smollm2, data_dir):

@@ -15,8 +15,7 @@ from knnssd.routing import bank as banks
 from knnssd.search import calibration
 from knnssd.search.calibration import ModelSpec
 from test_integration_calibrate import fixed_bank, small_inputs
-from servers import PREFECT, free_port, wait_http
-from test_integration_deploy import ROOT
+from servers import PREFECT, ROOT, free_port, wait_http
 
 pytestmark = pytest.mark.integration
 SPEC = ModelSpec("smollm2", "float32")
@@ -116,11 +115,11 @@ def test_two_workers_share_one_study_then_one_version(data_dir, prefect_api, pre
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     journal = tmp_path / "studies.journal"
     inputs = small_inputs(data_dir, tmp_path / "in", domains=("translation",), n=4)
-    common = ["--model", "smollm2", "--dtype", "float32", "--input", inputs[0], "--k-per-domain", "2", "--trials", "6",
+    common = ["--model", "smollm2", "--dtype", "float32", "--input", inputs[0], "--k-per-domain", "2", "--trials", "4",
               "--candidates", "1", "--proxy-prompts", "1", "--real-prompts", "1", "--max-new-tokens", "12",
               "--storage", str(journal), "--tracking-uri", uri]
     env = {**os.environ, **prefect_api, "KNNSSD_WORK": str(tmp_path / "work")}
-    procs = [subprocess.Popen([sys.executable, "-m", "knnssd.cli", "search-worker", *common, "--worker-trials", "3"],
+    procs = [subprocess.Popen([sys.executable, "-m", "knnssd.cli", "search-worker", *common, "--worker-trials", "2"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     for p in procs:
         out, _ = p.communicate(timeout=600)
@@ -129,18 +128,18 @@ def test_two_workers_share_one_study_then_one_version(data_dir, prefect_api, pre
     (name,) = [n for n in optuna.get_all_study_names(storage) if n.endswith("-proxy")]
     trials = optuna.load_study(study_name=name, storage=storage).trials
     done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-    assert len(done) == 3 + 3  # the sum of both workers
+    assert len(done) == 2 + 2  # the sum of both workers
     assert len({t.number for t in trials}) == len(trials)  # no trial number repeats
 
     os.environ["KNNSSD_WORK"] = str(tmp_path / "work")
     try:
-        reg = calibrate(CalibrateParams(model="smollm2", dtype="float32", inputs=inputs, k_per_domain=2, proxy_trials=6,
+        reg = calibrate(CalibrateParams(model="smollm2", dtype="float32", inputs=inputs, k_per_domain=2, proxy_trials=4,
                                         real_candidates=1, proxy_prompts=1, real_prompts=1, max_new_tokens=12,
                                         storage=str(journal), tracking_uri=uri))
     finally:
         os.environ.pop("KNNSSD_WORK", None)
     trials = optuna.load_study(study_name=name, storage=storage).trials
-    assert len([t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]) == 6  # the budget was already met
+    assert len([t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]) == 4  # the budget was already met
     assert reg["version"] == "1" and len(tracking.versions("smollm2", uri)) == 1
 
 

@@ -79,7 +79,7 @@ def test_batch_flow_routes_each_domain(registered, data_dir, prefect_harness, tm
     assert again["generated"] == 0 and again["rows"] == 6
 
 
-def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tmp_path):
+def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tmp_path, prefect_api):
     inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=5)
     out = tmp_path / "out.parquet"
     args = generate_argv(inp, out, max_new_tokens=24)
@@ -105,7 +105,8 @@ def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tm
     assert not out.with_name(out.name + ".lock").exists() or not _locked(out)
     if out.exists():
         pq.read_table(out)  # never torn
-    done = run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    rerun_env = cli_env(registered, {**os.environ, **prefect_api})  # the session's server: no temporary one to start
+    done = run = subprocess.run(args, env=rerun_env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     ids = [r["id"] for r in pq.read_table(out).to_pylist()]
     assert sorted(ids) == sorted(p.id for p in prompts.load(inp)) and len(ids) == len(set(ids))
