@@ -2,6 +2,8 @@
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import Decoder, SkipMask
 from cli_cases import run_cli
+from tiny import tiny_gguf
 
 pytestmark = pytest.mark.integration
 MAX_NEW = 24
@@ -41,17 +44,39 @@ def test_smollm2_speculative_equals_hf_generate(smollm2, data_dir):
             assert stats.drafted > 0 or c.kind == "ngram"
 
 
-def test_concurrent_loads_share_one_converted_cache(tmp_path):
-    """Two processes converting the GGUF at once: both load, one cache folder, no temp leftovers."""
-    code = "from knnssd import models; lm = models.load('smollm2', dtype='float32'); print(lm.fingerprint)"
-    env = {**__import__("os").environ, "KNNSSD_CACHE": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+def _waiting_on_locks() -> set[int]:
+    """PIDs blocked on a file lock (``/proc/locks`` marks their lines with ``->``)."""
+    pids = set()
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "->" in fields:
+            pids.add(int(fields[fields.index("->") + 4]))
+    return pids
+
+
+def test_concurrent_loads_share_one_converted_cache(tmp_path, monkeypatch):
+    """Two processes load one GGUF at once: both wait on the conversion lock (held here until they
+    do), then one converts while the other waits; both load the same folder, with no temp leftovers.
+    A tiny GGUF: the race is the point, not the size."""
+    from knnssd import models
+
+    gguf = tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path / "cache"))
+    code = f"from knnssd import models; lm = models.load({str(gguf)!r}, dtype='float32'); print(lm.fingerprint)"
+    target = models._converted_dir(gguf, gguf.stem)
+    with models._locked(target):
+        procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        deadline = time.time() + 120
+        while time.time() < deadline and not {p.pid for p in procs} <= _waiting_on_locks():
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-500:] for p in procs]
+            time.sleep(0.1)
+        assert {p.pid for p in procs} <= _waiting_on_locks(), "both loads should wait on the conversion lock"
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
     assert outs[0][0].strip() == outs[1][0].strip()
-    folders = sorted(p.name for p in (tmp_path / "models").iterdir() if p.is_dir())
-    assert len(folders) == 1 and not folders[0].startswith("."), folders
+    folders = sorted(p.name for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir())
+    assert folders == [target.name], folders
 
 
 @pytest.fixture(scope="module")
