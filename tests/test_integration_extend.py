@@ -77,7 +77,7 @@ def test_add_domain_then_promote(base_bank, data_dir, prefect_harness, tmp_path)
     assert again["promote"] is False  # the candidate already is the champion
 
 
-def test_watch_deployment_adds_a_dropped_domain_once(base_bank, data_dir, prefect_api, tmp_path):
+def test_watch_deployment_adds_a_dropped_domain_once(base_bank, data_dir, prefect_api, prefect_harness, tmp_path):
     bank_dir, tmp = base_bank
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     calibration.register(bank_dir, {"base": True}, uri)
@@ -93,13 +93,16 @@ def test_watch_deployment_adds_a_dropped_domain_once(base_bank, data_dir, prefec
     params = {"params": {"drop": str(drop), "min_prompts": 5, "dtype": "float32", "use_unmatched": False,
                          "search": {**TINY, "storage": str(tmp_path / "studies.journal")},
                          "promote": {"inputs": [str(data_dir / "reasoning.jsonl")], "per_file": 1, "max_new_tokens": 8}}}
-    for attempt in range(2):
-        out = run("deployment", "run", "watch-drop-folder/watch-drop-folder-smollm2", "--params", json.dumps(params))
-        assert out.returncode == 0, out.stdout + out.stderr
-        out = run("worker", "start", "--pool", "knnssd-process", "--run-once", timeout=900)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        versions = tracking.versions("smollm2", uri)
-        assert len(versions) == 2, (attempt, out.stdout[-3000:] + out.stderr[-3000:])  # the second run adds nothing
+    out = run("deployment", "run", "watch-drop-folder/watch-drop-folder-smollm2", "--params", json.dumps(params))
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = run("worker", "start", "--pool", "knnssd-process", "--run-once", timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert len(tracking.versions("smollm2", uri)) == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    # the next scheduled run (here in this process, on the same server) finds nothing new and adds nothing
+    from knnssd.flows.watch import WatchParams, watch
+
+    again = watch(WatchParams(**params["params"], tracking_uri=uri))
+    assert again == {"added": [], "promotion": None} and len(tracking.versions("smollm2", uri)) == 2
     latest = banks.load(tracking.download_bank("models:/knnssd-smollm2/2", tmp_path / "v2", uri=uri))
     assert "sql" in [c.label for c in latest.clusters]
     state = json.loads((drop / ".knnssd-processed.json").read_text())
