@@ -37,10 +37,11 @@ def data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real embedded model, fp32 (converted once into the knnssd cache)."""
-    from knnssd import models
+    """The real embedded model, fp32 (converted once into the knnssd cache): the one copy that flows
+    called in this process also use (``calibration.runtime``), so the session loads it once."""
+    from knnssd.search import calibration
 
-    return models.load("smollm2", dtype="float32")
+    return calibration.runtime(calibration.ModelSpec("smollm2", "float32"))[0]
 
 
 @pytest.fixture(scope="session")
