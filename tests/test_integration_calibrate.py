@@ -74,10 +74,10 @@ def test_calibration_killed_mid_search_resumes_then_its_deployment_adds_a_versio
     tmp, uri = isolated
     storage = str(tmp / "studies.journal")
     inputs = small_inputs(data_dir, tmp / "in", n=6)
-    settings = {"k_per_domain": 2, "proxy_trials": 12, "real_candidates": 1, "proxy_prompts": 2, "real_prompts": 1,
+    settings = {"k_per_domain": 2, "proxy_trials": 8, "real_candidates": 1, "proxy_prompts": 2, "real_prompts": 1,
                 "max_new_tokens": 16}
     args = [sys.executable, "-m", "knnssd.cli", "calibrate", "--dtype", "float32", "--k-per-domain", "2",
-            "--trials", "12", "--candidates", "1", "--proxy-prompts", "2", "--real-prompts", "1",
+            "--trials", "8", "--candidates", "1", "--proxy-prompts", "2", "--real-prompts", "1",
             "--max-new-tokens", "16", "--storage", storage, "--tracking-uri", uri]
     for p in inputs:
         args += ["--input", p]

@@ -10,9 +10,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.decode import GenerationConfig, decode, prefill
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.sampling import Warp, greedy_verify, probs, rejection_verify
+from knnssd.engine.sequence import Sequence
 from knnssd.engine.skip import SkipMask, make_decoder
 from tiny import prompt_ids, tiny
 
@@ -104,8 +105,13 @@ def test_speculative_sampling_distribution(kind, warp):
     drafter = build(cfg, dec.n_layers)
     counts: dict[tuple, int] = {}
     drafted = 0
+    # generate() is prefill() then decode(); the prompt's K/V and logits do not depend on the seed, so
+    # the prompt runs once and each seed decodes from it (later positions are overwritten each time)
+    _, logits, _ = prefill(dec, prompt, GenerationConfig(max_new_tokens=4, warp=warp, seed=0))
     for seed in range(N):
-        out, stats = generate(dec, prompt, drafter, GenerationConfig(max_new_tokens=4, warp=warp, seed=seed))
+        gen = torch.Generator().manual_seed(seed)
+        seq = Sequence(list(prompt), len(prompt), dec, warp, gen, dec.device)
+        out, stats = decode(seq, logits, drafter, GenerationConfig(max_new_tokens=4, warp=warp, seed=seed))
         key = tuple(out[:3])
         counts[key] = counts.get(key, 0) + 1
         drafted += stats.drafted
