@@ -1,6 +1,4 @@
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -9,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
-from servers import PREFECT, free_port, wait_http  # noqa: E402
+from servers import PrefectServer  # noqa: E402
 
 for key, value in {
     "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true",
@@ -44,27 +42,31 @@ def smollm2():
     return calibration.runtime(calibration.ModelSpec("smollm2", "float32"))[0]
 
 
+_prefect: PrefectServer | None = None  # the session's Prefect server, started at collection when needed
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection
+def pytest_collection_modifyitems(config, items):
+    global _prefect
+    if _prefect is None and any("prefect_api" in item.fixturenames for item in items):
+        _prefect = PrefectServer()  # starts now; the first test that needs it waits for it
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _prefect is not None:
+        _prefect.stop()
+
+
 @pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory) -> dict:
-    """One real `prefect server` on 127.0.0.1 for the session, in a throwaway PREFECT_HOME (its
-    database is migrated once, not by every command). Yields the environment that points a
-    subprocess at it (``{**os.environ, **prefect_api}``): CLI commands then check it instead of
-    starting a temporary server of their own."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
-    log = open(home / "server.log", "w")
-    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/api/health", 120, server)
-        yield {"PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(30)
-        log.close()
+def prefect_api() -> dict:
+    """One real `prefect server` on 127.0.0.1 for the session (``servers.PrefectServer``), its
+    database migrated once, not by every command. Yields the environment that points a subprocess
+    at it (``{**os.environ, **prefect_api}``): CLI commands then check it instead of starting a
+    temporary server of their own."""
+    global _prefect
+    if _prefect is None:
+        _prefect = PrefectServer()
+    return _prefect.env()
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,11 @@
 """Helpers for tests that start real servers (Prefect, MLflow) on 127.0.0.1."""
+import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -28,3 +32,34 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
         except OSError:
             time.sleep(0.5)
     raise TimeoutError(url)
+
+
+class PrefectServer:
+    """A real `prefect server` on 127.0.0.1 in a throwaway PREFECT_HOME: started at once, waited for
+    only when first needed (its database migration then overlaps other work), stopped and removed
+    by ``stop``."""
+
+    def __init__(self):
+        self.home = Path(tempfile.mkdtemp(prefix="pytest-prefect-home-"))
+        self.port = free_port()
+        env = {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               "PREFECT_UI_ENABLED": "false"}
+        env.pop("PREFECT_API_URL", None)
+        self.log = open(self.home / "server.log", "w")
+        self.proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.ready = False
+
+    def env(self) -> dict:
+        """What points a subprocess at this server (``{**os.environ, **server.env()}``), once it answers."""
+        if not self.ready:
+            wait_http(f"http://127.0.0.1:{self.port}/api/health", 120, self.proc)
+            self.ready = True
+        return {"PREFECT_HOME": str(self.home), "PREFECT_API_URL": f"http://127.0.0.1:{self.port}/api"}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        self.log.close()
+        shutil.rmtree(self.home, ignore_errors=True)

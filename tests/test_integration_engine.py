@@ -16,7 +16,7 @@ from cli_cases import run_cli
 from tiny import tiny_gguf
 
 pytestmark = pytest.mark.integration
-MAX_NEW = 24
+MAX_NEW = 16
 
 
 def test_smollm2_speculative_equals_hf_generate(smollm2, data_dir):

@@ -80,11 +80,22 @@ def test_batch_flow_routes_each_domain(registered, data_dir, prefect_harness, tm
 
 
 def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tmp_path, prefect_api):
+    """A second run on the same output refuses at once, naming the first; the first, SIGKILLed mid-batch,
+    leaves no process, temp file or lock behind; a rerun completes with every id exactly once."""
     inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=5)
     out = tmp_path / "out.parquet"
     args = generate_argv(inp, out, max_new_tokens=24)
     env = cli_env(registered, {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")})  # its own temporary server
+    rerun_env = cli_env(registered, {**os.environ, **prefect_api})  # the session's server: no temporary one to start
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lock = out.with_name(out.name + ".lock")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (lock.exists() and lock.read_text()):
+        time.sleep(0.1)
+    second = subprocess.run(args, env=rerun_env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2
+    assert second.stderr.strip().splitlines()[-1] == (f"knnssd: error: {out.resolve()} is being written by process "
+                                                       f"{proc.pid}; wait for it or choose another --output")
     journal = out.with_name(out.name + ".progress.jsonl")
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -105,13 +116,12 @@ def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tm
     assert not out.with_name(out.name + ".lock").exists() or not _locked(out)
     if out.exists():
         pq.read_table(out)  # never torn
-    rerun_env = cli_env(registered, {**os.environ, **prefect_api})  # the session's server: no temporary one to start
     done = run = subprocess.run(args, env=rerun_env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     ids = [r["id"] for r in pq.read_table(out).to_pylist()]
     assert sorted(ids) == sorted(p.id for p in prompts.load(inp)) and len(ids) == len(set(ids))
     assert json.loads(done.stdout.strip().splitlines()[-1])["generated"] < 10
-    assert not journal.exists()
+    assert not journal.exists() and not lock.exists()
 
 
 def descendants(pid: int) -> list[int]:
@@ -138,27 +148,6 @@ def _locked(out: Path) -> bool:
             return False
     except batch.OutputError:
         return True
-
-
-def test_two_generate_runs_on_one_output(registered, data_dir, tmp_path, prefect_api):
-    """The second run refuses at once, naming the first; the first completes with every row."""
-    inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=1)
-    out = tmp_path / "out.parquet"
-    args = generate_argv(inp, out, max_new_tokens=8)
-    env = cli_env(registered, {**os.environ, **prefect_api})
-    first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lock = out.with_name(out.name + ".lock")
-    deadline = time.time() + 120
-    while time.time() < deadline and not (lock.exists() and lock.read_text()):
-        time.sleep(0.1)
-    second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
-    assert second.returncode == 2
-    assert second.stderr.strip().splitlines()[-1] == (f"knnssd: error: {out.resolve()} is being written by process "
-                                                       f"{first.pid}; wait for it or choose another --output")
-    stdout, stderr = first.communicate(timeout=600)
-    assert first.returncode == 0, stderr[-2000:]
-    assert sorted(r["id"] for r in pq.read_table(out).to_pylist()) == sorted(p.id for p in prompts.load(inp))
-    assert not lock.exists()
 
 
 def test_generate_bad_input_is_one_line(registered, data_dir, tmp_path, prefect_api):

@@ -19,8 +19,9 @@ different key length or mask path may too. So the probe measures it:
 
 With a ``record`` file (``models.LoadedModel.decoder`` keeps one per model, dtype, device and
 machine, see ``machine_key``), an exact choice is remembered: the next load checks only that
-implementation's rows over the first context (about a tenth of the probe) and skips the timing.
-If those rows are no longer equal, the whole probe runs again.
+implementation's rows, over the first context and passes of 2, 4 and max_t tokens (a spot check,
+about a twentieth of the probe), and skips the timing. If those rows are no longer equal, the
+whole probe runs again.
 
 The result (``Exactness``) goes into ``DecodeStats``, the bench report and bank metadata.
 """
@@ -80,10 +81,10 @@ def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @torch.inference_mode()
-def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, stop_early: bool = False
-              ) -> tuple[int, int]:
-    """(rows bitwise equal to one-token steps, rows compared) for passes of T = 2..max_t tokens
-    (``stop_early``: stop at the first pass with a differing row)."""
+def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, stop_early: bool = False,
+              passes: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """(rows bitwise equal to one-token steps, rows compared) for passes of T = 2..max_t tokens, or of
+    the lengths in ``passes`` (``stop_early``: stop at the first pass with a differing row)."""
     vocab = _vocab(dec)
     device = dec.device
     ids = torch.randint(0, vocab, (context + max_t,), generator=torch.Generator().manual_seed(seed)).to(device)
@@ -92,7 +93,7 @@ def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, st
     dec.forward(ids[:context], 0)
     ref = torch.cat([dec.forward(x[i : i + 1], context + i).logits for i in range(max_t)])
     equal = total = 0
-    for t in range(2, max_t + 1):
+    for t in passes or range(2, max_t + 1):
         equal += _rows_equal(dec.forward(x[:t], context).logits, ref[:t])
         total += t
         if t < max_t:  # the next one-token step reads the K/V this pass wrote
@@ -103,12 +104,19 @@ def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, st
     return equal, total
 
 
-def _probe_rows(dec, max_t: int, contexts: tuple[int, ...] = CONTEXTS) -> tuple[int, int]:
+def _spot_passes(max_t: int) -> tuple[int, ...]:
+    """The pass lengths a remembered choice is re-checked with: the shortest, a typical draft's and the
+    longest (the full probe has checked every length on this machine key before)."""
+    return tuple(sorted({min(2, max_t), min(4, max_t), max_t}))
+
+
+def _probe_rows(dec, max_t: int, contexts: tuple[int, ...] = CONTEXTS, passes: tuple[int, ...] | None = None
+                ) -> tuple[int, int]:
     """``row_check`` over ``contexts`` (one random token set each: rounding ties are
     data-dependent), stopping at the first set with a differing row."""
     equal = total = 0
     for seed, context in enumerate(contexts):
-        e, t = row_check(dec, max_t, context, seed, stop_early=True)
+        e, t = row_check(dec, max_t, context, seed, stop_early=True, passes=passes)
         equal, total = equal + e, total + t
         if e < t:
             break
@@ -168,7 +176,7 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
     remembered = _recall(record, candidates, max_t)
     if remembered is not None:
         dec.set_attention(remembered)
-        equal, total = _probe_rows(dec, max_t, CONTEXTS[:1])
+        equal, total = _probe_rows(dec, max_t, CONTEXTS[:1], _spot_passes(max_t))
         if equal == total:
             result = Exactness(True, remembered.name, max_t, dtype, device, adjusted,
                                ((remembered.name, "exact (rows checked; chosen by an earlier probe on this machine)"),))
