@@ -19,9 +19,9 @@ different key length or mask path may too. So the probe measures it:
 
 With a ``record`` file (``models.LoadedModel.decoder`` keeps one per model, dtype, device and
 machine, see ``machine_key``), an exact choice is remembered: the next load checks only that
-implementation's rows, over the first context and passes of 2, 4 and max_t tokens (a spot check,
-about a twentieth of the probe), and skips the timing. If those rows are no longer equal, the
-whole probe runs again.
+implementation's rows, over the first context and passes of 2, 4 and max_t tokens (a spot check:
+17 forwards, against 34 per context and candidate plus the timing), and skips the timing. If
+those rows are no longer equal, the whole probe runs again.
 
 The result (``Exactness``) goes into ``DecodeStats``, the bench report and bank metadata.
 """
