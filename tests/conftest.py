@@ -60,7 +60,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def prefect_api() -> dict:
     """One real `prefect server` on 127.0.0.1 for the session (``servers.PrefectServer``), its
-    database migrated once, not by every command. Yields the environment that points a subprocess
+    database migrated once, not by every command. Returns the environment that points a subprocess
     at it (``{**os.environ, **prefect_api}``): CLI commands then check it instead of starting a
     temporary server of their own."""
     global _prefect
