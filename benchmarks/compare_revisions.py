@@ -22,14 +22,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def extract(rev: str, dest: Path) -> None:
+    """The revision's engine as the package ``knnssd_rev``: ``knnssd/engine/`` (after the layout change,
+    with its ``knnssd.engine`` imports renamed), or the flat ``knnssd/`` of older revisions."""
     pkg = dest / "knnssd_rev"
     pkg.mkdir(parents=True)
-    files = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "knnssd/"], check=True,
-                           capture_output=True, text=True).stdout.split()
+
+    def ls(folder: str) -> list[str]:
+        return subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, folder], check=True,
+                              capture_output=True, text=True).stdout.split()
+
+    files = ls("knnssd/engine/") or ls("knnssd/")
     for f in files:
         if f.endswith(".py"):
             src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{f}"], check=True, capture_output=True,
                                  text=True).stdout
+            src = src.replace("from knnssd.engine import", "from knnssd_rev import").replace("knnssd.engine.",
+                                                                                               "knnssd_rev.")
             (pkg / Path(f).name).write_text(src)
 
 

@@ -11,6 +11,7 @@ Both never touch ``model.config``.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -161,7 +162,7 @@ class Decoder:
     def __init__(self, stack: Stack, attention: Attention = SDPA):
         self.stack = stack.packed()
         self.exactness = None  # exactness.Exactness once probed
-        self._int8: Stack | None = None
+        self._shared: dict[str, Stack] = {}  # the int8 draft weights, shared with this decoder's slots
         self.set_attention(attention)
 
     def set_attention(self, attention: Attention) -> None:
@@ -173,7 +174,7 @@ class Decoder:
 
     def use_stack(self, stack: Stack) -> None:
         """Run other weights of the same shapes (e.g. row-invariant forms of the same linears)."""
-        self.stack, self._int8 = stack, None
+        self.stack, self._shared = stack, {}
 
     @property
     def n_layers(self) -> int:
@@ -184,9 +185,16 @@ class Decoder:
         return self.stack.device
 
     def int8_stack(self) -> Stack:
-        if self._int8 is None:
-            self._int8 = self.stack.int8()
-        return self._int8
+        if "int8" not in self._shared:
+            self._shared["int8"] = self.stack.int8()
+        return self._shared["int8"]
+
+    def slot(self) -> "Decoder":
+        """Another sequence's view of this decoder: the same weights, step and int8 copy, and a KV
+        cache of its own, so each of its attention calls is the one a single-sequence run makes."""
+        d = copy.copy(self)
+        d.set_attention(self.attention)
+        return d
 
     def reserve(self, n: int) -> None:
         """Start a generation of up to n positions: fixes the key length every call reads."""
@@ -215,13 +223,9 @@ class Decoder:
                 self.reserve(T)
             self.cache.check(start + T)
             pos = torch.arange(start, start + T, device=ids.device)
-        h = F.embedding(ids, s.embed)[None]
-        if s.embed_scale is not None:
-            h = h * s.embed_scale
+        h = self._embed(s, ids)
         rope = self._rope(pos, h)
-        # a prefill's rows are never compared with one-token steps (plain and speculative runs share it), so
-        # it takes the fastest form: causal SDPA over the keys written so far
-        attn = SDPA_DYNAMIC if T > PREFILL_ROWS and not self.attention.cache_fp32 else self.attention
+        attn = self._attention_for(T)
         masks: dict[int | None, object] = {}
         skip_a = mask.attn if mask is not None else None
         skip_m = mask.mlp if mask is not None else None
@@ -235,36 +239,46 @@ class Decoder:
                     sizes[0, i] = _relative(y, h)
                 h = h + y
             if skip_m is None or not skip_m[i]:
-                gate, up = layer.gate_up(layer.mlp_norm(h)).chunk(2, dim=-1)
-                y = layer.down(layer.act(gate) * up)
-                if layer.mlp_post_norm is not None:
-                    y = layer.mlp_post_norm(y)
+                y = _mlp(layer, h)
                 if sizes is not None:
                     sizes[1, i] = _relative(y, h)
                 h = h + y
             if i == tap:
                 tapped = h[0]
         hidden = s.norm(h)[0]
-        logits = s.lm_head(hidden[-1:] if last else hidden)
-        if s.final_softcap is not None:
-            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
-        return Output(logits.float(), hidden, tapped, sizes)
+        return Output(_logits(s, hidden[-1:] if last else hidden), hidden, tapped, sizes)
+
+    def _attention_for(self, rows: int) -> Attention:
+        """The probed step; a prefill's rows are never compared with one-token steps (plain and speculative
+        runs share it), so it takes the fastest form: causal SDPA over the keys written so far."""
+        return SDPA_DYNAMIC if rows > PREFILL_ROWS and not self.attention.cache_fp32 else self.attention
+
+    @staticmethod
+    def _embed(s: Stack, ids: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(ids, s.embed)[None]
+        return h * s.embed_scale if s.embed_scale is not None else h
 
     def _attention(self, layer: Layer, i: int, h: torch.Tensor, pos: torch.Tensor, rope, attn: Attention, mask
                    ) -> torch.Tensor:
-        s, T = self.stack, h.shape[1]
+        o = layer.o(self._attend(layer, i, layer.qkv(layer.attn_norm(h))[0], pos, rope, attn, mask))
+        if layer.attn_post_norm is not None:
+            o = layer.attn_post_norm(o)
+        return o
+
+    def _attend(self, layer: Layer, i: int, qkv: torch.Tensor, pos: torch.Tensor, rope, attn: Attention, mask
+                ) -> torch.Tensor:
+        """Attention of one sequence's rows, from their QKV projection (T, (H + 2 KV) D): writes their K/V to
+        this decoder's cache at ``pos`` and returns (1, T, H D), before the output projection."""
+        s, T = self.stack, qkv.shape[0]
         H, KV, D = s.n_heads, s.n_kv, s.head_dim
-        qkv = layer.qkv(layer.attn_norm(h)).view(T, H + 2 * KV, D)
+        qkv = qkv.view(T, H + 2 * KV, D)
         if layer.q_norm is not None:
             qk = torch.cat((layer.q_norm(qkv[:, :H]), layer.k_norm(qkv[:, H : H + KV])), dim=1)
         else:
             qk = qkv[:, : H + KV]
         qk = _rope(qk, *rope)  # (T, H+KV, D)
         kc, vc = self.cache.write(i, pos, qk[:, H:].transpose(0, 1)[None], qkv[:, H + KV :].transpose(0, 1)[None])
-        o = layer.o(attn.attend(qk[:, :H], kc, vc, mask, s.scale))
-        if layer.attn_post_norm is not None:
-            o = layer.attn_post_norm(o)
-        return o
+        return attn.attend(qk[:, :H], kc, vc, mask, s.scale)
 
     def _rope(self, pos: torch.Tensor, h: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         s = self.stack
@@ -280,6 +294,51 @@ class Decoder:
         if key == "all":
             return self.stack.rotary(x, pos)
         return self.stack.rotary(x, pos, key)
+
+
+def _mlp(layer: Layer, h: torch.Tensor) -> torch.Tensor:
+    gate, up = layer.gate_up(layer.mlp_norm(h)).chunk(2, dim=-1)
+    y = layer.down(layer.act(gate) * up)
+    return layer.mlp_post_norm(y) if layer.mlp_post_norm is not None else y
+
+
+def _logits(s: Stack, hidden: torch.Tensor) -> torch.Tensor:
+    logits = s.lm_head(hidden)
+    if s.final_softcap is not None:
+        logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
+    return logits.float()
+
+
+@torch.inference_mode()
+def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """One full-model pass over several sequences: ``calls[b]`` = (ids (T_b,), start_b) runs on
+    ``slots[b]`` (slots of one decoder, ``Decoder.slot``). The projections, norms, MLPs and the lm_head
+    run once over all the rows; attention runs per sequence on its slot's cache, as that slot's own
+    ``forward`` would run it. Where the linears are row-invariant for the packed row count, each
+    call's logits (T_b, V) equal its own ``forward``'s, bitwise. No skip mask: this is verification."""
+    s = slots[0].stack
+    sizes = [ids.shape[0] for ids, _ in calls]
+    h = Decoder._embed(s, torch.cat([ids for ids, _ in calls]))
+    per_call = []
+    for slot, (ids, start) in zip(slots, calls):
+        if slot.stack is not s:
+            raise ValueError("forward_slots runs slots of one decoder (the same weights)")
+        slot.cache.check(start + ids.shape[0])
+        pos = torch.arange(start, start + ids.shape[0], device=ids.device)
+        per_call.append((slot, pos, slot._rope(pos, h), slot._attention_for(ids.shape[0]), {}))
+    for i, layer in enumerate(s.layers):
+        qkv = layer.qkv(layer.attn_norm(h))[0].split(sizes)
+        parts = []
+        for (slot, pos, rope, attn, masks), rows in zip(per_call, qkv):
+            if layer.window not in masks:
+                masks[layer.window] = attn.mask(pos, slot.cache.length, layer.window)
+            parts.append(slot._attend(layer, i, rows, pos, rope[layer.rope], attn, masks[layer.window]))
+        o = layer.o(torch.cat(parts, dim=1))
+        if layer.attn_post_norm is not None:
+            o = layer.attn_post_norm(o)
+        h = h + o
+        h = h + _mlp(layer, h)
+    return list(_logits(s, s.norm(h)[0]).split(sizes))
 
 
 class HFDecoder:
