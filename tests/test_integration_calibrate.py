@@ -12,7 +12,7 @@ import pytest
 
 from knnssd import tracking
 from knnssd.routing import bank as banks
-from knnssd.search import calibration
+from knnssd.search import budget, calibration
 from servers import PREFECT, ROOT
 
 pytestmark = pytest.mark.integration
@@ -76,9 +76,11 @@ def test_calibration_killed_mid_search_resumes_then_its_deployment_adds_a_versio
     inputs = small_inputs(data_dir, tmp / "in", n=6)
     settings = {"k_per_domain": 2, "proxy_trials": 8, "real_candidates": 1, "proxy_prompts": 2, "real_prompts": 1,
                 "max_new_tokens": 16}
-    args = [sys.executable, "-m", "knnssd.cli", "calibrate", "--dtype", "float32", "--k-per-domain", "2",
-            "--trials", "8", "--candidates", "1", "--proxy-prompts", "2", "--real-prompts", "1",
-            "--max-new-tokens", "16", "--storage", storage, "--tracking-uri", uri]
+    args = [sys.executable, "-m", "knnssd.cli", "calibrate", "--dtype", "float32", "--k-per-domain",
+            str(settings["k_per_domain"]), "--storage", storage, "--tracking-uri", uri]
+    for s in budget.settings():  # the same search settings as CLI flags
+        if s.name in settings:
+            args += [s.flag, str(settings[s.name])]
     for p in inputs:
         args += ["--input", p]
     env = {**os.environ, **prefect_api}

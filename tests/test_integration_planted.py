@@ -13,7 +13,6 @@ from knnssd import tracking
 from knnssd.bench.bank import BenchConfig
 from knnssd.bench.bank import run as bench
 from knnssd.bench.planted import plant, save
-from knnssd.engine.skip import SkipMask
 from knnssd.routing import bank as banks
 from test_integration_calibrate import small_inputs
 
@@ -37,7 +36,7 @@ def test_calibration_skips_the_planted_sublayers(smollm2, data_dir, prefect_harn
     assert bank.model == str(folder.resolve())  # a folder model's bank loads it again (bench below, generate, serve)
     assert bank.n_layers == 38 and "skip_heatmap.png" in {p.name for p in bank_dir.iterdir()}
     (cluster,) = bank.clusters
-    mask = SkipMask.from_dict(cluster.config["mask"])
+    mask = cluster.mask
     found = sum(mask.attn[i] for i in planted.layers) + sum(mask.mlp[i] for i in planted.layers)
     assert found >= 0.8 * 2 * len(planted.layers), (cluster.config, planted.layers)
     from mlflow import MlflowClient

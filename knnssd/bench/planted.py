@@ -57,6 +57,7 @@ def plant(model: torch.nn.Module, count: int = 8, every: int = 3) -> Planted:
     cfg.num_hidden_layers = len(layers)
     return Planted(model, tuple(planted))
 
+
 def save(planted: Planted, tokenizer, out: Path) -> Path:
     """Write the model folder ``knnssd calibrate --model`` reads (weights, config, tokenizer, and the
     planted layer indices in ``planted.txt``)."""

@@ -27,7 +27,6 @@ The result (``Exactness``) goes into ``DecodeStats``, the bench report and bank 
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -286,7 +285,7 @@ def _step_ms(dec, candidates: tuple[Attention, ...], max_t: int) -> list[float]:
     sizes = [t for t in TIMED_PASSES if t <= max_t]
     runs = []
     for impl in candidates:
-        d = copy.copy(dec)  # same weights, its own cache
+        d = dec.slot()  # same weights, its own cache
         d.set_attention(impl)
         d.reserve(TIMING_CONTEXT + max_t)
         runs.append(lambda d=d: [d.forward(ids[:t], TIMING_CONTEXT, last=t == 1) for t in sizes])

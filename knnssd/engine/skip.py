@@ -260,10 +260,7 @@ class Decoder:
 
     def _attention(self, layer: Layer, i: int, h: torch.Tensor, pos: torch.Tensor, rope, attn: Attention, mask
                    ) -> torch.Tensor:
-        o = layer.o(self._attend(layer, i, layer.qkv(layer.attn_norm(h))[0], pos, rope, attn, mask))
-        if layer.attn_post_norm is not None:
-            o = layer.attn_post_norm(o)
-        return o
+        return _attn_out(layer, self._attend(layer, i, layer.qkv(layer.attn_norm(h))[0], pos, rope, attn, mask))
 
     def _attend(self, layer: Layer, i: int, qkv: torch.Tensor, pos: torch.Tensor, rope, attn: Attention, mask
                 ) -> torch.Tensor:
@@ -294,6 +291,12 @@ class Decoder:
         if key == "all":
             return self.stack.rotary(x, pos)
         return self.stack.rotary(x, pos, key)
+
+
+def _attn_out(layer: Layer, attended: torch.Tensor) -> torch.Tensor:
+    """The attention sub-layer's update from its heads' output (1, T, H D): projection, post-norm."""
+    o = layer.o(attended)
+    return layer.attn_post_norm(o) if layer.attn_post_norm is not None else o
 
 
 def _mlp(layer: Layer, h: torch.Tensor) -> torch.Tensor:
@@ -333,10 +336,7 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]]) -
             if layer.window not in masks:
                 masks[layer.window] = attn.mask(pos, slot.cache.length, layer.window)
             parts.append(slot._attend(layer, i, rows, pos, rope[layer.rope], attn, masks[layer.window]))
-        o = layer.o(torch.cat(parts, dim=1))
-        if layer.attn_post_norm is not None:
-            o = layer.attn_post_norm(o)
-        h = h + o
+        h = h + _attn_out(layer, torch.cat(parts, dim=1))
         h = h + _mlp(layer, h)
     return list(_logits(s, s.norm(h)[0]).split(sizes))
 
