@@ -55,7 +55,8 @@ def _runtime(spec: ModelSpec):
 
 
 def step_costs(spec: ModelSpec) -> Costs:
-    """Step times measured once per process (under the machine lock, like every timing)."""
+    """Step times measured once per process (under the machine lock, like every timing), when a new
+    study needs them: a resumed study, and every worker but the first, score with the study's own."""
     with machine_lock():
         return _step_costs(spec)
 
@@ -163,13 +164,12 @@ def search_one(spec: ModelSpec, cluster: router.Cluster, texts: list[str], budge
     from tqdm import tqdm
 
     lm, dec = runtime(spec)
-    costs = step_costs(spec)
     with machine_lock():
         bar = tqdm(total=budget.proxy_trials + budget.real_candidates + 1, desc=f"search {cluster.label}",
                    file=sys.stderr, mininterval=2)
         job = optimize.ClusterJob(cluster.id, texts, storage_for(storage), study_prefix, list(warm_start or []))
-        result = optimize.search_cluster(optimize.SearchModel(dec, lm.tokenizer, eos_ids(lm), costs), job, budget,
-                                         progress=lambda study, trial: bar.update(1))
+        model = optimize.SearchModel(dec, lm.tokenizer, eos_ids(lm), lambda: _step_costs(spec))  # the lock is held
+        result = optimize.search_cluster(model, job, budget, progress=lambda study, trial: bar.update(1))
         bar.close()
     return result
 
@@ -182,7 +182,7 @@ def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], bud
 
     lm, dec = runtime(spec)
     bar = tqdm(total=n_trials, desc=f"worker {cluster.label}", file=sys.stderr, mininterval=2)
-    pr = optimize.proxy_stage(optimize.SearchModel(dec, lm.tokenizer, eos_ids(lm), step_costs(spec)),
+    pr = optimize.proxy_stage(optimize.SearchModel(dec, lm.tokenizer, eos_ids(lm), lambda: step_costs(spec)),
                               optimize.ClusterJob(cluster.id, texts, storage_for(storage), study_prefix), budget,
                               n_trials=n_trials, progress=lambda s, t: bar.update(1))
     bar.close()

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
@@ -46,7 +47,7 @@ class SearchModel:
     dec: Decoder
     tokenizer: object
     eos: tuple[int, ...]
-    costs: Costs  # measured step costs (``costs.measure_costs``)
+    measure_costs: Callable[[], Costs]  # step costs (``costs.measure_costs``), called only for a new study
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Proxy:
     samples: list[Sample]
     proposals: dict
     kinds: tuple[str, ...]  # layer-skip kinds searched (empty: none, n-gram / AR only)
+    costs: Costs  # the step costs the study scores with
 
 
 def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, n_trials: int | None = None,
@@ -80,20 +82,22 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    dec, costs = m.dec, m.costs
+    dec = m.dec
     samples = teacher_samples(dec, m.tokenizer, job.texts[: budget.proxy_prompts], budget.max_new_tokens, m.eos)
     proposals = {sizes: [ngram_proposals(s, sizes, max(MAX_LENS)) for s in samples] for sizes in NGRAM_SIZES}
     n = dec.n_layers
     kinds = tuple(k for k in ("layer_skip", "hybrid") if k in budget.kinds) if dec.can_skip else ()
     precisions = [True, False] if budget.int8 else [False]
     proxy = job.study("proxy", budget.seed)
-    if not kinds:
-        return Proxy(proxy, samples, proposals, kinds)
-    stored = proxy.user_attrs.get("costs")  # every worker of a study scores with the same step costs
+    # every worker of a study, and every resumed run, scores with the step costs the study began with
+    stored = proxy.user_attrs.get("costs")
     if stored:
         costs = Costs(stored["verify"], {k: tuple(v) for k, v in stored["draft"].items()})
     else:
+        costs = m.measure_costs()
         proxy.set_user_attr("costs", asdict(costs))
+    if not kinds:
+        return Proxy(proxy, samples, proposals, kinds, costs)
     if not proxy.trials:
         for int8 in precisions:
             proxy.enqueue_trial(trial_params(SkipMask.none(n), int8))
@@ -120,7 +124,7 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     if remaining > 0:
         timeout = None if deadline is None else max(1.0, 0.6 * (deadline - time.perf_counter()))
         proxy.optimize(objective, n_trials=remaining, timeout=timeout, callbacks=[progress] if progress else None)
-    return Proxy(proxy, samples, proposals, kinds)
+    return Proxy(proxy, samples, proposals, kinds, costs)
 
 
 def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=None) -> ClusterResult:
@@ -129,10 +133,10 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
 
     t0 = time.perf_counter()
     deadline = t0 + budget.minutes * 60 if budget.minutes else None
-    dec, costs = m.dec, m.costs
+    dec = m.dec
     n = dec.n_layers
     stage1 = proxy_stage(m, job, budget, progress, deadline=deadline)
-    proxy, samples, proposals, kinds = stage1.study, stage1.samples, stage1.proposals, stage1.kinds
+    proxy, samples, proposals, kinds, costs = stage1.study, stage1.samples, stage1.proposals, stage1.kinds, stage1.costs
 
     # candidates for stage 2: the best pure n-gram policy + the best distinct proxy configurations
     cands: list[tuple[DrafterConfig, float]] = []
