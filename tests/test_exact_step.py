@@ -65,23 +65,30 @@ def test_probe_reports_not_exact_for_an_implementation_that_is_not_row_invariant
     assert stats.exact is False and stats.step == "perturbed"
 
 
-def test_probe_remembers_its_exact_choice_and_rechecks_it(tmp_path):
+def test_probe_remembers_its_exact_choice_on_its_machine_key(tmp_path, monkeypatch):
     record = tmp_path / "probe" / "tiny.json"
-    first = exactness.choose(make_decoder(tiny("llama")), record=record)
-    assert first.exact and record.is_file() and len(first.tried) > 1
-    dec = make_decoder(tiny("llama"))
-    again = exactness.choose(dec, record=record)  # rows checked, no timing
-    assert again.exact and again.step == first.step and dec.attention.name == first.step
-    assert [r for _, r in again.tried] == ["exact (rows checked; chosen by an earlier probe on this machine)"]
+    first = make_decoder(tiny("llama"), record=record).exactness  # probed, checked against HF, remembered
+    assert first.exact and not first.recalled and record.is_file() and len(first.tried) > 1
+    dec = make_decoder(tiny("llama"), record=record)
+    again = dec.exactness  # taken from the record: no probe, no timing
+    assert again.exact and again.recalled and again.step == first.step and dec.attention.name == first.step
+    assert again.tried == ((first.step, exactness.RECALLED),)
     assert [p.name for p in record.parent.iterdir()] == ["tiny.json"]  # no temp file left
-    # a remembered step whose rows no longer match is probed again, from the start
-    broken = tuple(dataclasses.replace(_perturbed(c), name=c.name) if c.name == first.step else c
-                   for c in exactness.implementations(exactness.MAX_T))
-    redo = exactness.choose(make_decoder(tiny("llama")), candidates=broken, record=record)
-    assert redo.exact and redo.step != first.step and len(redo.tried) > 1
+    # the record is named by what the rounding depends on: kernel settings in the environment among them
+    key = exactness.machine_key(torch.device("cpu"))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert exactness.machine_key(torch.device("cpu")) != key
+    # a record of other candidates, or an unreadable one, is probed again from the start
+    renamed = tuple(dataclasses.replace(c, name=c.name + "-v2") for c in exactness.implementations(exactness.MAX_T))
+    redo = exactness.choose(make_decoder(tiny("llama")), candidates=renamed, record=record)
+    assert redo.exact and not redo.recalled and len(redo.tried) > 1
     record.write_text("{not json")
-    redo = exactness.choose(make_decoder(tiny("llama")), record=record)
-    assert redo.exact and len(redo.tried) > 1
+    redo = make_decoder(tiny("llama"), record=record).exactness
+    assert redo.exact and not redo.recalled and len(redo.tried) > 1
+    # a choice that is not exact is never remembered
+    other = tmp_path / "probe" / "other.json"
+    exactness.remember(other, exactness.choose(make_decoder(tiny("llama")), candidates=(_perturbed(SDPA),)))
+    assert not other.exists()
 
 
 def _drafters(n_layers: int):

@@ -17,11 +17,12 @@ different key length or mask path may too. So the probe measures it:
 3. The first exact one (the fastest) is kept and slower ones are not checked. If none
    is exact, the fastest is kept, ``exact`` is False, and the reason is logged once.
 
-With a ``record`` file (``models.LoadedModel.decoder`` keeps one per model, dtype, device and
-machine, see ``machine_key``), an exact choice is remembered: the next load checks only that
-implementation's rows, over the first context and passes of 2, 4 and max_t tokens (a spot check:
-17 forwards, against 34 per context and candidate plus the timing), and skips the timing. If
-those rows are no longer equal, the whole probe runs again.
+With a ``record`` file, an exact choice is remembered (``remember``) and the next load takes it
+without probing (``Exactness.recalled``). The record's name carries everything the rounding can
+depend on besides the weights (``models.LoadedModel.decoder`` names it by model fingerprint, dtype,
+device and ``machine_key``: torch build, threads, processor, the kernel settings in the
+environment, and the engine's own code), so a recalled choice is one a full probe measured under
+the same conditions; change any of them and the probe runs again.
 
 The result (``Exactness``) goes into ``DecodeStats``, the bench report and bank metadata.
 """
@@ -63,6 +64,7 @@ class Exactness:
     linears_adjusted: int = 0  # projections changed to a row-invariant form (packed, RowPadded)
     tried: tuple[tuple[str, str], ...] = ()  # (implementation, what the probe saw)
     note: str = ""  # why not exact, in one line
+    recalled: bool = False  # taken from a full probe's record on this machine key, not probed again
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -103,19 +105,12 @@ def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, st
     return equal, total
 
 
-def _spot_passes(max_t: int) -> tuple[int, ...]:
-    """The pass lengths a remembered choice is re-checked with: the shortest, a typical draft's and the
-    longest (the full probe has checked every length on this machine key before)."""
-    return tuple(sorted({min(2, max_t), min(4, max_t), max_t}))
-
-
-def _probe_rows(dec, max_t: int, contexts: tuple[int, ...] = CONTEXTS, passes: tuple[int, ...] | None = None
-                ) -> tuple[int, int]:
+def _probe_rows(dec, max_t: int, contexts: tuple[int, ...] = CONTEXTS) -> tuple[int, int]:
     """``row_check`` over ``contexts`` (one random token set each: rounding ties are
     data-dependent), stopping at the first set with a differing row."""
     equal = total = 0
     for seed, context in enumerate(contexts):
-        e, t = row_check(dec, max_t, context, seed, stop_early=True, passes=passes)
+        e, t = row_check(dec, max_t, context, seed, stop_early=True)
         equal, total = equal + e, total + t
         if e < t:
             break
@@ -164,10 +159,13 @@ def pad_linears(stack: Stack, max_t: int = MAX_T) -> tuple[Stack, int]:
     return stack.map_linears(wrap), count
 
 
+RECALLED = "exact (a full probe's choice on this machine key: not probed again)"
+
+
 def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = None, record: Path | None = None
            ) -> "Exactness":
-    """Probe ``dec`` (a ``skip.Decoder``), set its fastest exact step, and return what was measured
-    (``record``: a JSON file that remembers the exact choice for the next load)."""
+    """Probe ``dec`` (a ``skip.Decoder``), set its fastest exact step, and return what was measured;
+    or take the choice ``record`` holds (``remember`` writes it), without probing."""
     candidates = candidates or implementations(max_t)
     dtype, device = _dtype_name(dec.stack.dtype), str(dec.stack.device)
     stack, adjusted = pad_linears(dec.stack, max_t)
@@ -175,14 +173,10 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
     remembered = _recall(record, candidates, max_t)
     if remembered is not None:
         dec.set_attention(remembered)
-        equal, total = _probe_rows(dec, max_t, CONTEXTS[:1], _spot_passes(max_t))
-        if equal == total:
-            result = Exactness(True, remembered.name, max_t, dtype, device, adjusted,
-                               ((remembered.name, "exact (rows checked; chosen by an earlier probe on this machine)"),))
-            _report(result)
-            return result
-        log.info("the remembered %s step is no longer exact here (%d/%d rows); probing again", remembered.name,
-                 equal, total)
+        result = Exactness(True, remembered.name, max_t, dtype, device, adjusted, ((remembered.name, RECALLED),),
+                           recalled=True)
+        _report(result)
+        return result
     timed = sorted(zip(_step_ms(dec, candidates, max_t), candidates), key=lambda x: x[0])
     tried, chosen = [], None
     for ms, impl in timed:  # fastest first; stop at the first exact one
@@ -204,14 +198,19 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
     )
     result = Exactness(exact, impl.name, max_t, dtype, device, adjusted, tuple(tried), note)
     _report(result)
-    if exact and record is not None:
-        _remember(record, impl, candidates, max_t)
     return result
 
 
+# Environment variables that choose or tune kernels (oneDNN's ISA, MKL's code path, OpenMP, ATen's
+# CPU dispatch, cuBLAS workspaces and TF32).
+KERNEL_ENV = ("DNNL_", "ONEDNN_", "MKL_", "OMP_", "KMP_", "ATEN_", "CUBLAS_", "NVIDIA_TF32", "TORCH_BLAS")
+ENGINE = Path(__file__).parent
+
+
 def machine_key(device: torch.device) -> str:
-    """What the kernels' rounding may depend on besides the model: torch build, threads, and the
-    processor (CPU model and flags, or the GPU's name)."""
+    """What the kernels' rounding may depend on besides the model: torch build, threads, the
+    processor (CPU model and flags, or the GPU's name), kernel settings in the environment, and
+    the engine's code (which kernels it calls, and how)."""
     if device.type == "cuda":
         chip = torch.cuda.get_device_name(device)
     else:
@@ -220,8 +219,12 @@ def machine_key(device: torch.device) -> str:
         except OSError:
             info = []
         chip = platform.machine() + "".join(sorted({l for l in info if l.startswith(("model name", "flags"))}))
-    text = f"{torch.__version__}|{torch.get_num_threads()}|{chip}"
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(KERNEL_ENV))
+    h = hashlib.sha256(f"{torch.__version__}|{torch.get_num_threads()}|{chip}|{env}|"
+                       f"{torch.get_float32_matmul_precision()}|{torch.backends.mkldnn.is_available()}".encode())
+    for f in sorted(ENGINE.glob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _names(candidates: tuple[Attention, ...], max_t: int) -> list[str]:
@@ -238,11 +241,16 @@ def _recall(record: Path | None, candidates: tuple[Attention, ...], max_t: int) 
     return next((c for c in candidates if c.name == d.get("step")), None)
 
 
-def _remember(record: Path, impl: Attention, candidates: tuple[Attention, ...], max_t: int) -> None:
+def remember(record: Path, result: Exactness, candidates: tuple[Attention, ...] | None = None) -> None:
+    """Keep an exact, probed choice in ``record`` for the next load (a caller that checks the decoder
+    further, as ``skip.make_decoder`` does against HF, writes it only once that check has passed)."""
+    if not result.exact or result.recalled:
+        return
+    candidates = candidates or implementations(result.max_t)
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         part = record.with_name(f".{record.name}.{os.getpid()}")
-        part.write_text(json.dumps({"step": impl.name, "candidates": _names(candidates, max_t)}))
+        part.write_text(json.dumps({"step": result.step, "candidates": _names(candidates, result.max_t)}))
         os.replace(part, record)
     except OSError as e:  # a read-only cache only costs the next load a full probe
         log.info("cannot remember the probe's choice in %s: %s", record, e)

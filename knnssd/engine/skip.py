@@ -389,8 +389,9 @@ def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None
     """The lean ``Decoder`` when the architecture is known and matches HF on a probe, else ``HFDecoder``.
 
     Either way the verify pass is probed for exactness (``exactness.py``) and the result kept in
-    ``decoder.exactness``; the lean decoder also takes the fastest exact attention it measured
-    (remembered in ``record`` for the next load).
+    ``decoder.exactness``; the lean decoder also takes the fastest exact attention it measured.
+    With a ``record``, a lean decoder that is exact and agrees with HF is remembered, and the next
+    load on the same machine key takes both from the record instead of measuring them again.
     """
     from knnssd.engine import exactness
 
@@ -400,11 +401,13 @@ def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None
         log.warning("lean forward unavailable (%s); using plain HF forwards (no layer skipping)", e)
         return _fallback(model)
     dec.exactness = exactness.choose(dec, record=record)
-    if check:
+    if check and not dec.exactness.recalled:  # a record is written only after this check has passed
         err = probe_error(dec, model)
         if err is not None:
             log.warning("lean forward differs from HF on %s (%s); using plain HF forwards", type(model).__name__, err)
             return _fallback(model)
+    if record is not None and check:
+        exactness.remember(record, dec.exactness)
     return dec
 
 
