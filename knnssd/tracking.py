@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,9 +105,11 @@ def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: 
         for pic in sorted(Path(bank_dir).glob("*.png")):
             mlflow.log_artifact(str(pic), "pictures")
         mlflow.log_artifact(str(Path(bank_dir) / "bank.json"), "bank")
-        info = mlflow.pyfunc.log_model(name="knnssd", python_model=str(MODEL_CODE), artifacts={"bank": str(bank_dir)},
-                                       pip_requirements=[f"knnssd=={__version__}"], registered_model_name=name,
-                                       signature=signature(), await_registration_for=60)
+        with warnings.catch_warnings():  # the signature is given, so MLflow's advice to pass an example is noise
+            warnings.filterwarnings("ignore", message=".*An input example was not provided")
+            info = mlflow.pyfunc.log_model(name="knnssd", python_model=str(MODEL_CODE),
+                                           artifacts={"bank": str(bank_dir)}, pip_requirements=[f"knnssd=={__version__}"],
+                                           registered_model_name=name, signature=signature(), await_registration_for=60)
         version = str(info.registered_model_version)
     client = MlflowClient()
     client.update_model_version(name, version, description=describe(bank_dir, run.info.run_id))
