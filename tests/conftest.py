@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,18 @@ for key, value in {
     os.environ.setdefault(key, value)
 
 # Property tests: 200 examples in CI; KNNSSD_EXAMPLES=1000 (and pytest --hypothesis-seed=N) for more.
+# Libraries leave files in the temp folder (MLflow a `db_init_lock-*` per sqlite database, Prefect's
+# runners `runner_storage/`), and each test makes its own database: the session, and every process it
+# starts, gets a temp folder of its own, removed at the end.
+TMP = tempfile.mkdtemp(prefix="knnssd-tests-")
+os.environ["TMPDIR"] = TMP
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(TMP, ignore_errors=True)
+
+
 settings.register_profile(
     "knnssd", max_examples=int(os.environ.get("KNNSSD_EXAMPLES", "200")), deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], derandomize=False,

@@ -1,5 +1,5 @@
-"""Growing banks: add-domain + promote through their flows, the scheduled drop-folder watch on a real
-Prefect server and process worker, two search workers sharing one study, a real `mlflow server`."""
+"""Growing banks: the scheduled drop-folder watch (add-domain, then promote) on a real Prefect server
+and process worker, two search workers sharing one study, a real `mlflow server`."""
 import json
 import os
 import subprocess
@@ -43,46 +43,18 @@ def new_domain_file(data_dir: Path, path: Path, n=9) -> Path:
     return path
 
 
-def test_add_domain_then_promote(base_bank, data_dir, prefect_harness, tmp_path):
-    from knnssd.flows.add_domain import AddDomainParams, add_domain
-    from knnssd.flows.promote import PromoteParams, promote
-
+def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank, data_dir, prefect_api, prefect_harness,
+                                                                       tmp_path):
+    """The watch-drop-folder deployment from prefect.yaml, on a process worker: a dropped domain file
+    becomes version 2 (add-domain: the base version untouched, the new domain's eval prompts route to
+    its new cluster), which promote compares with version 1 and makes the champion; the next run
+    (in this process) finds nothing new, and promoting again is refused."""
     bank_dir, tmp = base_bank
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     v1 = calibration.register(bank_dir, {"base": True}, uri)
     before = (tracking.download_bank(v1["uri"], tmp_path / "v1-before", uri=uri) / "bank.json").read_text()
-
-    sql = new_domain_file(data_dir, tmp_path / "drop" / "sql.jsonl")
-    reg = add_domain(AddDomainParams(name="sql", inputs=[str(sql)], dtype="float32", warm=3, tracking_uri=uri,
-                                     storage=str(tmp_path / "studies.journal"), **TINY))
-    assert reg["version"] == "2" and reg["aliases"] == ["candidate"]
-    new = banks.load(tracking.download_bank(reg["uri"], tmp_path / "v2", uri=uri))
-    assert [c.label for c in new.clusters] == ["reasoning", "translation", "sql"]
-    assert new.clusters[2].members == 6 and new.clusters[2].search["proxy_trials"] >= 2
-    after = (tracking.download_bank(v1["uri"], tmp_path / "v1-after", uri=uri) / "bank.json").read_text()
-    assert before == after  # the base version is untouched
-    # the new domain's eval prompts route to the new cluster
-    from knnssd.engine.params import GenerateParams
-    from knnssd.serving.routed import RoutedGenerator
-
-    gen = RoutedGenerator(calibration.runtime(SPEC)[0], new)
-    assert gen.generate(json.loads(sql.read_text().splitlines()[-1])["prompt"], GenerateParams(max_new_tokens=2)).label == "sql"
-
-    inputs = [str(data_dir / "reasoning.jsonl"), str(data_dir / "translation.jsonl")]
-    out = promote(PromoteParams(candidate="candidate", inputs=inputs, extra_inputs=[str(sql)], per_file=1,
-                                dtype="float32", max_new_tokens=12, tolerance=0.5, tracking_uri=uri))
-    assert out["identical"] and out["prompts"] == 3 and out["promote"] and out["mlflow_run_id"]
-    assert str(tracking.resolve("models:/knnssd-smollm2@champion", uri).version) == "2"
-    again = promote(PromoteParams(candidate="candidate", inputs=inputs, per_file=1, tracking_uri=uri))
-    assert again["promote"] is False  # the candidate already is the champion
-
-
-def test_watch_deployment_adds_a_dropped_domain_once(base_bank, data_dir, prefect_api, prefect_harness, tmp_path):
-    bank_dir, tmp = base_bank
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    calibration.register(bank_dir, {"base": True}, uri)
     drop = tmp_path / "drop"
-    new_domain_file(data_dir, drop / "sql.jsonl")
+    sql = new_domain_file(data_dir, drop / "sql.jsonl")
     env = {**os.environ, **prefect_api, "KNNSSD_HOME": str(ROOT), "KNNSSD_WORK": str(tmp_path / "work"),
            "MLFLOW_TRACKING_URI": uri, "KNNSSD_DROP": str(drop), "KNNSSD_DATA": str(data_dir)}
     run = lambda *a, **kw: subprocess.run([PREFECT, *a], env=env, cwd=ROOT, capture_output=True, text=True,  # noqa: E731
@@ -90,23 +62,48 @@ def test_watch_deployment_adds_a_dropped_domain_once(base_bank, data_dir, prefec
     assert run("work-pool", "create", "knnssd-process", "--type", "process", "--overwrite").returncode == 0
     out = run("--no-prompt", "deploy", "-n", "watch-drop-folder-smollm2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    inputs = [str(data_dir / "reasoning.jsonl"), str(data_dir / "translation.jsonl")]
     params = {"params": {"drop": str(drop), "min_prompts": 5, "dtype": "float32", "use_unmatched": False,
                          "search": {**TINY, "storage": str(tmp_path / "studies.journal")},
-                         "promote": {"inputs": [str(data_dir / "reasoning.jsonl")], "per_file": 1, "max_new_tokens": 8}}}
+                         "promote": {"inputs": inputs, "per_file": 1, "max_new_tokens": 12, "tolerance": 0.5}}}
     out = run("deployment", "run", "watch-drop-folder/watch-drop-folder-smollm2", "--params", json.dumps(params))
     assert out.returncode == 0, out.stdout + out.stderr
     out = run("worker", "start", "--pool", "knnssd-process", "--run-once", timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert len(tracking.versions("smollm2", uri)) == 2, out.stdout[-3000:] + out.stderr[-3000:]
+
+    # add-domain: version 2 was registered as the candidate, with the new domain as a third cluster
+    state = json.loads((drop / ".knnssd-processed.json").read_text())
+    assert list(state) == ["sql.jsonl"]
+    reg = state["sql.jsonl"]["result"]
+    assert reg["version"] == "2" and reg["aliases"] == ["candidate"]
+    new = banks.load(tracking.download_bank(reg["uri"], tmp_path / "v2", uri=uri))
+    assert [c.label for c in new.clusters] == ["reasoning", "translation", "sql"]
+    assert new.clusters[2].members == 6 and new.clusters[2].search["proxy_trials"] >= 2
+    after = (tracking.download_bank(v1["uri"], tmp_path / "v1-after", uri=uri) / "bank.json").read_text()
+    assert before == after  # the base version is untouched
+    from knnssd.engine.params import GenerateParams
+    from knnssd.serving.routed import RoutedGenerator
+
+    gen = RoutedGenerator(calibration.runtime(SPEC)[0], new)
+    assert gen.generate(json.loads(sql.read_text().splitlines()[-1])["prompt"], GenerateParams(max_new_tokens=2)).label == "sql"
+
+    # promote: identical outputs on 3 eval prompts (one per base domain and the new one), so v2 is the champion
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    (promotion,) = client.search_runs([client.get_experiment_by_name("knnssd-promote").experiment_id])
+    assert promotion.data.metrics["identical"] == 1.0 and promotion.data.params["prompts"] == "3"
+    assert promotion.data.params["promote"] == "True"
+    assert str(tracking.resolve("models:/knnssd-smollm2@champion", uri).version) == "2"
+
     # the next scheduled run (here in this process, on the same server) finds nothing new and adds nothing
+    from knnssd.flows.promote import PromoteParams, promote
     from knnssd.flows.watch import WatchParams, watch
 
     again = watch(WatchParams(**params["params"], tracking_uri=uri))
     assert again == {"added": [], "promotion": None} and len(tracking.versions("smollm2", uri)) == 2
-    latest = banks.load(tracking.download_bank("models:/knnssd-smollm2/2", tmp_path / "v2", uri=uri))
-    assert "sql" in [c.label for c in latest.clusters]
-    state = json.loads((drop / ".knnssd-processed.json").read_text())
-    assert list(state) == ["sql.jsonl"] and state["sql.jsonl"]["result"]["version"] == "2"
+    assert promote(PromoteParams(candidate="candidate", inputs=inputs, per_file=1, tracking_uri=uri))["promote"] is False
 
 
 def test_two_workers_share_one_study_then_one_version(data_dir, prefect_api, prefect_harness, tmp_path):
