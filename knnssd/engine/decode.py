@@ -8,7 +8,9 @@
         tokens += x_1..x_n, y;  cache.rollback(len(tokens) - 1)
 
 Plain autoregressive decoding is the same loop with no drafter, so the two are measured by
-the same code. ``generate`` returns the new tokens and a ``DecodeStats``.
+the same code. ``generate`` returns the new tokens and a ``DecodeStats``. One sequence's state is a
+``Run`` (``propose`` the rows to verify, ``accept`` the logits for them), so the batched loop
+(``batched.py``) advances several with the same code.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from knnssd.engine.drafters import Drafter
+from knnssd.engine.drafters import Draft, Drafter
 from knnssd.engine.sampling import Warp, greedy_verify, probs, rejection_verify, sample
 from knnssd.engine.sequence import Sequence
 
@@ -121,50 +123,109 @@ def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int |
     return seq, out.logits[0], out.hidden if out.tapped is None else out.tapped
 
 
+@dataclass
+class Call:
+    """One sequence's rows of a full-model pass: its last token and its draft, from ``start``."""
+
+    ids: torch.Tensor  # (1 + len(draft),)
+    start: int
+    draft: Draft | None
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+
+class Run:
+    """One sequence being decoded: ``propose`` drafts and returns the rows to verify, ``accept`` takes
+    the full model's logits for them. ``decode`` runs one sequence with it; ``batched.decode_batch``
+    runs several, verifying their rows in one pass."""
+
+    def __init__(self, seq: Sequence, first_logits: torch.Tensor, drafter: Drafter | None, config: GenerationConfig,
+                 tokenizer=None):
+        self.seq, self.drafter, self.config = seq, drafter, config
+        ex = seq.decoder.exactness
+        self.stats = DecodeStats(prompt_tokens=seq.n_prompt, exact=bool(ex and ex.exact), step=ex.step if ex else "")
+        self.stopper = _Stopper(config, tokenizer)
+        self.max_draft = ex.max_t - 1 if ex else 1 << 30  # longer passes were not probed
+        self.k = drafter.max_len if drafter is not None else 0  # draft length; the drafter's feedback adapts it
+        warp = config.warp
+        first = int(first_logits.argmax().item()) if warp.greedy else sample(probs(first_logits, warp), seq.generator)
+        self.new = [first]
+        seq.tokens.append(first)
+        self.stats.stop = self.stopper.check(self.new)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.stats.stop)
+
+    def draft_cap(self) -> int:
+        """The longest draft this step may have: the drafter's own length, what could still be emitted,
+        and what the exactness probe covered."""
+        if self.drafter is None:
+            return 0
+        room = self.config.max_new_tokens - len(self.new) - 1  # drafts beyond this could never be emitted
+        return max(0, min(self.k, room, self.max_draft))
+
+    def propose(self, k: int | None = None) -> Call:
+        """Draft up to ``k`` tokens (default ``draft_cap()``) and return the rows to verify."""
+        t0 = time.perf_counter()
+        k = self.draft_cap() if k is None else min(k, self.draft_cap())
+        draft = self.drafter.propose(self.seq, k) if k > 0 else None
+        seq = self.seq
+        ids = torch.tensor([seq.tokens[-1], *(draft.tokens if draft is not None else ())], dtype=torch.long,
+                           device=seq.device)
+        self.stats.draft_s += time.perf_counter() - t0
+        return Call(ids, len(seq.tokens) - 1, draft)
+
+    def accept(self, call: Call, logits: torch.Tensor) -> int:
+        """Verify ``call``'s draft against the full model's ``logits`` (one row per id, or only the last
+        when nothing was drafted), emit the accepted tokens and the next one, roll the cache back.
+        Returns the number of tokens emitted."""
+        seq, warp, stats = self.seq, self.config.warp, self.stats
+        drafted = call.draft.tokens if call.draft is not None else []
+        x = call.ids[1:]
+        if warp.greedy:
+            n, nxt = greedy_verify(x, logits)
+        else:
+            n, nxt = rejection_verify(x, call.draft.q if call.draft is not None else None, probs(logits, warp),
+                                      seq.generator)
+        stats.steps += 1
+        stats.drafted += len(drafted)
+        stats.accepted.append(n)
+        if self.drafter is not None:
+            self.k = self.drafter.next_len(self.k, len(drafted), n)
+        before = len(self.new)
+        for tok in (*drafted[:n], nxt):
+            self.new.append(tok)
+            seq.tokens.append(tok)
+            stats.stop = self.stopper.check(self.new)
+            if stats.stop:
+                break
+        seq.decoder.rollback(len(seq.tokens) - 1)
+        return len(self.new) - before
+
+    def finish(self) -> tuple[list[int], DecodeStats]:
+        """The new tokens and the stats (``new_tokens`` set)."""
+        self.stats.new_tokens = len(self.new)
+        return self.new, self.stats
+
+    def complete(self) -> tuple[list[int], DecodeStats]:
+        """Decode this sequence alone to its end: one full-model pass on its decoder per step."""
+        dec = self.seq.decoder
+        while not self.done:
+            call = self.propose()
+            t1 = time.perf_counter()
+            self.accept(call, dec.forward(call.ids, call.start, last=call.rows == 1).logits)
+            self.stats.verify_s += time.perf_counter() - t1
+        return self.finish()
+
+
 def decode(
     seq: Sequence, first_logits: torch.Tensor, drafter: Drafter | None, config: GenerationConfig, tokenizer=None
 ) -> tuple[list[int], DecodeStats]:
     """Continue a prefilled sequence until EOS, max_new_tokens or a stop string."""
-    warp, dec = config.warp, seq.decoder
-    ex = dec.exactness
-    stats = DecodeStats(prompt_tokens=seq.n_prompt, exact=bool(ex and ex.exact), step=ex.step if ex else "")
-    stopper = _Stopper(config, tokenizer)
-    max_draft = ex.max_t - 1 if ex else 1 << 30  # longer passes were not probed
-    k = drafter.max_len if drafter is not None else 0  # draft length; the drafter's feedback adapts it
-    first = int(first_logits.argmax().item()) if warp.greedy else sample(probs(first_logits, warp), seq.generator)
-    new = [first]
-    seq.tokens.append(first)
-    stats.stop = stopper.check(new)
-    while not stats.stop:
-        t0 = time.perf_counter()
-        room = config.max_new_tokens - len(new) - 1  # drafts beyond this could never be emitted
-        draft = drafter.propose(seq, min(k, room, max_draft)) if drafter is not None and room > 0 else None
-        drafted = draft.tokens if draft is not None else []
-        t1 = time.perf_counter()
-        start = len(seq.tokens) - 1
-        ids = torch.tensor([seq.tokens[-1], *drafted], dtype=torch.long, device=seq.device)
-        logits = dec.forward(ids, start, last=not drafted).logits
-        x = ids[1:]
-        if warp.greedy:
-            n, nxt = greedy_verify(x, logits)
-        else:
-            n, nxt = rejection_verify(x, draft.q if draft is not None else None, probs(logits, warp), seq.generator)
-        stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
-        stats.steps += 1
-        stats.drafted += len(drafted)
-        stats.accepted.append(n)
-        if drafter is not None:
-            k = drafter.next_len(k, len(drafted), n)
-        for tok in (*drafted[:n], nxt):
-            new.append(tok)
-            seq.tokens.append(tok)
-            stats.stop = stopper.check(new)
-            if stats.stop:
-                break
-        dec.rollback(len(seq.tokens) - 1)
-    stats.new_tokens = len(new)
-    return new, stats
+    return Run(seq, first_logits, drafter, config, tokenizer).complete()
 
 
 def generate(
