@@ -117,18 +117,55 @@ def _probe_rows(dec, max_t: int, contexts: tuple[int, ...] = CONTEXTS) -> tuple[
     return equal, total
 
 
-def _linear_invariant(lin, max_t: int, dtype: torch.dtype, device: torch.device) -> bool:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, max_t, lin.weight.shape[-1], generator=g).to(dtype=dtype, device=device)
-    with torch.inference_mode():
-        ref = torch.cat([lin(x[:, i : i + 1]) for i in range(max_t)], dim=1)
-        return all(torch.equal(lin(x[:, :m]), ref[:, :m]) for m in range(2, max_t + 1))
+# Row counts past 16 that packed passes are checked at (a sample: every count up to 192 rows would
+# take seconds of lm_head calls); up to 16, every count is.
+SAMPLED_ROWS = (24, 31, 32, 33, 48, 63, 64, 65, 96, 127, 128, 129, 160, 192)
 
 
-def pad_linears(stack: Stack, max_t: int = MAX_T) -> tuple[Stack, int]:
+def row_counts(max_rows: int) -> tuple[int, ...]:
+    """The row counts (2..max_rows) a linear is checked at: every one up to 16, a sample above."""
+    return tuple(sorted({*range(2, min(max_rows, 16) + 1), *(m for m in SAMPLED_ROWS if m <= max_rows), max_rows}))
+
+
+def _linear_invariant(lin, counts: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                      seeds: tuple[int, ...] = (1,)) -> bool:
+    """Rows of calls with ``counts`` rows equal one-row calls, bitwise, on random inputs (one per seed)."""
+    top = max(counts, default=1)
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(1, top, lin.weight.shape[-1], generator=g).to(dtype=dtype, device=device)
+        with torch.inference_mode():
+            ref = torch.cat([lin(x[:, i : i + 1]) for i in range(top)], dim=1)
+            if not all(torch.equal(lin(x[:, :m]), ref[:, :m]) for m in counts):
+                return False
+    return True
+
+
+def _distinct_linears(stack: Stack) -> dict[tuple, object]:
+    out: dict[tuple, object] = {}
+    for layer in stack.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            out.setdefault((type(lin).__name__, tuple(lin.weight.shape)), lin)
+    out[("lm_head",)] = stack.lm_head
+    return out
+
+
+def linears_invariant(stack: Stack, max_rows: int, seeds: tuple[int, ...] = (1, 3)) -> bool:
+    """Every projection shape and the lm_head give rows independent of the call's row count, up to
+    ``max_rows`` (``row_counts``), on two random inputs: what packing several sequences' rows into one
+    call needs (``batched.py``)."""
+    counts = row_counts(max_rows)
+    return all(_linear_invariant(lin, counts, stack.dtype, stack.device, seeds)
+               for lin in _distinct_linears(stack).values())
+
+
+def pad_linears(stack: Stack, max_t: int = MAX_T, max_rows: int | None = None) -> tuple[Stack, int]:
     """Give every projection shape the first row-invariant form of: as is, ``RowPadded``, oneDNN-packed
-    (small weights are not packed by default), packed and ``RowPadded``. Returns the stack and how
-    many projections changed form (a shape with no invariant form stays as is)."""
+    (small weights are not packed by default), packed and ``RowPadded``, checked over calls of 2..max_t
+    rows (or ``row_counts(max_rows)``, on two inputs). Returns the stack and how many projections
+    changed form (a shape with no invariant form stays as is). A form chosen before is undone first."""
+    counts = tuple(range(2, max_t + 1)) if max_rows is None else row_counts(max_rows)
+    seeds = (1,) if max_rows is None else (1, 3)
     chosen: dict[tuple, object] = {}
 
     def key(lin) -> tuple:
@@ -145,10 +182,11 @@ def pad_linears(stack: Stack, max_t: int = MAX_T) -> tuple[Stack, int]:
 
     def wrap(lin):
         nonlocal count
+        lin = lin.inner if isinstance(lin, RowPadded) else lin
         k = key(lin)
         if k not in chosen:
-            chosen[k] = next((f for f in forms(lin) if _linear_invariant(f(lin), max_t, stack.dtype, stack.device)),
-                             None)
+            chosen[k] = next((f for f in forms(lin)
+                              if _linear_invariant(f(lin), counts, stack.dtype, stack.device, seeds)), None)
         form = chosen[k]
         if form is None:
             return lin
@@ -204,13 +242,15 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
 # Environment variables that choose or tune kernels (oneDNN's ISA, MKL's code path, OpenMP, ATen's
 # CPU dispatch, cuBLAS workspaces and TF32).
 KERNEL_ENV = ("DNNL_", "ONEDNN_", "MKL_", "OMP_", "KMP_", "ATEN_", "CUBLAS_", "NVIDIA_TF32", "TORCH_BLAS")
-ENGINE = Path(__file__).parent
+# The engine code a forward pass runs (which kernels, on what shapes) and the probe itself.
+FORWARD_CODE = tuple(Path(__file__).parent / f for f in ("attention.py", "cache.py", "skip.py", "stack.py",
+                                                        "exactness.py"))
 
 
 def machine_key(device: torch.device) -> str:
     """What the kernels' rounding may depend on besides the model: torch build, threads, the
     processor (CPU model and flags, or the GPU's name), kernel settings in the environment, and
-    the engine's code (which kernels it calls, and how)."""
+    the engine code of the forward pass (which kernels it calls, and how: ``FORWARD_CODE``)."""
     if device.type == "cuda":
         chip = torch.cuda.get_device_name(device)
     else:
@@ -222,7 +262,7 @@ def machine_key(device: torch.device) -> str:
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(KERNEL_ENV))
     h = hashlib.sha256(f"{torch.__version__}|{torch.get_num_threads()}|{chip}|{env}|"
                        f"{torch.get_float32_matmul_precision()}|{torch.backends.mkldnn.is_available()}".encode())
-    for f in sorted(ENGINE.glob("*.py")):
+    for f in FORWARD_CODE:
         h.update(f.read_bytes())
     return h.hexdigest()[:12]
 

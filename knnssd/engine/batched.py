@@ -1,0 +1,376 @@
+"""Batched speculative decoding: several sequences advance together, one full-model pass per step.
+
+Each sequence runs in its own slot of the decoder (``Decoder.slot``: the same weights, a KV cache of
+its own) with its own drafter. A step:
+
+    k_b   = choose_lengths(...)                   # draft lengths from goodput, down to 0
+    call_b = run_b.propose(k_b)                   # each sequence drafts on its slot
+    logits = forward_slots(slots, calls)          # one pass: every sequence's rows packed together
+    run_b.accept(call_b, logits_b)                # verify, emit, roll back (decode.Run)
+
+A finished sequence's slot takes the next job at once (its prefill runs on the slot; while other
+sequences are active, at most one prefill per step, so none of them waits longer than one
+prefill). Where the linears are row-invariant up to the packed row count (``rows_exact``), every
+sequence's tokens equal its own plain decoding's, as in the one-sequence loop.
+
+Terms:
+    a_b        sequence b's per-token acceptance estimate, (accepted + 1) / (drafted + 2)
+    d_b        its measured draft seconds per drafted token (0 before its first draft)
+    v(R)       seconds of one packed pass over R rows (``PassCosts``, measured)
+    E_b(k)     expected tokens sequence b emits with a k-token draft: 1 + a_b + ... + a_b^k
+    goodput    sum_b E_b(k_b) / (v(sum_b (1 + k_b)) + sum_b k_b d_b)
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from knnssd.engine import exactness
+from knnssd.engine.decode import DecodeStats, GenerationConfig, Run, prefill
+from knnssd.engine.drafters import Drafter
+from knnssd.engine.skip import Decoder, forward_slots
+from knnssd.engine.timing import median_ms
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MEMORY = 4 << 30  # bytes of KV cache the slots may hold together
+
+
+class Job(Protocol):
+    """Something to generate: ``start`` prefills it on a free slot and returns its ``Run``."""
+
+    def start(self, slot: Decoder) -> Run: ...
+
+
+@dataclass
+class PromptJob:
+    """A prompt's token ids with its own drafter (drafters keep per-sequence state: one per job)."""
+
+    prompt_ids: list[int]
+    drafter: Drafter | None = None
+    config: GenerationConfig = GenerationConfig()
+
+    def start(self, slot: Decoder) -> Run:
+        seq, logits, _ = prefill(slot, self.prompt_ids, self.config)
+        return Run(seq, logits, self.drafter, self.config)
+
+
+class JobQueue:
+    """Jobs that arrive while a batch runs (serving): ``put`` from any thread; ``decode_batch`` takes
+    what is waiting at each step, and waits for one only when it has nothing else to decode."""
+
+    def __init__(self):
+        self._items: list[Job] = []
+        self._closed = False
+        self._ready = threading.Condition()
+
+    def put(self, job: Job) -> None:
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("the queue is closed")
+            self._items.append(job)
+            self._ready.notify()
+
+    def close(self) -> None:
+        """No more jobs: the batch ends once the waiting and running ones are done."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+
+    def take(self, block: bool) -> Job | None:
+        """The oldest waiting job; None when none waits (``block``: wait for one, None once closed)."""
+        with self._ready:
+            while block and not self._items and not self._closed:
+                self._ready.wait()
+            return self._items.pop(0) if self._items else None
+
+    @property
+    def closed(self) -> bool:
+        with self._ready:
+            return self._closed and not self._items
+
+
+@dataclass
+class Finished:
+    job: Job
+    tokens: list[int]
+    stats: DecodeStats
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """v(R): seconds of one packed full-model pass over R rows, measured at a few row counts and
+    interpolated linearly between them (extrapolated past the last)."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, rows: int) -> float:
+        r, s = self.rows, self.seconds
+        i = bisect.bisect_left(r, rows)
+        if i < len(r) and r[i] == rows:
+            return s[i]
+        lo, hi = (max(0, min(i - 1, len(r) - 2)), max(1, min(i, len(r) - 1)))
+        slope = (s[hi] - s[lo]) / (r[hi] - r[lo])
+        return max(s[0], s[lo] + slope * (rows - r[lo]))
+
+    def describe(self) -> str:
+        return ", ".join(f"v({r})={1e3 * s:.1f} ms" for r, s in zip(self.rows, self.seconds))
+
+
+def measure_pass_costs(decoder: Decoder, slots: int, per_seq: tuple[int, ...] = (1, 2, 4, 8, 12),
+                       context: int = 64, repeats: int = 3) -> PassCosts:
+    """Time packed passes of ``slots`` sequences with t rows each (R = slots * t), after ``context``
+    positions, on slots of their own (the decoder's caches are not touched)."""
+    ss = [decoder.slot() for _ in range(slots)]
+    vocab = decoder.stack.embed.shape[0]
+    g = torch.Generator().manual_seed(0)
+    top = max(per_seq)
+    ids = torch.randint(0, vocab, (context + top,), generator=g).to(decoder.device)
+    for s in ss:
+        s.reserve(context + top)
+        s.forward(ids[:context], 0)
+    out = []
+    for t in sorted(set(per_seq)):
+        calls = [(ids[context : context + t], context)] * slots
+        out.append((slots * t, median_ms(lambda: forward_slots(ss, calls), decoder.device, repeats) / 1e3))
+    return PassCosts(tuple(r for r, _ in out), tuple(s for _, s in out))
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """E(k) = 1 + a + ... + a^k: tokens a k-token draft emits in expectation, each drafted token
+    accepted with probability a given the ones before it were (the verify pass always adds one)."""
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def choose_lengths(caps: list[int], accept: list[float], draft_s: list[float], costs: PassCosts) -> list[int]:
+    """Draft lengths k_b <= caps[b] that maximise the step's goodput (module docstring), found by
+    adding one drafted token at a time where it raises goodput most, until no addition raises it.
+    All zeros (plain batched decoding) when no draft pays for its rows and its drafting."""
+    k = [0] * len(caps)
+    emitted = float(len(caps))
+    extra = 0.0  # drafting seconds
+    best = emitted / costs(len(caps))
+    while True:
+        rows = len(caps) + sum(k)
+        choice, choice_rate = None, best
+        for b, cap in enumerate(caps):
+            if k[b] >= cap:
+                continue
+            gain = accept[b] ** (k[b] + 1)  # E_b(k + 1) - E_b(k)
+            rate = (emitted + gain) / (costs(rows + 1) + extra + draft_s[b])
+            if rate > choice_rate:
+                choice, choice_rate = b, rate
+        if choice is None:
+            return k
+        emitted += accept[choice] ** (k[choice] + 1)
+        extra += draft_s[choice]
+        k[choice] += 1
+        best = choice_rate
+
+
+@dataclass
+class BatchStats:
+    """What a batched run did, per step: sequences in it, packed rows, drafted and emitted tokens, and
+    the pass's seconds; and its prefills."""
+
+    slots: int
+    active: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+    pass_s: list[float] = field(default_factory=list)
+    prefills: int = 0
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+    exact: bool = False  # packed passes measured row-invariant up to the most rows a step may have
+
+    @property
+    def steps(self) -> int:
+        return len(self.rows)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens generated: each prefill's first token and what every step emitted."""
+        return self.prefills + sum(self.emitted)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        n = max(1, self.steps)
+        return {"slots": self.slots, "steps": self.steps, "prefills": self.prefills, "tokens": self.tokens,
+                "tokens_per_s": self.tokens_per_s, "rows_per_step": sum(self.rows) / n,
+                "draft_per_step": sum(self.drafted) / n, "active_per_step": sum(self.active) / n,
+                "exact": self.exact}
+
+
+def rows_exact(decoder: Decoder, max_rows: int) -> bool:
+    """Are the decoder's projections and lm_head row-invariant for packed calls of up to ``max_rows``
+    rows (``exactness.linears_invariant``)? Attention runs per sequence, as a sequence's own pass
+    runs it, so these are the only calls packing changes. False unless the decoder's own step is exact."""
+    ex = decoder.exactness
+    return bool(ex is not None and ex.exact and exactness.linears_invariant(decoder.stack, max_rows))
+
+
+def slot_bytes(decoder: Decoder, positions: int) -> int:
+    """KV-cache bytes of one slot holding ``positions`` (rounded up to the cache's bucket)."""
+    s, cache = decoder.stack, decoder.cache
+    per = torch.empty((), dtype=cache.dtype).element_size()
+    return 2 * s.n_layers * s.n_kv * s.head_dim * cache.bucket(positions) * per
+
+
+def max_slots(decoder: Decoder, positions: int, memory: int = DEFAULT_MEMORY) -> int:
+    """How many slots of ``positions`` fit in ``memory`` bytes of KV cache (at least 1)."""
+    return max(1, memory // slot_bytes(decoder, positions))
+
+
+AUTO_SLOTS = (1, 2, 4, 8, 16, 32)
+AUTO_GAIN = 1.25  # doubling the slots must raise plain decoding's tokens/s by this much
+
+
+def auto_slots(decoder: Decoder, positions: int, jobs: int, memory: int = DEFAULT_MEMORY) -> int:
+    """The batch size ``--batch-size auto`` picks: double the slots while plain batched decoding's
+    measured tokens/s (slots / v(slots)) rises by ``AUTO_GAIN`` or more, within the memory budget
+    and the number of jobs."""
+    limit = min(max_slots(decoder, positions, memory), max(1, jobs))
+    best, best_rate = 1, None
+    for n in (x for x in AUTO_SLOTS if x <= limit):
+        rate = n / measure_pass_costs(decoder, n, (1,), repeats=3).seconds[0]
+        if best_rate is not None and rate < AUTO_GAIN * best_rate:
+            break
+        best, best_rate = n, rate
+    log.info("batch size auto: %d slots (of at most %d by memory and jobs)", best, limit)
+    return best
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What a batched run of a decoder needs measured once: its slots, v(R), and whether packed
+    passes of up to ``slots * max_t`` rows are row-invariant (then outputs are exact)."""
+
+    slots: int
+    costs: PassCosts
+    exact: bool
+
+
+def plan(decoder: Decoder, slots: int) -> BatchPlan:
+    """Measure what a batched run of ``slots`` sequences needs. Where a projection is not row-invariant
+    up to ``slots * max_t`` rows, its form is chosen again over that range (``exactness.pad_linears``:
+    the decoder's own passes stay exact, as the new forms are invariant over a wider range)."""
+    ex = decoder.exactness
+    max_t = ex.max_t if ex is not None else 12
+    exact = rows_exact(decoder, slots * max_t)
+    if ex is not None and ex.exact and not exact:
+        stack, changed = exactness.pad_linears(decoder.stack, max_t, max_rows=slots * max_t)
+        if changed:
+            decoder.use_stack(stack)
+            exact = rows_exact(decoder, slots * max_t)
+    if ex is not None and ex.exact and not exact:
+        log.warning("packed passes of %d sequences are not row-invariant here: batched output may differ from "
+                    "plain decoding where two tokens nearly tie (use fewer slots, or --dtype float32)", slots)
+    return BatchPlan(slots, measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2),
+                     exact)
+
+
+def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPlan,
+                 stats: BatchStats | None = None) -> Iterator[Finished]:
+    """Generate every job, ``plan.slots`` at a time, yielding each as it finishes (not in job order).
+    ``jobs``: a list or iterator, or a ``JobQueue`` that others fill while the batch runs (the batch
+    ends when it is closed and drained). ``stats`` collects the per-step figures (``BatchStats``);
+    each job's ``DecodeStats`` counts its own prefill, drafts and the passes it was in."""
+    stats = stats if stats is not None else BatchStats(plan.slots)
+    stats.exact = plan.exact
+    free = [decoder.slot() for _ in range(plan.slots)]
+    if isinstance(jobs, JobQueue):
+        take, more = jobs.take, lambda: not jobs.closed
+    else:
+        it = iter(jobs)
+        pending: list[Job] = []
+
+        def take(block: bool) -> Job | None:
+            return pending.pop() if pending else next(it, None)
+
+        def more() -> bool:
+            if not pending:
+                job = next(it, None)
+                if job is not None:
+                    pending.append(job)
+            return bool(pending)
+    active: list[_Active] = []
+    t_start = time.perf_counter()
+    log.info("batched decoding: %d slots; draft lengths maximise expected tokens/s given %s, each sequence's "
+             "acceptance and its draft cost", plan.slots, plan.costs.describe())
+    debug = log.isEnabledFor(logging.DEBUG)
+
+    def finish(a: _Active) -> Finished:
+        free.append(a.slot)
+        tokens, st = a.run.finish()
+        st.exact = st.exact and plan.exact
+        st.total_s = time.perf_counter() - a.t0
+        return Finished(a.job, tokens, st)
+
+    def start(limit: int) -> Iterator[Finished]:
+        for _ in range(min(limit, len(free))):
+            job = take(not active)  # wait for a job only when nothing else is decoding
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            a = _Active(job, free.pop(), None, t0)
+            a.run = job.start(a.slot)
+            a.run.stats.prefill_s = time.perf_counter() - t0
+            stats.prefills += 1
+            stats.prefill_s += a.run.stats.prefill_s
+            if a.run.done:
+                yield finish(a)
+            else:
+                active.append(a)
+
+    yield from start(plan.slots)
+    while active or more():
+        if not active:
+            yield from start(plan.slots)
+            continue
+        runs = [a.run for a in active]
+        caps = [r.draft_cap() for r in runs]
+        accept = [(sum(r.stats.accepted) + 1) / (r.stats.drafted + 2) for r in runs]
+        draft_s = [r.stats.draft_s / r.stats.drafted if r.stats.drafted else 0.0 for r in runs]
+        ks = choose_lengths(caps, accept, draft_s, plan.costs)
+        if debug:
+            log.debug("step %d: caps %s, acceptance %s, draft s/token %s -> k %s", stats.steps, caps,
+                      [round(x, 2) for x in accept], [round(x, 4) for x in draft_s], ks)
+        calls = [r.propose(k) for r, k in zip(runs, ks)]
+        t0 = time.perf_counter()
+        logits = forward_slots([a.slot for a in active], [(c.ids, c.start) for c in calls])
+        emitted = sum(r.accept(c, x) for r, c, x in zip(runs, calls, logits))
+        dt = time.perf_counter() - t0
+        stats.active.append(len(runs))
+        stats.rows.append(sum(c.rows for c in calls))
+        stats.drafted.append(sum(c.rows - 1 for c in calls))
+        stats.emitted.append(emitted)
+        stats.pass_s.append(dt)
+        for r in runs:
+            r.stats.verify_s += dt
+        done = [a for a in active if a.run.done]
+        active[:] = [a for a in active if not a.run.done]
+        for a in done:
+            yield finish(a)
+        stats.total_s = time.perf_counter() - t_start
+        yield from start(plan.slots if not active else 1)  # while others run, one prefill per step
+    stats.total_s = time.perf_counter() - t_start
+
+
+@dataclass
+class _Active:
+    job: Job
+    slot: Decoder
+    run: Run | None
+    t0: float

@@ -1,0 +1,133 @@
+"""Batched speculative decoding (engine/batched.py): every sequence's tokens equal its own plain
+decoding, sampling keeps each sequence's distribution, slots are refilled, and draft lengths come
+from goodput."""
+import functools
+
+import pytest
+import torch
+
+from knnssd.engine import batched
+from knnssd.engine.batched import BatchPlan, BatchStats, PassCosts, PromptJob, choose_lengths, decode_batch
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.sampling import Warp
+from knnssd.engine.skip import SkipMask, make_decoder
+from test_sampling import ALPHA, chi2_pvalue, exact_joint
+from tiny import prompt_ids, tiny
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FLAT = PassCosts((1, 64), (0.01, 0.01))  # a pass costs the same for any row count: drafting always pays
+
+
+@functools.lru_cache(maxsize=None)
+def decoder(arch: str, dtype: str):
+    return make_decoder(tiny(arch, dtype=DTYPES[dtype]))
+
+
+def drafters(n_layers: int) -> list[DrafterConfig | None]:
+    mask = SkipMask.from_layers(n_layers, attn=[1], mlp=[n_layers - 1]).to_dict()
+    return [None, DrafterConfig(kind="ngram", max_len=5, adaptive=True),
+            DrafterConfig(kind="layer_skip", mask=mask, max_len=4, threshold=0.2),
+            DrafterConfig(kind="hybrid", mask=mask, max_len=6, int8=True, adaptive=True)]
+
+
+def mixed_jobs(dec, arch: str, n: int, max_new: int) -> list[PromptJob]:
+    """n prompts of different lengths (6..24 tokens), drafters and token budgets, each job its own drafter."""
+    cfgs = drafters(dec.n_layers)
+    jobs = []
+    for i in range(n):
+        ids = prompt_ids(arch, i, length=6 + (i * 7) % 19)
+        cfg = cfgs[i % len(cfgs)]
+        jobs.append(PromptJob(ids, build(cfg, dec.n_layers) if cfg else None,
+                              GenerationConfig(max_new_tokens=max_new - (i % 3) * 4)))
+    return jobs
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
+    dec = decoder(arch, dtype)
+    plan = batched.plan(dec, slots=4)
+    if dtype == "bfloat16" and not (dec.exactness.exact and plan.exact):
+        pytest.skip(f"no exact packed bf16 pass here: {dec.exactness.note or 'packed linears not row-invariant'}")
+    assert plan.exact, "fp32 must be exact"
+    jobs = mixed_jobs(dec, arch, 13, 20)
+    stats = BatchStats(plan.slots)
+    done = list(decode_batch(dec, jobs, plan, stats))
+    assert sorted(id(f.job) for f in done) == sorted(id(j) for j in jobs)  # 13 jobs through 4 slots: refilled
+    for f in done:
+        want = generate(dec, f.job.prompt_ids, None, f.job.config)[0]
+        assert f.tokens == want, (arch, dtype, f.job.drafter)
+        assert f.stats.exact and f.stats.new_tokens == len(f.tokens)
+    assert max(stats.active) == 4 and stats.prefills == 13
+    assert stats.tokens == sum(len(f.tokens) for f in done)
+    assert sum(stats.drafted) > 0  # with flat-ish tiny-model costs, drafts pay
+
+
+def test_at_most_one_prefill_per_step_while_others_run():
+    dec = decoder("llama", "float32")
+    plan = BatchPlan(3, FLAT, True)
+    starts = []
+
+    class Counting(PromptJob):
+        def start(self, slot):
+            starts.append(len(stats.rows))  # the step count when this job's prefill ran
+            return super().start(slot)
+
+    stats = BatchStats(3)
+    jobs = [Counting(prompt_ids("llama", i), None, GenerationConfig(max_new_tokens=2 + i % 4)) for i in range(9)]
+    assert len(list(decode_batch(dec, jobs, plan, stats))) == 9
+    assert starts[:3] == [0, 0, 0]  # the first slots fill before any step
+    later = starts[3:]
+    assert len(later) == len(set(later)), "two prefills between the same two steps"
+
+
+def test_batched_sampling_keeps_each_sequences_distribution():
+    """Each job is one sequence with its own seed; across jobs the first three tokens follow the
+    model's exact distribution (the chi-square test of test_sampling.py), in batches of 8 slots."""
+    model = tiny("llama")
+    dec = make_decoder(model)
+    warp = Warp(1.2, top_k=5, top_p=0.9)
+    prompt = prompt_ids("llama", 1)
+    expected = exact_joint(model, prompt, warp)
+    cfg = DrafterConfig(kind="hybrid", mask=SkipMask.from_layers(4, attn=[2], mlp=[1]).to_dict(), max_len=3,
+                        ngram_sizes=[2, 1])
+    n = 1200
+    jobs = [PromptJob(prompt, build(cfg, dec.n_layers), GenerationConfig(max_new_tokens=4, warp=warp, seed=s))
+            for s in range(n)]
+    stats = BatchStats(8)
+    counts: dict[tuple, int] = {}
+    for f in decode_batch(dec, jobs, BatchPlan(8, FLAT, True), stats):
+        key = tuple(f.tokens[:3])
+        counts[key] = counts.get(key, 0) + 1
+    assert sum(stats.drafted) > n / 2
+    assert chi2_pvalue(counts, expected, n) > ALPHA
+
+
+def test_choose_lengths_from_goodput():
+    flat = PassCosts((1, 100), (0.01, 0.01))
+    steep = PassCosts((1, 2, 100), (0.01, 0.02, 1.0))  # every row costs a whole pass: drafts never pay
+    # flat costs, free drafts: draft everything
+    assert choose_lengths([4, 3], [0.8, 0.5], [0.0, 0.0], flat) == [4, 3]
+    # steep costs: plain batched decoding
+    assert choose_lengths([4, 3], [0.8, 0.9], [0.0, 0.0], steep) == [0, 0]
+    # a costly drafter with poor acceptance drafts nothing; a free one with good acceptance drafts
+    assert choose_lengths([4, 4], [0.9, 0.2], [0.0, 0.02], flat) == [4, 0]
+    # caps bound the lengths, and zero caps stay zero
+    assert choose_lengths([2, 0], [0.99, 0.99], [0.0, 0.0], flat) == [2, 0]
+    # as the batch grows on a rising cost curve, drafts shrink
+    rising = PassCosts((1, 8, 16, 64), (0.010, 0.011, 0.014, 0.060))
+    small = sum(choose_lengths([6] * 2, [0.7] * 2, [0.0] * 2, rising))
+    large = sum(choose_lengths([6] * 16, [0.7] * 16, [0.0] * 16, rising))
+    assert small / 2 > large / 16
+
+
+def test_pass_costs_interpolate_and_slot_memory():
+    c = PassCosts((1, 4, 8), (0.01, 0.02, 0.04))
+    assert c(1) == 0.01 and c(4) == 0.02 and abs(c(6) - 0.03) < 1e-12 and abs(c(12) - 0.06) < 1e-12
+    dec = decoder("llama", "float32")
+    measured = batched.measure_pass_costs(dec, slots=2, per_seq=(1, 4), repeats=1)
+    assert measured.rows == (2, 8) and all(s > 0 for s in measured.seconds)
+    per = batched.slot_bytes(dec, 100)
+    assert per == 2 * dec.n_layers * dec.stack.n_kv * dec.stack.head_dim * 128 * 4  # fp32 K/V, 2 buckets
+    assert batched.max_slots(dec, 100, memory=10 * per + 1) == 10 and batched.max_slots(dec, 100, memory=1) == 1
