@@ -11,9 +11,11 @@ from knnssd.tasks.generation import generate_batch, log_summary, read_prompts
 
 @flow(name="generate", log_prints=True)
 def generate(model_uri: str, input: str, output: str, params: GenerateParams = GenerateParams(), split: str | None = None,
-             dtype: str = "auto", overwrite: bool = False, tracking_uri: str | None = None) -> dict:
+             dtype: str = "auto", overwrite: bool = False, tracking_uri: str | None = None,
+             batch_size: int | None = None) -> dict:
+    """``batch_size``: sequences decoded together (None: auto; 1: one at a time)."""
     rows = read_prompts(input, split)
-    summary = generate_batch(model_uri, rows, output, params, dtype, overwrite, tracking_uri)
+    summary = generate_batch(model_uri, rows, output, params, dtype, overwrite, tracking_uri, batch_size)
     run_id = log_summary(summary, model_uri, input, params, tracking_uri)
     return {**asdict(summary), "mlflow_run_id": run_id}
 

@@ -21,6 +21,19 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
 
 
+def batch_size(text: str) -> int | None:
+    """``--batch-size``: ``auto`` (None) or a positive integer; a one-line error otherwise."""
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"--batch-size must be 'auto' or an integer >= 1, got '{text}'")
+    return n
+
+
 def _check_tracking(uri: str | None) -> None:
     """The tracking store answers and can be written: checked in seconds, before any slow work."""
     from knnssd import tracking
@@ -172,6 +185,20 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_bench_throughput(a) -> int:
+    from knnssd.bench import throughput
+
+    sizes = tuple(int(x) for x in a.sizes.split(",") if x)
+    if a.prompts < 1 or a.max_new_tokens < 1 or a.repeats < 1:
+        raise ValueError("--prompts, --max-new-tokens and --repeats must be >= 1")
+    cfg = throughput.ThroughputBench(bank=a.bank, dtype=a.dtype, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
+                                     sizes=sizes, repeats=a.repeats, tracking_uri=a.tracking_uri,
+                                     data=Path(a.data) if a.data else throughput.prompts.default_data_dir())
+    rep = throughput.run(cfg)
+    print(json.dumps(rep) if a.json else throughput.markdown(rep))
+    return 0
+
+
 def cmd_plant(a) -> int:
     from knnssd import models
     from knnssd.bench.planted import plant, save
@@ -208,6 +235,7 @@ def cmd_generate(a) -> int:
     # every check a retry cannot change runs here, in seconds, before any server starts or model loads
     params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                            top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
+    slots = batch_size(a.batch_size)
     rows = load(a.input, split=a.split)
     if not rows:
         raise ValueError("no prompts")
@@ -217,7 +245,8 @@ def cmd_generate(a) -> int:
     with writing(output):  # one writer per output: a second run fails here, naming this process
         _check_tracking(a.tracking_uri)
         banks.load(tracking.bank_folder(a.model_uri, a.tracking_uri))  # a fetched bank is reused by the flow
-        summary = _flow(generate, a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri)
+        summary = _flow(generate, a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri,
+                        slots)
     print(json.dumps(summary))
     return 0
 
@@ -379,6 +408,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--batch-size", default="auto", metavar="auto|N",
+                   help="sequences decoded together, one full-model pass per step for all (default auto: measured; "
+                        "1: one at a time)")
     g.add_argument("--tracking-uri", default=None)
     g.set_defaults(fn=cmd_generate)
 
@@ -410,6 +442,18 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--tracking-uri", default=None)
     e.add_argument("--flow", action="store_true", help="run as the Prefect flow `bench`")
     e.set_defaults(fn=cmd_bench)
+
+    t = sub.add_parser("bench-throughput", help="batch tokens/s: routed b=1, batched plain and routed, auto")
+    t.add_argument("--bank", required=True, help="routed-drafters bank: models:/... URI or bank folder")
+    t.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    t.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
+    t.add_argument("--prompts", type=int, default=64, help="mixed eval prompts, round-robin over the domains")
+    t.add_argument("--max-new-tokens", type=int, default=128)
+    t.add_argument("--sizes", default="4,8,16", help="fixed batch sizes (>= 2) besides b=1 and auto")
+    t.add_argument("--repeats", type=int, default=1, help="runs of the whole list; each setting keeps its best")
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--tracking-uri", default=None)
+    t.set_defaults(fn=cmd_bench_throughput)
 
     pl = sub.add_parser("plant", help="a test model with planted redundancy: zero-output layers the mask search must skip")
     pl.add_argument("--model", default="smollm2")

@@ -27,9 +27,10 @@ def read_prompts(path: str, split: str | None) -> list[prompts.Prompt]:
 
 @task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def generate_batch(model_uri: str, rows: list[prompts.Prompt], output: str, params: GenerateParams, dtype: str,
-                   overwrite: bool, tracking_uri: str | None) -> batch.Summary:
+                   overwrite: bool, tracking_uri: str | None, batch_size: int | None = None) -> batch.Summary:
     """A retry resumes: ids already in the output (or its progress journal) are skipped."""
-    return batch.run(_generator(model_uri, dtype, tracking_uri), rows, output, params, overwrite)
+    return batch.run(_generator(model_uri, dtype, tracking_uri), rows, output, params, overwrite,
+                     batch_size=batch_size)
 
 
 @task(retries=2, retry_condition_fn=transient, retry_delay_seconds=3, cache_policy=NO_CACHE)

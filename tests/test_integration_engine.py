@@ -44,6 +44,34 @@ def test_smollm2_speculative_equals_hf_generate(smollm2, data_dir):
             assert stats.drafted > 0 or c.kind == "ngram"
 
 
+def test_smollm2_batched_equals_each_prompts_own_plain_decoding(smollm2, data_dir):
+    """12 eval prompts of the five domains, of different lengths, through 4 slots, with plain, n-gram,
+    int8-hybrid and layer-skip drafters: every prompt's tokens equal its own plain decoding (fp32)."""
+    from knnssd.engine import batched
+    from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
+
+    dec = smollm2.decoder
+    n = dec.n_layers
+    cfgs = [None, DrafterConfig(kind="ngram", max_len=8, adaptive=True),
+            DrafterConfig(kind="hybrid", mask=SkipMask.none(n).to_dict(), max_len=6, threshold=0.5, int8=True),
+            DrafterConfig(kind="layer_skip", mask=SkipMask.from_layers(n, attn=[25], mlp=[27, 28]).to_dict(), max_len=4,
+                          threshold=0.3)]
+    rows = prompts.load_domains(data_dir, prompts.DOMAINS, "eval", 3)
+    rows = [rows[3 * d + j] for j in range(3) for d in range(5)][:12]  # round-robin over the domains
+    assert len({r.domain for r in rows}) == 5 and len({len(smollm2.tokenizer(r.prompt).input_ids) for r in rows}) > 8
+    ids = [smollm2.tokenizer(r.prompt).input_ids for r in rows]
+    plan = batched.plan(dec, 4)
+    assert plan.exact
+    jobs = [PromptJob(x, build(cfgs[i % 4], n) if cfgs[i % 4] else None,
+                      GenerationConfig(max_new_tokens=12 - 4 * (i % 2), eos_ids=(2,))) for i, x in enumerate(ids)]
+    stats = BatchStats(4)
+    done = {id(f.job): f for f in decode_batch(dec, jobs, plan, stats)}
+    assert len(done) == 12 and stats.prefills == 12 and max(stats.active) == 4
+    for row, job in zip(rows, jobs):
+        assert done[id(job)].tokens == generate(dec, job.prompt_ids, None, job.config)[0], row.id
+    assert sum(stats.drafted) > 0
+
+
 def _waiting_on_locks() -> set[int]:
     """PIDs blocked on a file lock (``/proc/locks`` marks their lines with ``->``)."""
     pids = set()

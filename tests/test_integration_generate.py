@@ -54,10 +54,11 @@ def cli_env(registered, prefect_env: dict) -> dict:
     return {**prefect_env, "MLFLOW_TRACKING_URI": registered["uri"]}
 
 
-def generate_argv(inp: Path, out: Path, max_new_tokens: int) -> list[str]:
+def generate_argv(inp: Path, out: Path, max_new_tokens: int, batch_size: str = "auto") -> list[str]:
     """`knnssd generate` of the registered champion, fp32, as a subprocess command line."""
     return [sys.executable, "-m", "knnssd.cli", "generate", "--model-uri", "models:/knnssd-smollm2@champion",
-            "--input", str(inp), "--output", str(out), "--max-new-tokens", str(max_new_tokens), "--dtype", "float32"]
+            "--input", str(inp), "--output", str(out), "--max-new-tokens", str(max_new_tokens), "--dtype", "float32",
+            "--batch-size", batch_size]
 
 
 def test_batch_flow_routes_each_domain(registered, data_dir, prefect_harness, tmp_path):
@@ -84,7 +85,7 @@ def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tm
     leaves no process, temp file or lock behind; a rerun completes with every id exactly once."""
     inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=5)
     out = tmp_path / "out.parquet"
-    args = generate_argv(inp, out, max_new_tokens=24)
+    args = generate_argv(inp, out, max_new_tokens=24, batch_size="3")  # 10 prompts through 3 slots: killed mid-batch
     env = cli_env(registered, {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")})  # its own temporary server
     rerun_env = cli_env(registered, {**os.environ, **prefect_api})  # the session's server: no temporary one to start
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -163,13 +164,15 @@ def test_generate_bad_input_is_one_line(registered, data_dir, tmp_path, prefect_
         (["--model-uri", "models:/knnssd-smollm2/99"], "no version 99"),
         (["--model-uri", "knnssd-smollm2"], "neither models:/"),
         (["--max-new-tokens", "0"], "must be >= 1"),
+        (["--batch-size", "0"], "--batch-size must be 'auto' or an integer >= 1"),
         (["--tracking-uri", "http://127.0.0.1:9"], "does not answer"),
         (["--model-uri", str(bank)], "is corrupt"),
     ]
     argvs = []
     for args, _ in cases:
         argv = ["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp), "--output",
-                str(tmp_path / "o.parquet"), "--max-new-tokens", "4", "--tracking-uri", registered["uri"]]
+                str(tmp_path / "o.parquet"), "--max-new-tokens", "4", "--batch-size", "auto", "--tracking-uri",
+                registered["uri"]]
         for k, v in zip(args[::2], args[1::2]):
             argv[argv.index(k) + 1] = v
         argvs.append(argv)
@@ -219,7 +222,7 @@ def test_foreign_bank_is_refused(registered):
 def test_mlflow_models_serve_answers_invocations(registered, tmp_path):
     port = free_port()
     bin_dir = str(Path(sys.executable).parent)  # mlflow starts uvicorn from PATH
-    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "KNNSSD_DTYPE": "float32",
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "KNNSSD_DTYPE": "float32", "KNNSSD_BATCH_SIZE": "4",
            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     mlflow_bin = str(Path(bin_dir) / "mlflow")
     log = open(tmp_path / "serve.log", "w")
@@ -248,7 +251,7 @@ def test_mlflow_models_serve_answers_invocations(registered, tmp_path):
             except urllib.error.HTTPError as e:
                 return e.code, json.loads(e.read())
 
-        # 10 requests at once get exactly their one-at-a-time answers (one decoder, one request at a time)
+        # 10 requests at once (decoded together, 4 slots) get exactly their one-at-a-time answers
         records = [[{"prompt": f"Translate German to English: Guten Morgen Nummer {i}."}] for i in range(10)]
         sequential = [ask(r, {"max_new_tokens": 8}) for r in records]
         with ThreadPoolExecutor(10) as pool:

@@ -15,14 +15,16 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from knnssd.engine.batched import BatchStats, auto_slots
 from knnssd.engine.decode import acceptance_rate, mean_accepted
 from knnssd.engine.params import GenerateParams
 from knnssd.prompts import Prompt
-from knnssd.serving.routed import RoutedGenerator
+from knnssd.serving.routed import Result, RoutedGenerator
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,10 @@ class Summary:
     route_overhead_pct: float  # routing time / generation time
     output: str
     unmatched_log: str | None = None
+    batch_size: int = 1  # sequences decoded together in this run
+    wall_s: float = 0.0  # this run's generation, wall clock
+    throughput: float = 0.0  # tokens generated in this run / wall_s (``tokens_per_s`` is per sequence)
+    rows_per_step: float = 0.0  # packed rows per full-model pass
 
     def metrics(self) -> dict:
         return {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -167,19 +173,44 @@ def check(rows: list[Prompt]) -> None:
 
 
 def run(gen: RoutedGenerator, rows: list[Prompt], output: str | os.PathLike, params: GenerateParams = GenerateParams(),
-        overwrite: bool = False, flush_every: int = 8, unmatched_dir: Path | None = None) -> Summary:
+        overwrite: bool = False, flush_every: int = 8, unmatched_dir: Path | None = None,
+        batch_size: int | None = None) -> Summary:
+    """Generate every prompt not yet in ``output``; ``batch_size`` sequences at a time (None: auto,
+    ``engine.batched.auto_slots``; 1: one at a time)."""
     output = Path(output)
     check(rows)
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
     with writing(output):  # creates the output's folder
         done = check_output(output, overwrite)  # read under the lock: no other writer is mid-flush
         if overwrite:
             output.unlink(missing_ok=True)
             progress_path(output).unlink(missing_ok=True)
-        return _run(gen, rows, output, done, params, flush_every, unmatched_dir)
+        return _run(gen, rows, output, done, params, flush_every, unmatched_dir, batch_size)
+
+
+def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, batch_size: int | None,
+             stats: BatchStats) -> Iterator[tuple[Prompt, Result]]:
+    """(prompt, result) as each finishes: batched when the decoder can run slots and the batch size
+    (asked, or auto) is over 1, else one prompt at a time."""
+    slots = 1
+    if gen.can_batch and todo and batch_size != 1:
+        slots = batch_size or auto_slots(gen.decoder, params.max_prompt_tokens + params.max_new_tokens, len(todo))
+    stats.slots = slots
+    if slots == 1:
+        t0 = time.perf_counter()
+        for r in todo:
+            res = gen.generate(r.prompt, params)
+            stats.prefills += 1
+            stats.emitted.append(len(res.tokens) - 1)
+            stats.total_s = time.perf_counter() - t0
+            yield r, res
+        return
+    yield from gen.generate_many(((r, r.prompt) for r in todo), params, gen.plan(slots), stats)
 
 
 def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, done: dict[str, dict], params: GenerateParams,
-         flush_every: int, unmatched_dir: Path | None) -> Summary:
+         flush_every: int, unmatched_dir: Path | None, batch_size: int | None) -> Summary:
     from tqdm import tqdm
 
     wanted = {r.id for r in rows}
@@ -190,9 +221,11 @@ def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, done: dict[str,
         finished += [row for i, row in done.items() if i not in wanted]
     unmatched: list[dict] = []
     generated = 0
-    with open(progress_path(output), "a", encoding="utf-8") as journal:
-        for r in tqdm(todo, desc="generate", file=sys.stderr, mininterval=2, initial=0):
-            res = gen.generate(r.prompt, params)
+    stats = BatchStats(1)
+    with open(progress_path(output), "a", encoding="utf-8") as journal, \
+            tqdm(total=len(todo), desc="generate", file=sys.stderr, mininterval=2) as bar:
+        for r, res in _results(gen, todo, params, batch_size, stats):
+            bar.update(1)
             row = {"id": r.id, "domain": r.domain, **res.to_row()}
             journal.write(json.dumps(row) + "\n")
             journal.flush()
@@ -203,11 +236,17 @@ def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, done: dict[str,
                 unmatched.append({"id": r.id, "prompt": r.prompt, "similarity": res.similarity,
                                   "vector": res.vector.tolist()})
             if generated % flush_every == 0:
-                write_parquet(finished, output)
-    write_parquet(finished, output)
+                write_parquet(in_order(finished, rows), output)
+    write_parquet(in_order(finished, rows), output)
     progress_path(output).unlink(missing_ok=True)
     log_path = record_unmatched(unmatched, gen.bank.model, unmatched_dir) if unmatched else None
-    return summarize(finished, generated, output, log_path)
+    return summarize(finished, generated, output, log_path, stats)
+
+
+def in_order(finished: list[dict], rows: list[Prompt]) -> list[dict]:
+    """Output rows in the input's order (a batch finishes them in another); ids not in the input last."""
+    order = {r.id: i for i, r in enumerate(rows)}
+    return sorted(finished, key=lambda x: order.get(x["id"], len(order)))
 
 
 def record_unmatched(rows: list[dict], model: str, folder: Path | None) -> str:
@@ -226,7 +265,8 @@ def record_unmatched(rows: list[dict], model: str, folder: Path | None) -> str:
     return str(path)
 
 
-def summarize(rows: list[dict], generated: int, output: Path, unmatched_log: str | None) -> Summary:
+def summarize(rows: list[dict], generated: int, output: Path, unmatched_log: str | None,
+              stats: BatchStats | None = None) -> Summary:
     n = len(rows)
     secs = sum(r["latency_s"] for r in rows)
     tokens = sum(r["new_tokens"] for r in rows)
@@ -239,4 +279,6 @@ def summarize(rows: list[dict], generated: int, output: Path, unmatched_log: str
         tokens_per_s=tokens / secs if secs else 0.0,
         acceptance_rate=acceptance_rate(accepted, drafted),
         mean_accepted=mean_accepted(accepted, steps), route_ms=1e3 * route / max(1, n),
-        route_overhead_pct=100 * route / secs if secs else 0.0, output=str(output), unmatched_log=unmatched_log)
+        route_overhead_pct=100 * route / secs if secs else 0.0, output=str(output), unmatched_log=unmatched_log,
+        batch_size=stats.slots if stats else 1, wall_s=stats.total_s if stats else 0.0,
+        throughput=stats.tokens_per_s if stats else 0.0, rows_per_step=stats.summary()["rows_per_step"] if stats else 0.0)

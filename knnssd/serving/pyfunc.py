@@ -1,8 +1,9 @@
 """The servable model: an MLflow pyfunc whose artifact is a skip bank.
 
 ``load_context`` loads the bank and its base model (by the name the bank records, or
-``$KNNSSD_MODEL``); ``predict`` takes a DataFrame with a ``prompt`` column and returns one row
-per prompt with the generated text and routing/acceptance stats.
+``$KNNSSD_MODEL``) and starts the batch that concurrent requests join (``batcher.Batcher``;
+``$KNNSSD_BATCH_SIZE`` slots, default auto); ``predict`` takes a DataFrame with a ``prompt``
+column and returns one row per prompt with the generated text and routing/acceptance stats.
 """
 from __future__ import annotations
 
@@ -16,8 +17,19 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
 
         from knnssd.serving.routed import RoutedGenerator
 
-        self.generator = RoutedGenerator.from_bank_dir(
+        from knnssd.engine.batched import auto_slots
+        from knnssd.engine.params import GenerateParams
+        from knnssd.serving.batcher import Batcher
+
+        self.generator = gen = RoutedGenerator.from_bank_dir(
             context.artifacts["bank"], model=os.environ.get("KNNSSD_MODEL"), dtype=os.environ.get("KNNSSD_DTYPE", "auto"))
+        self.batcher = None
+        if gen.can_batch:
+            size = os.environ.get("KNNSSD_BATCH_SIZE", "auto")
+            d = GenerateParams()
+            slots = (auto_slots(gen.decoder, d.max_prompt_tokens + d.max_new_tokens, 1 << 10) if size == "auto"
+                     else int(size))
+            self.batcher = Batcher(gen, gen.plan(slots)) if slots > 1 else None
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
@@ -31,6 +43,8 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
                 check_prompt(text)
         except ValueError as e:
             raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from None
+        if self.batcher is not None:
+            return pd.DataFrame([r.to_row() for r in self.batcher.generate(prompts, p)])
         return pd.DataFrame([self.generator.generate(text, p).to_row() for text in prompts])
 
 

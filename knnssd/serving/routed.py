@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from knnssd import models
-from knnssd.engine.decode import DecodeStats, GenerationConfig, decode, prefill
+from knnssd.engine import batched
+from knnssd.engine.batched import BatchPlan, BatchStats, decode_batch
+from knnssd.engine.decode import DecodeStats, GenerationConfig, Run, prefill
 from knnssd.engine.drafters import build
 from knnssd.engine.params import GenerateParams, prompt_ids
+from knnssd.engine.skip import Decoder
 from knnssd.routing import bank as banks
 
 log = logging.getLogger(__name__)
@@ -85,25 +89,76 @@ class RoutedGenerator:
 
     def _generate(self, ids: list[int], truncated: bool, params: GenerateParams) -> Result:
         t0 = time.perf_counter()
-        cfg = GenerationConfig(max_new_tokens=params.max_new_tokens, warp=params.warp, seed=params.seed, eos_ids=self.eos)
-        seq, logits, vector, route, t1 = self.prefill_route(ids, cfg)
-        cluster = self.bank.cluster(route.cluster)
-        route_s = time.perf_counter() - t1
-        new, stats = decode(seq, logits, self.drafters.get(cluster.id), cfg)
-        stats.prefill_s = t1 - t0
+        job = RoutedJob(self, ids, truncated, params)
+        new, stats = job.start(self.decoder, drafter=self.drafters.get).complete()
         stats.total_s = time.perf_counter() - t0
-        text = self.lm.tokenizer.decode(new, skip_special_tokens=True)
-        return Result(text, new, route.cluster, cluster.label, route.similarity, cluster.drafter.describe(), stats,
-                      route_s, stats.total_s, len(ids), truncated, vector)
+        return job.result(new, stats)
 
-    def prefill_route(self, ids: list[int], cfg: GenerationConfig):
-        """Prefill the prompt and route its vector: (sequence, last logits, vector, route, time the
-        prefill ended). The caller holds the decoder."""
+    def generate_many(self, prompts: Iterable[tuple[object, str]], params: GenerateParams, plan: BatchPlan,
+                      stats: BatchStats | None = None) -> Iterator[tuple[object, Result]]:
+        """(key, Result) for each (key, prompt), ``plan.slots`` sequences decoded together
+        (``engine.batched``), yielded as each finishes; ``stats`` collects the per-step figures. Each
+        sequence drafts with its own copy of its cluster's drafter; its tokens equal its
+        one-at-a-time generation's where ``plan.exact``."""
+        jobs = ((key, *self.tokenize(prompt, params.max_prompt_tokens)) for key, prompt in prompts)
+        jobs = (RoutedJob(self, ids, truncated, params, key) for key, ids, truncated in jobs)
+        with self.lm.busy:  # the decoder's weights are shared by the slots; single generations wait
+            for f in decode_batch(self.decoder, jobs, plan, stats):
+                yield f.job.key, f.job.result(f.tokens, f.stats)
+
+    @property
+    def can_batch(self) -> bool:
+        """The lean decoder runs sequences in slots; the HF fallback runs one at a time."""
+        return isinstance(self.decoder, Decoder)
+
+    def plan(self, slots: int) -> BatchPlan:
+        """A batched run's measured plan for this generator's decoder (``engine.batched.plan``)."""
+        return batched.plan(self.decoder, slots)
+
+    def prefill_route(self, ids: list[int], cfg: GenerationConfig, decoder=None):
+        """Prefill the prompt on ``decoder`` (default: the generator's own) and route its vector:
+        (sequence, last logits, vector, route, time the prefill ended). The caller holds the decoder."""
         pool = self.bank.pooling
-        seq, logits, hidden = prefill(self.decoder, ids, cfg, tap=None if pool.layer < 0 else pool.layer)
+        seq, logits, hidden = prefill(decoder or self.decoder, ids, cfg, tap=None if pool.layer < 0 else pool.layer)
         t1 = time.perf_counter()
         vector = pool.pool(hidden)
         return seq, logits, vector, self.router.route(vector), t1
+
+
+@dataclass
+class RoutedJob:
+    """One prompt of a routed generation (``engine.batched.Job``): its prefill picks its drafter."""
+
+    gen: RoutedGenerator
+    ids: list[int]
+    truncated: bool
+    params: GenerateParams
+    key: object = None
+    route: object = None  # set by start
+    vector: np.ndarray | None = None
+    route_s: float = 0.0
+
+    def start(self, slot, drafter=None) -> Run:
+        """Prefill on ``slot``, route, and return the sequence's ``Run`` with its cluster's drafter
+        (``drafter(cluster_id)``; default a new one, for a sequence of a batch)."""
+        g, p = self.gen, self.params
+        cfg = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=g.eos)
+        t0 = time.perf_counter()
+        seq, logits, self.vector, self.route, t1 = g.prefill_route(self.ids, cfg, slot)
+        cluster = g.bank.cluster(self.route.cluster)
+        self.route_s = time.perf_counter() - t1
+        d = drafter(cluster.id) if drafter is not None else build(cluster.drafter, g.decoder.n_layers,
+                                                                 g.decoder.can_skip)
+        run = Run(seq, logits, d, cfg)
+        run.stats.prefill_s = t1 - t0
+        return run
+
+    def result(self, new: list[int], stats: DecodeStats) -> Result:
+        g = self.gen
+        cluster = g.bank.cluster(self.route.cluster)
+        text = g.lm.tokenizer.decode(new, skip_special_tokens=True)
+        return Result(text, new, self.route.cluster, cluster.label, self.route.similarity, cluster.drafter.describe(),
+                      stats, self.route_s, stats.total_s, len(self.ids), self.truncated, self.vector)
 
     def config_summary(self) -> list[dict]:
         return [{"cluster": c.id, "label": c.label, **asdict(c.drafter), "speedup": c.speedup} for c in self.bank.clusters]

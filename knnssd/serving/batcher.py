@@ -1,0 +1,66 @@
+"""Concurrent requests decoded together: one thread runs a continuous batch (``engine.batched``) over
+a queue; each request puts its prompts in and waits for its own results.
+
+A request that arrives while others are decoding joins the running batch at the next free slot,
+so 16 requests at once take about as many full-model passes as the longest of them needs, instead
+of 16 times as many. Where the packed passes are exact (``BatchPlan.exact``), every answer equals
+its one-at-a-time generation.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+
+from knnssd.engine.batched import BatchPlan, JobQueue, decode_batch
+from knnssd.engine.params import GenerateParams
+from knnssd.serving.routed import Result, RoutedGenerator, RoutedJob
+
+log = logging.getLogger(__name__)
+
+
+class Batcher:
+    def __init__(self, gen: RoutedGenerator, plan: BatchPlan):
+        self.gen, self.plan = gen, plan
+        self._queue = JobQueue()
+        self._waiting: set[Future] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="knnssd-batch", daemon=True)
+        self._thread.start()
+
+    def generate(self, prompts: list[str], params: GenerateParams) -> list[Result]:
+        """Results for ``prompts`` in their order, decoded in the running batch. Bad prompts raise
+        ``ValueError`` here, before any of them is queued."""
+        jobs = [RoutedJob(self.gen, *self.gen.tokenize(p, params.max_prompt_tokens), params, Future()) for p in prompts]
+        with self._lock:
+            self._waiting.update(j.key for j in jobs)
+        for j in jobs:
+            self._queue.put(j)
+        return [j.key.result() for j in jobs]
+
+    def close(self) -> None:
+        """Finish what is queued, then stop the thread."""
+        self._queue.close()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._queue.closed:
+            try:
+                for f in decode_batch(self.gen.decoder, self._queue, self.plan):
+                    self._settle(f.job.key, result=f.job.result(f.tokens, f.stats))
+            except Exception as e:  # noqa: BLE001 - every waiting request gets the error, the thread goes on
+                log.exception("batched decoding failed; failing the requests in it")
+                with self._lock:
+                    waiting = list(self._waiting)
+                for fut in waiting:
+                    self._settle(fut, error=e)
+
+    def _settle(self, fut: Future, result: Result | None = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            if fut not in self._waiting:
+                return
+            self._waiting.discard(fut)
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
