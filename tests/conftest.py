@@ -36,8 +36,19 @@ settings.register_profile(
 )
 settings.load_profile("knnssd")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+THREADS = torch.get_num_threads()
 
 DATA = Path(os.environ.get("KNNSSD_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+@pytest.fixture(autouse=True)
+def threads(request):
+    """Tests of the real model run on two threads (this machine's cores); tests of tiny random models on
+    one: their calls are too small to share, and one thread runs them in about 2/3 of the time."""
+    n = min(2, THREADS) if request.node.get_closest_marker("integration") else 1
+    torch.set_num_threads(n)
+    yield n
+    torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(scope="session")

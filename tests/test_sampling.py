@@ -21,15 +21,6 @@ ALPHA = 1e-3
 N = 1500
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's calls are too small to share between threads: on one, 1500 decodes take 2/3 the time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def chi2_pvalue(counts: dict, expected_p: dict, n: int) -> float:
     keys = sorted(expected_p, key=lambda k: expected_p[k])
     obs, exp, o_acc, e_acc = [], [], 0.0, 0.0

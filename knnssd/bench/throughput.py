@@ -1,0 +1,141 @@
+"""``knnssd bench-throughput``: tokens per second of whole batches, side by side in one process.
+
+Settings, each over the same prompts (mixed eval prompts of every domain, round-robin), one model,
+one decoder, one dtype and thread count:
+
+- ``routed b=1``: today's routed decoding, one prompt after another;
+- ``plain b=N``: N sequences decoded together with no drafter (``engine.batched``);
+- ``routed b=N``: N sequences together, each with its routed cluster's drafter, draft lengths from
+  goodput;
+- ``routed auto``: the batch size ``--batch-size auto`` picks.
+
+Terms: *throughput* = all generated tokens / the setting's wall-clock seconds (prefills included);
+*latency* = one request's seconds from its prefill to its last token (p50, p95 over the prompts;
+waiting for a free slot is not counted); *same* = the fraction of prompts whose tokens equal
+``routed b=1``'s (greedy output is exact, so 1.0 wherever the packed passes are exact).
+The settings run in turn, in the order listed; ``--repeats`` runs the whole list again and keeps
+each setting's best throughput.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from knnssd import prompts
+from knnssd.engine import batched
+from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
+from knnssd.engine.decode import GenerationConfig
+from knnssd.engine.params import GenerateParams
+
+SIZES = (4, 8, 16)
+
+
+@dataclass
+class ThroughputBench:
+    bank: str  # model URI or bank folder
+    dtype: str = "auto"
+    data: Path = field(default_factory=prompts.default_data_dir)
+    prompts: int = 64
+    max_new_tokens: int = 128
+    sizes: tuple[int, ...] = SIZES
+    repeats: int = 1
+    tracking_uri: str | None = None
+
+
+def mixed_prompts(data: Path, n: int) -> list[prompts.Prompt]:
+    """n eval prompts, round-robin over the domains (never calib rows)."""
+    per = prompts.load_domains(data, prompts.DOMAINS, "eval", None)
+    by: dict[str, list[prompts.Prompt]] = {}
+    for r in per:
+        by.setdefault(r.domain, []).append(r)
+    out, i = [], 0
+    while len(out) < n and any(i < len(v) for v in by.values()):
+        out += [v[i] for v in by.values() if i < len(v)]
+        i += 1
+    if len(out) < n:
+        raise ValueError(f"{data} holds {len(out)} eval prompts; {n} asked")
+    return out[:n]
+
+
+def _row(name: str, slots: int, results: list[tuple[list[int], float]], wall: float, stats: BatchStats | None,
+         ref: list[list[int]] | None) -> dict:
+    tokens = sum(len(t) for t, _ in results)
+    lat = sorted(s for _, s in results)
+    row = {"setting": name, "batch_size": slots, "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+           "latency_p50_s": statistics.median(lat), "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
+           "same_as_b1": (sum(t == r for (t, _), r in zip(results, ref)) / len(ref)) if ref else 1.0}
+    if stats is not None:
+        s = stats.summary()
+        row.update(rows_per_step=s["rows_per_step"], draft_per_step=s["draft_per_step"], exact=s["exact"])
+    return row
+
+
+def run(cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
+    from knnssd.serving.routed import RoutedGenerator
+
+    if any(n < 2 for n in cfg.sizes):
+        raise ValueError(f"batch sizes must be >= 2 (routed b=1 is always measured), got {cfg.sizes}")
+    rows = mixed_prompts(cfg.data, cfg.prompts)
+    gen = RoutedGenerator.from_model_uri(cfg.bank, dtype=cfg.dtype, tracking_uri=cfg.tracking_uri)
+    dec = gen.decoder
+    if not gen.can_batch:
+        raise ValueError("this model runs on the plain HF fallback, which decodes one sequence at a time")
+    params = GenerateParams(max_new_tokens=cfg.max_new_tokens)
+    ids = [gen.tokenize(r.prompt, params.max_prompt_tokens)[0] for r in rows]
+    positions = max(len(x) for x in ids) + cfg.max_new_tokens
+    auto = batched.auto_slots(dec, positions, len(rows))
+    plans = {n: gen.plan(n) for n in sorted({*cfg.sizes, auto}) if n > 1}
+    best: dict[str, dict] = {}
+    ref: list[list[int]] | None = None
+
+    def keep(row: dict) -> None:
+        if row["setting"] not in best or row["tokens_per_s"] > best[row["setting"]]["tokens_per_s"]:
+            best[row["setting"]] = row
+        log(f"{row['setting']:>14}: {row['tokens_per_s']:7.1f} tok/s, p50 {row['latency_p50_s']:.2f} s")
+
+    for rep in range(cfg.repeats):
+        t0 = time.perf_counter()
+        one = [gen.generate(r.prompt, params) for r in rows]
+        ref = [r.tokens for r in one]
+        keep(_row("routed b=1", 1, [(r.tokens, r.stats.total_s) for r in one], time.perf_counter() - t0, None, None))
+        cfg_g = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_ids=gen.eos)
+        for n in cfg.sizes:
+            stats = BatchStats(n)
+            jobs = [PromptJob(x, None, cfg_g) for x in ids]
+            t0 = time.perf_counter()
+            done = {id(f.job): f for f in decode_batch(dec, jobs, plans[n], stats)}
+            wall = time.perf_counter() - t0
+            keep(_row(f"plain b={n}", n, [(done[id(j)].tokens, done[id(j)].stats.total_s) for j in jobs], wall, stats,
+                      None))
+        for name, n in [*((f"routed b={n}", n) for n in cfg.sizes), ("routed auto", auto)]:
+            stats = BatchStats(n)
+            t0 = time.perf_counter()
+            if n == 1:
+                res = {i: gen.generate(r.prompt, params) for i, r in enumerate(rows)}
+            else:
+                res = dict(gen.generate_many(enumerate(r.prompt for r in rows), params, plans[n], stats))
+            wall = time.perf_counter() - t0
+            keep(_row(name, n, [(res[i].tokens, res[i].stats.total_s) for i in range(len(rows))], wall,
+                      stats if n > 1 else None, ref))
+    b1 = best["routed b=1"]["tokens_per_s"]
+    table = [{**r, "vs_routed_b1": r["tokens_per_s"] / b1} for r in best.values()]
+    fixed = max(r["tokens_per_s"] for r in table if r["setting"].startswith("routed b=") and r["batch_size"] > 1)
+    return {"model": gen.lm.name, "dtype": gen.lm.dtype_name, "prompts": len(rows), "max_new_tokens": cfg.max_new_tokens,
+            "auto_batch_size": auto, "exactness": dec.exactness.to_dict() if dec.exactness else None,
+            "table": table, "auto_vs_best_fixed": best["routed auto"]["tokens_per_s"] / fixed}
+
+
+def markdown(rep: dict) -> str:
+    lines = [f"{rep['model']} {rep['dtype']}, {rep['prompts']} mixed eval prompts x {rep['max_new_tokens']} tokens; "
+             f"auto picked {rep['auto_batch_size']} slots", "",
+             "| setting | tok/s | vs routed b=1 | p50 s | p95 s | rows/step | draft/step | same as b=1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rep["table"]:
+        lines.append(f"| {r['setting']} | {r['tokens_per_s']:.1f} | {r['vs_routed_b1']:.2f}x | {r['latency_p50_s']:.2f} | "
+                     f"{r['latency_p95_s']:.2f} | {r.get('rows_per_step', 1.0):.1f} | {r.get('draft_per_step', 0.0):.1f} | "
+                     f"{r['same_as_b1']:.2f} |")
+    lines.append(f"\nauto / best fixed batch size: {rep['auto_vs_best_fixed']:.2f}")
+    return "\n".join(lines)
