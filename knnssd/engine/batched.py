@@ -144,12 +144,6 @@ def measure_pass_costs(decoder: Decoder, slots: int, per_seq: tuple[int, ...] = 
     return PassCosts(tuple(r for r, _ in out), tuple(s for _, s in out))
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """E(k) = 1 + a + ... + a^k: tokens a k-token draft emits in expectation, each drafted token
-    accepted with probability a given the ones before it were (the verify pass always adds one)."""
-    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
 def choose_lengths(caps: list[int], accept: list[float], draft_s: list[float], costs: PassCosts) -> list[int]:
     """Draft lengths k_b <= caps[b] that maximise the step's goodput (module docstring), found by
     adding one drafted token at a time where it raises goodput most, until no addition raises it.

@@ -82,10 +82,10 @@ def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @torch.inference_mode()
-def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, stop_early: bool = False,
-              passes: tuple[int, ...] | None = None) -> tuple[int, int]:
-    """(rows bitwise equal to one-token steps, rows compared) for passes of T = 2..max_t tokens, or of
-    the lengths in ``passes`` (``stop_early``: stop at the first pass with a differing row)."""
+def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, stop_early: bool = False
+              ) -> tuple[int, int]:
+    """(rows bitwise equal to one-token steps, rows compared) for passes of T = 2..max_t tokens
+    (``stop_early``: stop at the first pass with a differing row)."""
     vocab = _vocab(dec)
     device = dec.device
     ids = torch.randint(0, vocab, (context + max_t,), generator=torch.Generator().manual_seed(seed)).to(device)
@@ -94,7 +94,7 @@ def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, st
     dec.forward(ids[:context], 0)
     ref = torch.cat([dec.forward(x[i : i + 1], context + i).logits for i in range(max_t)])
     equal = total = 0
-    for t in passes or range(2, max_t + 1):
+    for t in range(2, max_t + 1):
         equal += _rows_equal(dec.forward(x[:t], context).logits, ref[:t])
         total += t
         if t < max_t:  # the next one-token step reads the K/V this pass wrote
