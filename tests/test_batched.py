@@ -32,11 +32,12 @@ def drafters(n_layers: int) -> list[DrafterConfig | None]:
 
 
 def mixed_jobs(dec, arch: str, n: int, max_new: int) -> list[PromptJob]:
-    """n prompts of different lengths (6..24 tokens), drafters and token budgets, each job its own drafter."""
+    """n prompts of different lengths (6..24 tokens, or 46..64: two key lengths), drafters and token
+    budgets, each job its own drafter."""
     cfgs = drafters(dec.n_layers)
     jobs = []
     for i in range(n):
-        ids = prompt_ids(arch, i, length=6 + (i * 7) % 19)
+        ids = prompt_ids(arch, i, length=6 + (i * 7) % 19 + (i % 2) * 40)
         cfg = cfgs[i % len(cfgs)]
         jobs.append(PromptJob(ids, build(cfg, dec.n_layers) if cfg else None,
                               GenerationConfig(max_new_tokens=max_new - (i % 3) * 4)))
@@ -51,6 +52,7 @@ def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
     if dtype == "bfloat16" and not (dec.exactness.exact and plan.exact):
         pytest.skip(f"no exact packed bf16 pass here: {dec.exactness.note or 'packed linears not row-invariant'}")
     assert plan.exact, "fp32 must be exact"
+    assert plan.pooled == (dec.attention.batch is not None and batched.pooled_exact(dec, 4))
     jobs = mixed_jobs(dec, arch, 13, 20)
     stats = BatchStats(plan.slots)
     done = list(decode_batch(dec, jobs, plan, stats))
@@ -97,7 +99,7 @@ def test_batched_sampling_keeps_each_sequences_distribution():
             for s in range(n)]
     stats = BatchStats(8)
     counts: dict[tuple, int] = {}
-    for f in decode_batch(dec, jobs, BatchPlan(8, FLAT, True), stats):
+    for f in decode_batch(dec, jobs, BatchPlan(8, FLAT, True, pooled=dec.attention.batch is not None), stats):
         key = tuple(f.tokens[:3])
         counts[key] = counts.get(key, 0) + 1
     assert sum(stats.drafted) > n / 2

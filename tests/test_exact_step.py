@@ -175,33 +175,40 @@ def test_smollm2_fp32_step_is_row_invariant(smollm2):
 
 # Several sequences in one pass (the batched engine's verify): each call's rows equal its own forward's.
 
-def _packed_equals_own(dec: Decoder, prompts: list[list[int]], rows: tuple[int, ...]) -> None:
+def _packed_equals_own(dec: Decoder, prompts: list[list[int]], rows: tuple[int, ...], pooled: bool = False) -> None:
+    """Packed passes (``pooled``: attention batched over a ``SlotPool``, at key lengths that differ
+    between slots) give each sequence the logits of its own pass, and the K/V its next steps read."""
+    from knnssd.engine.cache import BUCKET
     from knnssd.engine.skip import forward_slots
 
-    packed_slots, own_slots = [dec.slot() for _ in prompts], [dec.slot() for _ in prompts]
+    if pooled and dec.attention.batch is None:
+        pytest.skip(f"{dec.attention.name} has no batched form")
+    packed_slots, pool = dec.pooled_slots(len(prompts)) if pooled else ([dec.slot() for _ in prompts], None)
+    own_slots = [dec.slot() for _ in prompts]
     vocab = dec.stack.embed.shape[0]
     g = torch.Generator().manual_seed(5)
     for slots in (packed_slots, own_slots):
-        for slot, p in zip(slots, prompts):
-            slot.reserve(len(p) + 2 * max(rows))
+        for b, (slot, p) in enumerate(zip(slots, prompts)):
+            slot.reserve(len(p) + 2 * max(rows) + (b % 2) * BUCKET)  # two key lengths, interleaved
             slot.forward(torch.tensor(p), 0)
     starts = [len(p) for p in prompts]
     for step_rows in (rows, tuple(1 for _ in rows)):  # a pass, then one-token steps that read its K/V
         calls = [(torch.randint(0, vocab, (t,), generator=g), s) for t, s in zip(step_rows, starts)]
-        packed = forward_slots(packed_slots, calls)
+        packed = forward_slots(packed_slots, calls, pool)
         for b, (slot, (ids, start)) in enumerate(zip(own_slots, calls)):
             own = slot.forward(ids, start).logits
             assert torch.equal(packed[b], own), (b, len(ids), (packed[b] != own).any(-1).sum().item())
         starts = [s + t for s, t in zip(starts, step_rows)]
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["per_sequence", "pooled"])
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_sequences_packed_in_one_pass_equal_their_own_passes(arch, dtype):
+def test_sequences_packed_in_one_pass_equal_their_own_passes(arch, dtype, pooled):
     dec = decoder(arch, dtype)
     exact_or_skip(dec, dtype)
-    prompts = [prompt_ids(arch, i, length) for i, length in enumerate((5, 21, 9, 12))]
-    _packed_equals_own(dec, prompts, rows=(1, 4, 12, 2))
+    prompts = [prompt_ids(arch, i, length) for i, length in enumerate((5, 21, 9, 12, 7))]
+    _packed_equals_own(dec, prompts, rows=(1, 4, 12, 2, 3), pooled=pooled)
 
 
 @pytest.mark.integration
@@ -210,4 +217,4 @@ def test_smollm2_sequences_packed_in_one_pass_equal_their_own_passes(smollm2):
     exact_or_skip(dec, "float32")
     prompts = [smollm2.tokenizer(t).input_ids for t in ("Hi", "Translate German to English: Guten Morgen, Welt.",
                                                          "Question: What is 12 + 30?\nAnswer:", "SELECT")]
-    _packed_equals_own(dec, prompts, rows=(12, 1, 5, 8))
+    _packed_equals_own(dec, prompts, rows=(12, 1, 5, 8), pooled=True)

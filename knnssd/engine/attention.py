@@ -23,6 +23,13 @@ short verify passes run the kernel shape of longer ones. On the dev machine's CP
 AMX) only padded ones were row-invariant in the whole model: ``sdpa_pad4``, ``sdpa_fold_r4`` and
 ``fp32_pad2`` in bf16 and fp32 (the kernels take another path below a few query rows), while in
 isolation, on random inputs, plain ``sdpa`` was; so the probe runs the real model.
+
+Each static one but ``sdpa_dynamic`` also has a batched form (``Attention.batch``): the same
+arithmetic over B sequences' caches at one key length, for the batched engine's packed passes.
+On the dev machine's CPU it gave rows bitwise equal to one sequence's call for any B and any
+padded query count, but not for a longer key length (the P @ V reduction over L rounds
+differently), so a packed pass makes one call per key length (``skip._PooledAttention``), and
+``batched.pooled_exact`` checks it on the real model before a batch uses it.
 """
 from __future__ import annotations
 
@@ -76,7 +83,28 @@ def folded(rows: int = 1) -> "Attention":
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
         return o[0, :, : G * T].reshape(KV, G, T, D).permute(2, 0, 1, 3).reshape(1, T, H * D)
 
-    return Attention("sdpa_fold" if rows == 1 else f"sdpa_fold_r{rows}", mask, attend, cache_fp32=False, static=True)
+    def batch(q, k, v, m, scale):  # as ``attend``, over B sequences (``Attention.batch``)
+        B, R, H, D = q.shape
+        KV, L = k.shape[1], k.shape[2]
+        G = H // KV
+        P = -(-G * R // rows) * rows
+        qg = q.view(B, R, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * R, D)
+        mg = m.repeat(1, 1, G, 1)  # (B, 1, G * R, L), rows g-major
+        if P > G * R:
+            qg = torch.cat((qg, qg.new_zeros(B, KV, P - G * R, D)), 2)
+            mg = torch.cat((mg, mg[:, :, :1].expand(B, 1, P - G * R, L)), 2)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
+        return o[:, :, : G * R].reshape(B, KV, G, R, D).permute(0, 3, 1, 2, 4).reshape(B, R, H * D)
+
+    return Attention("sdpa_fold" if rows == 1 else f"sdpa_fold_r{rows}", mask, attend, cache_fp32=False, static=True,
+                     batch=batch)
+
+
+def _sdpa_batch(q, k, v, mask, scale):
+    """``_sdpa`` over B sequences at once: q (B, R, H, D), k/v (B, KV, L, D), mask (B, 1, R, L) -> (B, R, H * D)."""
+    B, R, H, D = q.shape
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=H != k.shape[1])
+    return o.transpose(1, 2).reshape(B, R, H * D)
 
 
 def _fp32_mask(pos, length, window):
@@ -92,6 +120,19 @@ def _fp32(q, k, v, mask, scale):
     p = s.softmax(-1).view(KV, G * T, -1)
     o = torch.bmm(p, v[0].float()).view(KV, G, T, D).permute(2, 0, 1, 3).reshape(1, T, H * D)
     return o.to(q.dtype)
+
+
+def _fp32_batch(q, k, v, mask, scale):
+    """``_fp32`` over B sequences at once (shapes as ``_sdpa_batch``): one bmm over the B * KV heads."""
+    B, R, H, D = q.shape
+    KV, L = k.shape[1], k.shape[2]
+    G = H // KV
+    add = torch.zeros(mask.shape, device=q.device).masked_fill_(~mask, float("-inf"))[:, :, None]  # (B, 1, 1, R, L)
+    qg = q.float().view(B, R, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B * KV, G * R, D)
+    s = torch.bmm(qg, k.float().reshape(B * KV, L, D).transpose(1, 2)).mul_(scale).view(B, KV, G, R, L).add_(add)
+    p = s.softmax(-1).view(B * KV, G * R, L)
+    o = torch.bmm(p, v.float().reshape(B * KV, L, D)).view(B, KV, G, R, D).permute(0, 3, 1, 2, 4)
+    return o.reshape(B, R, H * D).to(q.dtype)
 
 
 CAUSAL = "causal"  # a ``_dynamic`` mask: the queries are all keys 0..end-1 (a fresh prefill)
@@ -129,12 +170,17 @@ class Attention:
     attend: Callable  # (q, k, v, mask, scale) -> (1, T, H * D)
     cache_fp32: bool  # keep K/V in fp32
     static: bool  # shapes do not depend on the position (CUDA-graph capturable)
+    # The same arithmetic over several sequences' caches at one key length, for packed passes
+    # (``skip.forward_slots``): (q (B, R, H, D), k, v (B, KV, L, D), mask (B, 1, R, L) bool, scale) ->
+    # (B, R, H * D), the queries padded to R >= ``rows``. None: no batched form.
+    batch: Callable | None = None
+    rows: int = 1
 
 
 PREFILL_ROWS = 16  # longer calls are prefills: ``skip.Decoder`` runs them with ``SDPA_DYNAMIC``
-SDPA = Attention("sdpa", allowed, _sdpa, cache_fp32=False, static=True)
+SDPA = Attention("sdpa", allowed, _sdpa, cache_fp32=False, static=True, batch=_sdpa_batch)
 SDPA_FOLD = folded()
-FP32 = Attention("fp32", _fp32_mask, _fp32, cache_fp32=True, static=True)
+FP32 = Attention("fp32", _fp32_mask, _fp32, cache_fp32=True, static=True, batch=_fp32_batch)
 SDPA_DYNAMIC = Attention("sdpa_dynamic", _dynamic_mask, _dynamic, cache_fp32=False, static=False)
 
 
@@ -153,7 +199,7 @@ def padded(impl: Attention, rows: int) -> Attention:
             q = torch.cat((q, q.new_zeros(rows - T, *q.shape[1:])))
         return impl.attend(q, k, v, inner, scale)[:, :T]
 
-    return Attention(f"{impl.name}_pad{rows}", mask, attend, impl.cache_fp32, impl.static)
+    return Attention(f"{impl.name}_pad{rows}", mask, attend, impl.cache_fp32, impl.static, impl.batch, rows)
 
 
 def implementations(rows: int) -> tuple[Attention, ...]:

@@ -5,8 +5,12 @@ its own) with its own drafter. A step:
 
     k_b   = choose_lengths(...)                   # draft lengths from goodput, down to 0
     call_b = run_b.propose(k_b)                   # each sequence drafts on its slot
-    logits = forward_slots(slots, calls)          # one pass: every sequence's rows packed together
+    logits = forward_slots(slots, calls, pool)    # one pass: every sequence's rows packed together
     run_b.accept(call_b, logits_b)                # verify, emit, roll back (decode.Run)
+
+The slots' caches are rows of one ``SlotPool``, so attention runs batched: one call per key
+length over the slots reading it (``pooled_exact`` checks on the real model that this gives each
+sequence its own pass's rows, bitwise; where not, attention runs per sequence, as before).
 
 A finished sequence's slot takes the next job at once (its prefill runs on the slot; while other
 sequences are active, at most one prefill per step, so none of them waits longer than one
@@ -33,6 +37,7 @@ from typing import Protocol
 import torch
 
 from knnssd.engine import exactness
+from knnssd.engine.cache import BUCKET
 from knnssd.engine.decode import DecodeStats, GenerationConfig, Run, prefill
 from knnssd.engine.drafters import Drafter
 from knnssd.engine.skip import Decoder, forward_slots
@@ -126,10 +131,11 @@ class PassCosts:
 
 
 def measure_pass_costs(decoder: Decoder, slots: int, per_seq: tuple[int, ...] = (1, 2, 4, 8, 12),
-                       context: int = 64, repeats: int = 3) -> PassCosts:
+                       context: int = 64, repeats: int = 3, pooled: bool = False) -> PassCosts:
     """Time packed passes of ``slots`` sequences with t rows each (R = slots * t), after ``context``
-    positions, on slots of their own (the decoder's caches are not touched)."""
-    ss = [decoder.slot() for _ in range(slots)]
+    positions, on slots of their own (the decoder's caches are not touched); ``pooled``: with the
+    slots' caches in one ``SlotPool`` and attention batched over them."""
+    ss, pool = decoder.pooled_slots(slots) if pooled else ([decoder.slot() for _ in range(slots)], None)
     vocab = decoder.stack.embed.shape[0]
     g = torch.Generator().manual_seed(0)
     top = max(per_seq)
@@ -140,7 +146,7 @@ def measure_pass_costs(decoder: Decoder, slots: int, per_seq: tuple[int, ...] = 
     out = []
     for t in sorted(set(per_seq)):
         calls = [(ids[context : context + t], context)] * slots
-        out.append((slots * t, median_ms(lambda: forward_slots(ss, calls), decoder.device, repeats) / 1e3))
+        out.append((slots * t, median_ms(lambda: forward_slots(ss, calls, pool), decoder.device, repeats) / 1e3))
     return PassCosts(tuple(r for r, _ in out), tuple(s for _, s in out))
 
 
@@ -215,6 +221,40 @@ def rows_exact(decoder: Decoder, max_rows: int) -> bool:
     return bool(ex is not None and ex.exact and exactness.linears_invariant(decoder.stack, max_rows))
 
 
+@torch.inference_mode()
+def pooled_exact(decoder: Decoder, slots: int) -> bool:
+    """Does attention batched over a ``SlotPool`` (``forward_slots(..., pool)``) give every sequence the
+    logits, and the K/V, its own pass gives? Checked on the real model: ``slots`` sequences of random
+    tokens (the first half of the slots at one key length, read as a slice of the pool; the rest at
+    two others, alternating, read as copies of their rows), three packed passes (mixed draft
+    lengths up to ``max_t``, one-token steps that read what the first wrote, the lengths reversed),
+    each against every slot's own pass on a cache of its own, bitwise. False where the step has no
+    batched form or is not exact itself."""
+    ex = decoder.exactness
+    if ex is None or not ex.exact or decoder.attention.batch is None:
+        return False
+    max_t = ex.max_t
+    pooled, pool = decoder.pooled_slots(slots)
+    own = [decoder.slot() for _ in range(slots)]
+    vocab = decoder.stack.embed.shape[0]
+    g = torch.Generator().manual_seed(7)
+    starts = []
+    for b in range(slots):
+        ids = torch.randint(0, vocab, (5 + (b * 13) % 40,), generator=g).to(decoder.device)
+        for s in (pooled[b], own[b]):
+            s.reserve(ids.shape[0] + 3 * max_t + (0 if b < slots // 2 else (1 + b % 2) * BUCKET))
+            s.forward(ids, 0)
+        starts.append(ids.shape[0])
+    mixed = [1 + (b * 5) % max_t for b in range(slots)]
+    for rows in (mixed, [1] * slots, mixed[::-1]):
+        calls = [(torch.randint(0, vocab, (t,), generator=g).to(decoder.device), s) for t, s in zip(rows, starts)]
+        packed = forward_slots(pooled, calls, pool)
+        if not all(torch.equal(x, s.forward(ids, start).logits) for x, s, (ids, start) in zip(packed, own, calls)):
+            return False
+        starts = [s + t for s, t in zip(starts, rows)]
+    return True
+
+
 def slot_bytes(decoder: Decoder, positions: int) -> int:
     """KV-cache bytes of one slot holding ``positions`` (rounded up to the cache's bucket)."""
     s, cache = decoder.stack, decoder.cache
@@ -238,7 +278,8 @@ def auto_slots(decoder: Decoder, positions: int, jobs: int, memory: int = DEFAUL
     limit = min(max_slots(decoder, positions, memory), max(1, jobs))
     best, best_rate = 1, None
     for n in (x for x in AUTO_SLOTS if x <= limit):
-        rate = n / measure_pass_costs(decoder, n, (1,), repeats=3).seconds[0]
+        rate = n / measure_pass_costs(decoder, n, (1,), repeats=3, pooled=decoder.attention.batch is not None
+                                      ).seconds[0]
         if best_rate is not None and rate < AUTO_GAIN * best_rate:
             break
         best, best_rate = n, rate
@@ -248,18 +289,21 @@ def auto_slots(decoder: Decoder, positions: int, jobs: int, memory: int = DEFAUL
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """What a batched run of a decoder needs measured once: its slots, v(R), and whether packed
-    passes of up to ``slots * max_t`` rows are row-invariant (then outputs are exact)."""
+    """What a batched run of a decoder needs measured once: its slots, v(R), whether packed passes of
+    up to ``slots * max_t`` rows are row-invariant (then outputs are exact), and whether attention
+    runs batched over the slots (``pooled``: measured exact, ``pooled_exact``) or per sequence."""
 
     slots: int
     costs: PassCosts
     exact: bool
+    pooled: bool = False
 
 
 def plan(decoder: Decoder, slots: int) -> BatchPlan:
     """Measure what a batched run of ``slots`` sequences needs. Where a projection is not row-invariant
     up to ``slots * max_t`` rows, its form is chosen again over that range (``exactness.pad_linears``:
-    the decoder's own passes stay exact, as the new forms are invariant over a wider range)."""
+    the decoder's own passes stay exact, as the new forms are invariant over a wider range). Attention
+    is batched over the slots where that is measured exact, and runs per sequence otherwise."""
     ex = decoder.exactness
     max_t = ex.max_t if ex is not None else 12
     exact = rows_exact(decoder, slots * max_t)
@@ -271,8 +315,11 @@ def plan(decoder: Decoder, slots: int) -> BatchPlan:
     if ex is not None and ex.exact and not exact:
         log.warning("packed passes of %d sequences are not row-invariant here: batched output may differ from "
                     "plain decoding where two tokens nearly tie (use fewer slots, or --dtype float32)", slots)
-    return BatchPlan(slots, measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2),
-                     exact)
+    pooled = exact and pooled_exact(decoder, slots)
+    log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
+             "per sequence (no batched form measured exact for this step)")
+    costs = measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=pooled)
+    return BatchPlan(slots, costs, exact, pooled)
 
 
 def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPlan,
@@ -283,7 +330,7 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
     each job's ``DecodeStats`` counts its own prefill, drafts and the passes it was in."""
     stats = stats if stats is not None else BatchStats(plan.slots)
     stats.exact = plan.exact
-    free = [decoder.slot() for _ in range(plan.slots)]
+    free, pool = decoder.pooled_slots(plan.slots) if plan.pooled else ([decoder.slot() for _ in range(plan.slots)], None)
     if isinstance(jobs, JobQueue):
         take, more = jobs.take, lambda: not jobs.closed
     else:
@@ -343,7 +390,7 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
                       [round(x, 2) for x in accept], [round(x, 4) for x in draft_s], ks)
         calls = [r.propose(k) for r, k in zip(runs, ks)]
         t0 = time.perf_counter()
-        logits = forward_slots([a.slot for a in active], [(c.ids, c.start) for c in calls])
+        logits = forward_slots([a.slot for a in active], [(c.ids, c.start) for c in calls], pool)
         emitted = sum(r.accept(c, x) for r, c, x in zip(runs, calls, logits))
         dt = time.perf_counter() - t0
         stats.active.append(len(runs))

@@ -63,3 +63,65 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class SlotPool:
+    """The KV buffers of ``n`` sequences in one tensor per layer, (n, KV, capacity, D). Slot ``i``'s
+    cache (``caches[i]``, a ``PooledCache``) reads and writes row ``i`` of it at its own key length,
+    exactly as a ``KVCache`` of its own would; a packed pass over several slots can then run one
+    attention call over a slice of rows (no copy). The capacity grows, for every slot at once, when
+    a slot reserves more positions than it holds."""
+
+    def __init__(self, n: int, n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.n, self.shape, self.dtype, self.device = n, (n_layers, n_kv, head_dim), dtype, device
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.caches = [PooledCache(self, i) for i in range(n)]
+
+    def grow(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        n_layers, n_kv, d = self.shape
+
+        def bigger(old: list[torch.Tensor]) -> list[torch.Tensor]:
+            out = []
+            for i in range(n_layers):
+                t = torch.zeros(self.n, n_kv, length, d, dtype=self.dtype, device=self.device)
+                if old:
+                    t[:, :, : self.capacity] = old[i]
+                out.append(t)
+            return out
+
+        self.k, self.v = bigger(self.k), bigger(self.v)
+        self.capacity = length
+        for c in self.caches:
+            c.k = [t[c.index : c.index + 1] for t in self.k]
+            c.v = [t[c.index : c.index + 1] for t in self.v]
+
+    def write(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (R, KV, D) of R rows, row r at slot ``slots[r]``, position ``pos[r]``."""
+        self.k[layer][slots, :, pos] = k.to(self.dtype)
+        self.v[layer][slots, :, pos] = v.to(self.dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class PooledCache(KVCache):
+    """One slot's view of a ``SlotPool``: a ``KVCache`` whose buffers are row ``index`` of the pool's."""
+
+    def __init__(self, pool: SlotPool, index: int):
+        super().__init__(*pool.shape, pool.dtype, pool.device)
+        self.pool, self.index = pool, index
+
+    def reserve(self, n: int) -> bool:
+        """As ``KVCache.reserve``; True when the buffers this slot sees changed (the pool grew)."""
+        self.length = self.bucket(n)
+        self.pool.grow(self.length)
+        changed = self.capacity != self.pool.capacity
+        self.capacity = self.pool.capacity
+        return changed
+
+    def nbytes(self) -> int:
+        return self.pool.nbytes() // self.pool.n

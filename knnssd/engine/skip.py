@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from knnssd.engine.attention import PREFILL_ROWS, SDPA, SDPA_DYNAMIC, Attention
-from knnssd.engine.cache import KVCache
+from knnssd.engine.cache import KVCache, SlotPool
 from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf
 
 log = logging.getLogger(__name__)
@@ -196,6 +196,16 @@ class Decoder:
         d.set_attention(self.attention)
         return d
 
+    def pooled_slots(self, n: int) -> tuple[list["Decoder"], SlotPool]:
+        """``n`` slots whose caches are the rows of one ``SlotPool`` (for ``forward_slots(..., pool)``)."""
+        pool = SlotPool(n, self.n_layers, self.stack.n_kv, self.stack.head_dim, self.cache.dtype, self.device)
+        out = []
+        for cache in pool.caches:
+            d = self.slot()
+            d.cache, d._tables = cache, {}
+            out.append(d)
+        return out, pool
+
     def reserve(self, n: int) -> None:
         """Start a generation of up to n positions: fixes the key length every call reads."""
         if self.cache.reserve(n):
@@ -313,12 +323,16 @@ def _logits(s: Stack, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], pool: SlotPool | None = None
+                  ) -> list[torch.Tensor]:
     """One full-model pass over several sequences: ``calls[b]`` = (ids (T_b,), start_b) runs on
     ``slots[b]`` (slots of one decoder, ``Decoder.slot``). The projections, norms, MLPs and the lm_head
-    run once over all the rows; attention runs per sequence on its slot's cache, as that slot's own
-    ``forward`` would run it. Where the linears are row-invariant for the packed row count, each
-    call's logits (T_b, V) equal its own ``forward``'s, bitwise. No skip mask: this is verification."""
+    run once over all the rows. Attention runs per sequence on its slot's cache, as that slot's own
+    ``forward`` would run it; or, with the ``pool`` whose caches the slots hold (``SlotPool``), once per
+    key length over the pool's rows (``attention.batch``). Where the linears are row-invariant for the
+    packed row count, and the batched attention is invariant to the batch and to the padded query rows
+    (``batched.pooled_exact`` checks both), each call's logits (T_b, V) equal its own ``forward``'s,
+    bitwise. No skip mask: this is verification."""
     s = slots[0].stack
     sizes = [ids.shape[0] for ids, _ in calls]
     h = Decoder._embed(s, torch.cat([ids for ids, _ in calls]))
@@ -329,16 +343,101 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]]) -
         slot.cache.check(start + ids.shape[0])
         pos = torch.arange(start, start + ids.shape[0], device=ids.device)
         per_call.append((slot, pos, slot._rope(pos, h), slot._attention_for(ids.shape[0]), {}))
+    packed = _PooledAttention(per_call, pool) if pool is not None else None
     for i, layer in enumerate(s.layers):
-        qkv = layer.qkv(layer.attn_norm(h))[0].split(sizes)
-        parts = []
-        for (slot, pos, rope, attn, masks), rows in zip(per_call, qkv):
-            if layer.window not in masks:
-                masks[layer.window] = attn.mask(pos, slot.cache.length, layer.window)
-            parts.append(slot._attend(layer, i, rows, pos, rope[layer.rope], attn, masks[layer.window]))
-        h = h + _attn_out(layer, torch.cat(parts, dim=1))
+        qkv = layer.qkv(layer.attn_norm(h))[0]
+        if packed is not None:
+            attended = packed(layer, i, qkv)
+        else:
+            parts = []
+            for (slot, pos, rope, attn, masks), rows in zip(per_call, qkv.split(sizes)):
+                if layer.window not in masks:
+                    masks[layer.window] = attn.mask(pos, slot.cache.length, layer.window)
+                parts.append(slot._attend(layer, i, rows, pos, rope[layer.rope], attn, masks[layer.window]))
+            attended = torch.cat(parts, dim=1)
+        h = h + _attn_out(layer, attended)
         h = h + _mlp(layer, h)
     return list(_logits(s, s.norm(h)[0]).split(sizes))
+
+
+class _PooledAttention:
+    """Attention of a packed pass over slots of one ``SlotPool``: the K/V of all rows written in one
+    call, then one batched attention call per key length, each sequence's queries padded to that
+    call's R rows (at its first position, as ``attention.padded`` pads). A call reads the pool rows
+    lo..hi that hold its slots (a slice: no copy) when they are mostly its own, and a copy of just
+    its slots' rows otherwise (``GATHER_ABOVE``); rows in a slice that belong to no slot of the call
+    read key 0 and are dropped."""
+
+    GATHER_ABOVE = 1.5  # slice rows per member slot above which a call copies its members' rows instead
+
+    def __init__(self, per_call, pool: SlotPool):
+        slot0, _, _, attn, _ = per_call[0]
+        if attn.batch is None or any(c[3] is not attn or getattr(c[0].cache, "pool", None) is not pool
+                                     for c in per_call):
+            raise ValueError("pooled attention needs slots of one pool running a step with a batched form")
+        self.pool, self.attn, self.stack = pool, attn, slot0.stack
+        device = per_call[0][1].device
+        index = [c[0].cache.index for c in per_call]
+        sizes = [c[1].shape[0] for c in per_call]
+        self.slots = torch.tensor([b for b, t in zip(index, sizes) for _ in range(t)], device=device)
+        self.pos = torch.cat([c[1] for c in per_call])
+        self.rope = {key: tuple(torch.cat([c[2][key][j] for c in per_call]) for j in (0, 1)) for key in per_call[0][2]}
+        starts = [0]
+        for t in sizes:
+            starts.append(starts[-1] + t)
+        by_length: dict[int, list[int]] = {}
+        for b, c in enumerate(per_call):
+            by_length.setdefault(c[0].cache.length, []).append(b)
+        self.groups = []
+        for length, members in by_length.items():
+            members.sort(key=lambda b: index[b])
+            lo, hi = index[members[0]], index[members[-1]]
+            if hi - lo + 1 <= self.GATHER_ABOVE * len(members):
+                read, local_of = slice(lo, hi + 1), {b: index[b] - lo for b in members}
+            else:
+                read = torch.tensor([index[b] for b in members], device=device)
+                local_of = {b: j for j, b in enumerate(members)}
+            n_read = hi - lo + 1 if isinstance(read, slice) else len(members)
+            R = max(attn.rows, *(sizes[b] for b in members))
+            rows = torch.tensor([r for b in members for r in range(starts[b], starts[b + 1])], device=device)
+            local = torch.tensor([local_of[b] for b in members for _ in range(sizes[b])], device=device)
+            t = torch.tensor([j for b in members for j in range(sizes[b])], device=device)
+            qpos = torch.zeros(n_read, R, dtype=torch.long, device=device)  # rows of no member: position 0
+            for b in members:
+                p = per_call[b][1]
+                qpos[local_of[b]] = torch.cat((p, p[:1].expand(R - p.shape[0])))
+            self.groups.append((length, read, R, rows, local, t, qpos, {}))
+
+    def __call__(self, layer: Layer, i: int, qkv: torch.Tensor) -> torch.Tensor:
+        s, n = self.stack, qkv.shape[0]
+        H, KV, D = s.n_heads, s.n_kv, s.head_dim
+        qkv = qkv.view(n, H + 2 * KV, D)
+        if layer.q_norm is not None:
+            qk = torch.cat((layer.q_norm(qkv[:, :H]), layer.k_norm(qkv[:, H : H + KV])), dim=1)
+        else:
+            qk = qkv[:, : H + KV]
+        qk = _rope(qk, *self.rope[layer.rope])
+        self.pool.write(i, self.slots, self.pos, qk[:, H:], qkv[:, H + KV :])
+        q = qk[:, :H]
+        out = q.new_empty(n, H * D)
+        for length, read, R, rows, local, t, qpos, masks in self.groups:
+            if layer.window not in masks:
+                masks[layer.window] = allowed_batch(qpos, length, layer.window)
+            qg = q.new_zeros(qpos.shape[0], R, H, D)
+            qg[local, t] = q[rows]
+            k, v = self.pool.k[i][:, :, :length], self.pool.v[i][:, :, :length]
+            k, v = (k[read], v[read]) if isinstance(read, slice) else (k.index_select(0, read), v.index_select(0, read))
+            out[rows] = self.attn.batch(qg, k, v, masks[layer.window], s.scale)[local, t]
+        return out[None]
+
+
+def allowed_batch(qpos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """(B, 1, R, length) bool: ``attention.allowed`` for each row of query positions qpos (B, R)."""
+    k = torch.arange(length, device=qpos.device)
+    ok = k <= qpos[..., None]
+    if window is not None:
+        ok &= k > qpos[..., None] - window
+    return ok[:, None]
 
 
 class HFDecoder:
