@@ -488,7 +488,7 @@ def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None
     """The lean ``Decoder`` when the architecture is known and matches HF on a probe, else ``HFDecoder``.
 
     Either way the verify pass is probed for exactness (``exactness.py``) and the result kept in
-    ``decoder.exactness``; the lean decoder also takes the fastest exact attention it measured.
+    ``decoder.exactness``; the lean decoder also takes the exact attention the probe ranks first.
     With a ``record``, a lean decoder that is exact and agrees with HF is remembered, and the next
     load on the same machine key takes both from the record instead of measuring them again.
     """
@@ -499,7 +499,7 @@ def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None
     except UnsupportedArchitecture as e:
         log.warning("lean forward unavailable (%s); using plain HF forwards (no layer skipping)", e)
         return _fallback(model)
-    dec.exactness = exactness.choose(dec, record=record)
+    dec.exactness = exactness.choose(dec, record=record, packed=forward_slots)
     if check and not dec.exactness.recalled:  # a record is written only after this check has passed
         err = probe_error(dec, model)
         if err is not None:
