@@ -80,8 +80,11 @@ class SlotPool:
         self.caches = [PooledCache(self, i) for i in range(n)]
 
     def grow(self, length: int) -> None:
+        """Hold at least ``length`` positions per slot: by half as much again at least (few regrowths
+        while longer prompts come in), copying what the slots hold."""
         if length <= self.capacity:
             return
+        length = max(length, self.capacity + self.capacity // 2 // BUCKET * BUCKET)
         n_layers, n_kv, d = self.shape
 
         def bigger(old: list[torch.Tensor]) -> list[torch.Tensor]:
