@@ -330,7 +330,10 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
     each job's ``DecodeStats`` counts its own prefill, drafts and the passes it was in."""
     stats = stats if stats is not None else BatchStats(plan.slots)
     stats.exact = plan.exact
-    free, pool = decoder.pooled_slots(plan.slots) if plan.pooled else ([decoder.slot() for _ in range(plan.slots)], None)
+    if plan.pooled:
+        free, pool = decoder.pooled_slots(plan.slots)
+    else:
+        free, pool = [decoder.slot() for _ in range(plan.slots)], None
     if isinstance(jobs, JobQueue):
         take, more = jobs.take, lambda: not jobs.closed
     else:

@@ -11,12 +11,12 @@ different key length or mask path may too. So the probe measures it:
 2. **Attention.** The implementations in ``attention.implementations(max_t)`` are timed (a
    one-token step and a 4-token pass, to the device's end, in turns; with ``packed``, from
    ``skip.make_decoder``, also a packed pass of ``BATCH_SLOTS`` sequences, the batched engine's
-   step, and the two times are added), then checked cheapest first, each over the whole model: for each context length c in ``CONTEXTS``, random tokens,
-   then one-token steps for positions c..c+max_t-1 as the reference, then passes of
-   T = 2..max_t tokens at c, each followed by a one-token step at c+T (which reads the K/V the
-   pass wrote). Rows must be bitwise equal.
+   step, and the two times are added), then checked cheapest first, each over the whole model:
+   for each context length c in ``CONTEXTS``, random tokens, then one-token steps for positions
+   c..c+max_t-1 as the reference, then passes of T = 2..max_t tokens at c, each followed by a
+   one-token step at c+T (which reads the K/V the pass wrote). Rows must be bitwise equal.
 3. The first exact one is kept and the ones after it are not checked. If none
-   is exact, the fastest is kept, ``exact`` is False, and the reason is logged once.
+   is exact, the cheapest is kept, ``exact`` is False, and the reason is logged once.
 
 With a ``record`` file, an exact choice is remembered (``remember``) and the next load takes it
 without probing (``Exactness.recalled``). The record's name carries everything the rounding can
