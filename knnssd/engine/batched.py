@@ -224,11 +224,12 @@ def rows_exact(decoder: Decoder, max_rows: int) -> bool:
 @torch.inference_mode()
 def pooled_exact(decoder: Decoder, slots: int) -> bool:
     """Does attention batched over a ``SlotPool`` (``forward_slots(..., pool)``) give every sequence the
-    logits, and the K/V, its own pass gives? Checked on the real model: ``slots`` sequences of random
-    tokens (the first half of the slots at one key length, read as a slice of the pool; the rest at
-    two others, alternating, read as copies of their rows), three packed passes (mixed draft
-    lengths up to ``max_t``, one-token steps that read what the first wrote, the lengths reversed),
-    each against every slot's own pass on a cache of its own, bitwise. False where the step has no
+    logits its own pass gives (and, through the later passes, the K/V)? Checked on the real model:
+    ``slots`` sequences of random tokens at three key lengths placed so that, from 4 slots on, one
+    group is read as a copy of its rows and one as a slice (from 8, one with a non-member inside),
+    three packed passes (mixed draft lengths up to ``max_t``, one-token steps that read what the
+    first wrote, the lengths reversed), each against every slot's own pass on a cache of its own,
+    bitwise. False where the step has no
     batched form or is not exact itself."""
     ex = decoder.exactness
     if ex is None or not ex.exact or decoder.attention.batch is None:
@@ -240,9 +241,12 @@ def pooled_exact(decoder: Decoder, slots: int) -> bool:
     g = torch.Generator().manual_seed(7)
     starts = []
     for b in range(slots):
-        ids = torch.randint(0, vocab, (5 + (b * 13) % 40,), generator=g).to(decoder.device)
+        ids = torch.randint(0, vocab, (5 + b % 3,), generator=g).to(decoder.device)
+        # key lengths by position: C at both ends (a copied group), else A or B (every third slot):
+        # 8 slots read C,B,A,A,B,A,A,C (two copied groups, a slice with a non-member inside)
+        extra = 2 if slots > 2 and b in (0, slots - 1) else 1 if b % 3 == 1 else 0
         for s in (pooled[b], own[b]):
-            s.reserve(ids.shape[0] + 3 * max_t + (0 if b < slots // 2 else (1 + b % 2) * BUCKET))
+            s.reserve(BUCKET * (1 + extra))
             s.forward(ids, 0)
         starts.append(ids.shape[0])
     mixed = [1 + (b * 5) % max_t for b in range(slots)]
