@@ -4,7 +4,9 @@
 every attention call of that generation reads: ``n`` rounded up to a bucket of ``BUCKET``
 positions, a function of the prompt length and the generation budget only, so a speculative
 run and a plain run of the same request read keys of the same length. Buffers are allocated
-zeroed when they are too small and reused otherwise; nothing is reallocated mid-generation.
+zeroed when they are too small and reused otherwise; a ``KVCache`` is never reallocated
+mid-generation. A ``SlotPool`` is: another slot's longer reservation regrows (and copies) every
+slot's buffers, so callers take the views ``write`` returns afresh on every call.
 
 Rolling back is free: attention masks every position past a query's own, and the next call
 overwrites it. Drafts write K/V for the layers they run; verification rewrites every layer for
