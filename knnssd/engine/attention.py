@@ -41,9 +41,9 @@ import torch.nn.functional as F
 
 
 def allowed(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
-    """(T, length) bool: query at pos[t] may read key j."""
-    k = torch.arange(length, device=pos.device)[None, :]
-    q = pos[:, None]
+    """(..., length) bool: the query at each position of ``pos`` (T,), or (B, R), may read key j."""
+    k = torch.arange(length, device=pos.device)
+    q = pos[..., None]
     ok = k <= q
     if window is not None:
         ok &= k > q - window

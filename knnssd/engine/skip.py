@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from knnssd.engine.attention import PREFILL_ROWS, SDPA, SDPA_DYNAMIC, Attention
+from knnssd.engine.attention import PREFILL_ROWS, SDPA, SDPA_DYNAMIC, Attention, allowed
 from knnssd.engine.cache import KVCache, SlotPool
 from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf
 
@@ -276,16 +276,9 @@ class Decoder:
                 ) -> torch.Tensor:
         """Attention of one sequence's rows, from their QKV projection (T, (H + 2 KV) D): writes their K/V to
         this decoder's cache at ``pos`` and returns (1, T, H D), before the output projection."""
-        s, T = self.stack, qkv.shape[0]
-        H, KV, D = s.n_heads, s.n_kv, s.head_dim
-        qkv = qkv.view(T, H + 2 * KV, D)
-        if layer.q_norm is not None:
-            qk = torch.cat((layer.q_norm(qkv[:, :H]), layer.k_norm(qkv[:, H : H + KV])), dim=1)
-        else:
-            qk = qkv[:, : H + KV]
-        qk = _rope(qk, *rope)  # (T, H+KV, D)
-        kc, vc = self.cache.write(i, pos, qk[:, H:].transpose(0, 1)[None], qkv[:, H + KV :].transpose(0, 1)[None])
-        return attn.attend(qk[:, :H], kc, vc, mask, s.scale)
+        q, k, v = _heads(self.stack, layer, qkv, rope)
+        kc, vc = self.cache.write(i, pos, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        return attn.attend(q, kc, vc, mask, self.stack.scale)
 
     def _rope(self, pos: torch.Tensor, h: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         s = self.stack
@@ -301,6 +294,19 @@ class Decoder:
         if key == "all":
             return self.stack.rotary(x, pos)
         return self.stack.rotary(x, pos, key)
+
+
+def _heads(s: Stack, layer: Layer, qkv: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (T, H, D), k, v (T, KV, D) of T rows from their QKV projection (T, (H + 2 KV) D): q and k
+    normed per head where the layer does, and rotated."""
+    T, H, KV, D = qkv.shape[0], s.n_heads, s.n_kv, s.head_dim
+    qkv = qkv.view(T, H + 2 * KV, D)
+    if layer.q_norm is not None:
+        qk = torch.cat((layer.q_norm(qkv[:, :H]), layer.k_norm(qkv[:, H : H + KV])), dim=1)
+    else:
+        qk = qkv[:, : H + KV]
+    qk = _rope(qk, *rope)  # (T, H+KV, D)
+    return qk[:, :H], qk[:, H:], qkv[:, H + KV :]
 
 
 def _attn_out(layer: Layer, attended: torch.Tensor) -> torch.Tensor:
@@ -410,15 +416,9 @@ class _PooledAttention:
 
     def __call__(self, layer: Layer, i: int, qkv: torch.Tensor) -> torch.Tensor:
         s, n = self.stack, qkv.shape[0]
-        H, KV, D = s.n_heads, s.n_kv, s.head_dim
-        qkv = qkv.view(n, H + 2 * KV, D)
-        if layer.q_norm is not None:
-            qk = torch.cat((layer.q_norm(qkv[:, :H]), layer.k_norm(qkv[:, H : H + KV])), dim=1)
-        else:
-            qk = qkv[:, : H + KV]
-        qk = _rope(qk, *self.rope[layer.rope])
-        self.pool.write(i, self.slots, self.pos, qk[:, H:], qkv[:, H + KV :])
-        q = qk[:, :H]
+        H, D = s.n_heads, s.head_dim
+        q, k, v = _heads(s, layer, qkv, self.rope[layer.rope])
+        self.pool.write(i, self.slots, self.pos, k, v)
         out = q.new_empty(n, H * D)
         for length, read, R, rows, local, t, qpos, masks in self.groups:
             if layer.window not in masks:
@@ -433,11 +433,7 @@ class _PooledAttention:
 
 def allowed_batch(qpos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
     """(B, 1, R, length) bool: ``attention.allowed`` for each row of query positions qpos (B, R)."""
-    k = torch.arange(length, device=qpos.device)
-    ok = k <= qpos[..., None]
-    if window is not None:
-        ok &= k > qpos[..., None] - window
-    return ok[:, None]
+    return allowed(qpos, length, window)[:, None]
 
 
 class HFDecoder:
