@@ -47,6 +47,15 @@ def test_cost_model_is_linear_in_kept_sublayers():
     assert costs.draft_ms(half, False) <= costs.draft_ms(none, False)
 
 
+def test_int8_drafts_are_searched_only_where_measured_faster():
+    """On CUDA ``_weight_int8pack_mm`` made an int8 draft step slower than a full bf16 one: the search then
+    leaves int8 out, by the costs it measured (here given)."""
+    fast = Costs(verify=[10.0], draft={"full": (1.0, 0.2, 0.3), "int8": (1.0, 0.1, 0.2)})
+    slow = Costs(verify=[10.0], draft={"full": (1.0, 0.2, 0.3), "int8": (2.0, 0.3, 0.5)})
+    assert fast.int8_pays(4) and not slow.int8_pays(4)
+    assert not Costs(verify=[10.0], draft={"full": (1.0, 0.2, 0.3)}).int8_pays(4)
+
+
 def test_influence_finds_planted_zero_layers_and_the_first_mask_skips_exactly_them():
     from knnssd.bench.planted import plant
 

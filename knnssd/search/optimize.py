@@ -87,7 +87,6 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     proposals = {sizes: [ngram_proposals(s, sizes, max(MAX_LENS)) for s in samples] for sizes in NGRAM_SIZES}
     n = dec.n_layers
     kinds = tuple(k for k in ("layer_skip", "hybrid") if k in budget.kinds) if dec.can_skip else ()
-    precisions = [True, False] if budget.int8 else [False]
     proxy = job.study("proxy", budget.seed)
     # every worker of a study, and every resumed run, scores with the step costs the study began with
     stored = proxy.user_attrs.get("costs")
@@ -96,13 +95,18 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     else:
         costs = m.measure_costs()
         proxy.set_user_attr("costs", asdict(costs))
+    int8 = budget.int8 and costs.int8_pays(n)
+    if budget.int8 and not int8:  # e.g. on CUDA, where _weight_int8pack_mm is slower than a bf16 step
+        log.info("int8 drafts left out of the search: an int8 draft step costs %.2f ms, a full-precision one "
+                 "%.2f ms (measured)", costs.draft_ms(SkipMask.none(n), True), costs.draft_ms(SkipMask.none(n), False))
+    precisions = [True, False] if int8 else [False]
     if not kinds:
         return Proxy(proxy, samples, proposals, kinds, costs)
     if not proxy.trials:
         for int8 in precisions:
             proxy.enqueue_trial(trial_params(SkipMask.none(n), int8))
         for params in job.warm_start:
-            if budget.int8 or not params.get("int8"):
+            if int8 or not params.get("int8"):
                 proxy.enqueue_trial(params)
         for mask in influence_masks(influence(dec, samples, budget.context)):
             for int8 in precisions:
