@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from knnssd.engine.decode import GenerationConfig, decode, prefill
 from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.sampling import Warp, greedy_verify, probs, rejection_verify
+from knnssd.engine.sampling import Verdict, Warp, accept_greedy, accept_sampled, probs
 from knnssd.engine.sequence import Sequence
 from knnssd.engine.skip import SkipMask, make_decoder
 from tiny import prompt_ids, tiny
@@ -37,6 +37,16 @@ def chi2_pvalue(counts: dict, expected_p: dict, n: int) -> float:
     return float(chisquare(np.array(obs), np.array(exp) * (sum(obs) / sum(exp))).pvalue)
 
 
+def rejection_verify(x, q, p, g, kept=None) -> tuple[int, int]:
+    v = Verdict.read(accept_sampled(x, q, p, g, kept))
+    return v.accepted, v.next
+
+
+def greedy_verify(x, logits, kept=None) -> tuple[int, int]:
+    v = Verdict.read(accept_greedy(x, logits, kept))
+    return v.accepted, v.next
+
+
 def test_rejection_verify_single_position_matches_target():
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])
@@ -55,12 +65,28 @@ def test_rejection_verify_single_position_matches_target():
     assert abs(hits / 4000 - 0.5) < 0.03
 
 
+def test_rejection_verify_cut_draft_samples_the_bonus_position():
+    """A draft cut on the device to ``kept`` = 1 of 2 tokens: once its first token is accepted, the next
+    token is a sample of p_2 (the bonus position of the cut draft), never of the residual there."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.3, 0.7], [0.0, 0.0, 1.0]])
+    counts: dict[int, int] = {}
+    for _ in range(4000):
+        acc, nxt = rejection_verify(torch.tensor([0, 2]), None, p, g, kept=torch.tensor(1))
+        assert acc == 1  # p_1(0) = 1, and the second drafted token is never verified
+        counts[nxt] = counts.get(nxt, 0) + 1
+    assert chi2_pvalue(counts, {1: 0.3, 2: 0.7}, 4000) > ALPHA
+
+
 def test_greedy_verify():
     logits = torch.tensor([[0.0, 5, 0], [9, 0, 0], [0, 0, 3]])
     assert greedy_verify(torch.tensor([1, 0]), logits) == (2, 2)
     assert greedy_verify(torch.tensor([1, 2]), logits) == (1, 0)
     assert greedy_verify(torch.tensor([2, 0]), logits) == (0, 1)
     assert greedy_verify(torch.tensor([], dtype=torch.long), logits[:1]) == (0, 1)
+    assert greedy_verify(torch.tensor([1, 0]), logits, kept=torch.tensor(1)) == (1, 0)  # cut: best at position 1
+    v = Verdict.read(accept_greedy(torch.tensor([1, 0]), logits, torch.tensor(1)))
+    assert v.drafted == (1,) and v.emitted == [1, 0]
 
 
 def test_warp_top_k_top_p():

@@ -60,11 +60,11 @@ def test_kv_cache_is_static_per_generation():
 def test_ngram_lookup_uses_latest_match_and_never_itself():
     ng = NGram((2, 1), max_len=3)
     seq = Sequence([5, 6, 7, 8, 5, 6, 9, 5, 6], 9, None, Warp(), None, torch.device("cpu"))
-    assert ng.propose(seq, 3).tokens == [9, 5, 6]  # latest earlier "5 6" is followed by 9
+    assert ng.propose(seq, 3).tokens.tolist() == [9, 5, 6]  # latest earlier "5 6" is followed by 9
     seq.tokens.append(1)
-    assert ng.propose(seq, 3).tokens == []  # "6 1" and "1" never occurred before
+    assert ng.propose(seq, 3).tokens.tolist() == []  # "6 1" and "1" never occurred before
     fresh = Sequence([1, 2, 3], 3, None, Warp(), None, torch.device("cpu"))
-    assert ng.propose(fresh, 3).tokens == []
+    assert ng.propose(fresh, 3).tokens.tolist() == []
 
 
 def test_stops_at_eos_length_and_stop_string():

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from knnssd.engine.drafters import Draft, Drafter
-from knnssd.engine.sampling import Warp, greedy_verify, probs, rejection_verify, sample
+from knnssd.engine.sampling import Verdict, Warp, accept_greedy, accept_sampled, draw, probs
 from knnssd.engine.sequence import Sequence
 
 
@@ -150,7 +150,8 @@ class Run:
         self.max_draft = ex.max_t - 1 if ex else 1 << 30  # longer passes were not probed
         self.k = drafter.max_len if drafter is not None else 0  # draft length; the drafter's feedback adapts it
         warp = config.warp
-        first = int(first_logits.argmax().item()) if warp.greedy else sample(probs(first_logits, warp), seq.generator)
+        seq.last = (first_logits.argmax(-1) if warp.greedy else draw(probs(first_logits, warp), seq.generator)).view(1)
+        first = int(seq.last)
         self.new = [first]
         seq.tokens.append(first)
         self.stats.stop = self.stopper.check(self.new)
@@ -173,8 +174,7 @@ class Run:
         k = self.draft_cap() if k is None else min(k, self.draft_cap())
         draft = self.drafter.propose(self.seq, k) if k > 0 else None
         seq = self.seq
-        ids = torch.tensor([seq.tokens[-1], *(draft.tokens if draft is not None else ())], dtype=torch.long,
-                           device=seq.device)
+        ids = seq.last if draft is None else torch.cat((seq.last, draft.tokens))
         self.stats.draft_s += time.perf_counter() - t0
         return Call(ids, len(seq.tokens) - 1, draft)
 
@@ -183,20 +183,22 @@ class Run:
         when nothing was drafted), emit the accepted tokens and the next one, roll the cache back.
         Returns the number of tokens emitted."""
         seq, warp, stats = self.seq, self.config.warp, self.stats
-        drafted = call.draft.tokens if call.draft is not None else []
-        x = call.ids[1:]
+        x, draft = call.ids[1:], call.draft
+        kept = draft.kept if draft is not None else None
         if warp.greedy:
-            n, nxt = greedy_verify(x, logits)
+            packed = accept_greedy(x, logits, kept)
         else:
-            n, nxt = rejection_verify(x, call.draft.q if call.draft is not None else None, probs(logits, warp),
-                                      seq.generator)
+            packed = accept_sampled(x, draft.q if draft is not None else None, probs(logits, warp), seq.generator, kept)
+        verdict = Verdict.read(packed)  # the step's one host read
+        seq.last = packed[2:3]  # the next token stays on the device for the next draft and pass
+        n = verdict.accepted
         stats.steps += 1
-        stats.drafted += len(drafted)
+        stats.drafted += len(verdict.drafted)
         stats.accepted.append(n)
         if self.drafter is not None:
-            self.k = self.drafter.next_len(self.k, len(drafted), n)
+            self.k = self.drafter.next_len(self.k, len(verdict.drafted), n)
         before = len(self.new)
-        for tok in (*drafted[:n], nxt):
+        for tok in verdict.emitted:
             self.new.append(tok)
             seq.tokens.append(tok)
             stats.stop = self.stopper.check(self.new)

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from knnssd.engine.sampling import probs, sample
+from knnssd.engine.sampling import draw, probs
 from knnssd.engine.sequence import Sequence
 from knnssd.engine.skip import MaskError, SkipMask
 
@@ -28,8 +28,16 @@ KINDS = ("none", "layer_skip", "ngram", "hybrid")
 
 @dataclass
 class Draft:
-    tokens: list[int]
-    q: torch.Tensor | None = None  # (len(tokens), V) draft distributions when sampling; None = point masses
+    tokens: torch.Tensor  # (k,) long, on the model's device
+    q: torch.Tensor | None = None  # (k, V) draft distributions when sampling; None = point masses
+    kept: torch.Tensor | None = None  # 0-d: verify only the first ``kept`` (a confidence cut on the device)
+
+    @classmethod
+    def of(cls, tokens: list[int], device: torch.device) -> "Draft":
+        return cls(torch.tensor(tokens, dtype=torch.long, device=device))
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
 
 
 class Drafter(Protocol):
@@ -60,34 +68,47 @@ class _Feedback:
 
 
 class LayerSkip(_Feedback):
+    """Drafts with the model itself, some sub-layers skipped (optionally on int8 weights), and stops at the
+    first token whose probability is under ``threshold``. ``early_stop`` says where that stop is made: True
+    reads each token on the host and drafts no further (free on a CPU, where it saves draft steps); False
+    drafts all k tokens with no host read and cuts the draft on the device (``Draft.kept``), so a step
+    costs one host sync (the verdict's); None: True on a CPU, False elsewhere. Same tokens either way."""
 
-    def __init__(self, mask: SkipMask, max_len: int = 8, threshold: float = 0.0, int8: bool = False):
+    def __init__(self, mask: SkipMask, max_len: int = 8, threshold: float = 0.0, int8: bool = False,
+                 early_stop: bool | None = None):
         self.mask, self.max_len, self.threshold, self.int8 = mask, max_len, threshold, int8
+        self.early_stop = early_stop
         self._stack = None
 
     def propose(self, seq: "Sequence", k: int) -> Draft:
         dec = seq.decoder
         if self.int8 and self._stack is None:
             self._stack = dec.int8_stack()
-        tok, pos = seq.tokens[-1], len(seq.tokens) - 1
-        out: list[int] = []
+        early = self.early_stop if self.early_stop is not None else seq.device.type == "cpu"
+        pos = len(seq.tokens) - 1
+        tok = seq.last  # (1,) on the device
+        toks: list[torch.Tensor] = []
+        confs: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
-        ids = torch.empty(1, dtype=torch.long, device=seq.device)
         for i in range(k):
-            ids[0] = tok
-            logits = dec.forward(ids, pos + i, self.mask, stack=self._stack, last=True).logits[0]
+            logits = dec.forward(tok, pos + i, self.mask, stack=self._stack, last=True).logits[0]
             if seq.warp.greedy:
-                tok = int(logits.argmax().item())
-                conf = float(logits.softmax(-1)[tok].item()) if self.threshold > 0 else 1.0
+                tok = logits.argmax(-1, keepdim=True)
+                dist = logits.softmax(-1) if self.threshold > 0 else None
             else:
-                q = probs(logits, seq.warp)
-                tok = sample(q, seq.generator)
-                qs.append(q)
-                conf = float(q[tok].item())
-            out.append(tok)
-            if conf < self.threshold:
-                break
-        return Draft(out, torch.stack(qs) if qs else None)
+                dist = probs(logits, seq.warp)
+                tok = draw(dist, seq.generator).view(1)
+                qs.append(dist)
+            toks.append(tok)
+            if self.threshold > 0:
+                confs.append(dist.gather(0, tok))
+                if early and float(confs[-1]) < self.threshold:
+                    break
+        draft = Draft(torch.cat(toks) if toks else seq.last[:0], torch.stack(qs) if qs else None)
+        if confs and not early:
+            below = torch.cat(confs) < self.threshold  # keep up to and including the first token under it
+            draft.kept = torch.where(below.any(), below.long().argmax() + 1, len(toks))
+        return draft
 
 
 class NGram(_Feedback):
@@ -103,7 +124,7 @@ class NGram(_Feedback):
         self._done = 0  # n-grams ending before this position are indexed
 
     def propose(self, seq: "Sequence", k: int) -> Draft:
-        return Draft(self.lookup(seq.uid, seq.tokens, k))
+        return Draft.of(self.lookup(seq.uid, seq.tokens, k), seq.device)
 
     def lookup(self, key: object, toks: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix.
@@ -133,7 +154,7 @@ class Hybrid(_Feedback):
 
     def propose(self, seq: "Sequence", k: int) -> Draft:
         d = self.ngram.propose(seq, min(k, self.ngram.max_len))
-        if d.tokens:
+        if len(d):
             return d
         return self.layer_skip.propose(seq, min(k, self.layer_skip.max_len))
 

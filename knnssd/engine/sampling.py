@@ -60,46 +60,84 @@ def probs(logits: torch.Tensor, warp: Warp) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index i of ``weights`` (..., V), nonnegative and not all zero, with probability weights_i / sum,
+    as a long tensor on the device (...,): the exponential race argmax_i weights_i / E_i, E_i ~ Exp(1), so
+    no host read and no normalising."""
+    race = torch.empty_like(weights, dtype=torch.float32).exponential_(generator=generator)
+    return weights.float().div(race).argmax(-1)
+
+
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(p, 1, generator=generator).item())
+    return int(draw(p, generator).item())
 
 
-def greedy_verify(drafted: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """(number of drafted tokens accepted, next token). drafted: (k,); target_logits: (k+1, V)."""
-    best = target_logits.argmax(-1)
+# A step's verdict, packed on the device so the host reads it once: (3 + k,) long
+#     [n, m, y, x_1..x_k]   n drafted tokens accepted (n <= m), m of the k drafted tokens verified
+#                           (a confidence cut made on the device may keep fewer than k), y the next token
+VERDICT_HEAD = 3
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int  # n
+    drafted: tuple[int, ...]  # x_1..x_m: the drafted tokens that were verified
+    next: int  # y
+
+    @classmethod
+    def read(cls, packed: torch.Tensor) -> "Verdict":
+        """From ``accept_greedy``'s or ``accept_sampled``'s packed tensor: the step's one host copy."""
+        n, m, y, *x = packed.tolist()
+        return cls(n, tuple(x[:m]), y)
+
+    @property
+    def emitted(self) -> list[int]:
+        return [*self.drafted[: self.accepted], self.next]
+
+
+def _pack(n: torch.Tensor, m: torch.Tensor | None, y: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    if m is None:
+        m = torch.full((), drafted.shape[0], dtype=torch.long, device=drafted.device)
+    return torch.cat((n.view(1), m.view(1).long(), y.view(1), drafted))
+
+
+def _within(ok: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """Accept flags (k,) limited to the first ``kept`` positions; n = the count of the accepted prefix."""
+    if kept is not None:
+        ok = ok & (torch.arange(ok.shape[0], device=ok.device) < kept)
+    return ok.long().cumprod(0).sum()
+
+
+def accept_greedy(drafted: torch.Tensor, logits: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy verification on the device. drafted (k,), logits (k+1, V), ``kept`` (0-d, optional): verify only
+    the first ``kept`` drafted tokens. Returns the packed verdict (``Verdict.read``)."""
+    best = logits.argmax(-1)
     k = drafted.shape[0]
-    n = int(torch.cumprod(best[:k] == drafted, 0).sum().item()) if k else 0
-    return n, int(best[n].item())
+    n = _within(best[:k] == drafted, kept)
+    return _pack(n, kept, best.gather(0, n.view(1)), drafted)
 
 
-def rejection_verify(
-    drafted: torch.Tensor,
-    q: torch.Tensor | None,
-    p: torch.Tensor,
-    generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """(number accepted, next token) for speculative sampling.
-
-    drafted: (k,) tokens x_i; q: (k, V) draft distributions or None (point masses at x_i);
-    p: (k+1, V) target distributions. Uses k+1 uniforms from ``generator``.
-    """
+def accept_sampled(drafted: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator | None,
+                   kept: torch.Tensor | None = None) -> torch.Tensor:
+    """Speculative sampling on the device. drafted (k,) tokens x_i; q (k, V) draft distributions or None
+    (point masses at x_i); p (k+1, V) target distributions; ``kept`` as in ``accept_greedy``. Uses k
+    uniforms and one exponential race over V from ``generator``. Returns the packed verdict."""
     k = drafted.shape[0]
-    if k == 0:
-        return 0, sample(p[0], generator)
     idx = torch.arange(k, device=p.device)
     p_x = p[idx, drafted]
     q_x = torch.ones_like(p_x) if q is None else q[idx, drafted]
     u = torch.rand(k, generator=generator, device=p.device)
-    accepted = u * q_x < p_x  # u < p/q without dividing by zero
-    n = int(torch.cumprod(accepted, 0).sum().item())
-    if n == k:
-        return n, sample(p[k], generator)
-    if q is None:
-        residual = p[n].clone()
-        residual[drafted[n]] = 0
-    else:
-        residual = (p[n] - q[n]).clamp_min(0)
-    total = residual.sum()
-    if total <= 0:  # p == q at this position: rejection had probability 0; guard rounding
-        residual, total = p[n], p[n].sum()
-    return n, sample(residual / total, generator)
+    n = _within(u * q_x < p_x, kept)  # u < p/q without dividing by zero
+    m = torch.full((), k, dtype=torch.long, device=p.device) if kept is None else kept
+    # the row to sample: the residual norm(max(0, p_n - q_n)) at a rejection (n < m), else p_n
+    residual = p.clone()
+    if k:
+        if q is None:
+            residual[idx, drafted] = 0
+        else:
+            residual[:k] = (p[:k] - q).clamp_min(0)
+    at = n.view(1)  # rows picked by index_select: a 0-d tensor index would be read on the host
+    p_n = p.index_select(0, at)[0]
+    row = torch.where(n < m, residual.index_select(0, at)[0], p_n)
+    row = torch.where(row.sum() > 0, row, p_n)  # p == q at this position: rejection had probability 0
+    return _pack(n, kept, draw(row, generator), drafted)

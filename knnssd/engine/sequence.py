@@ -24,3 +24,6 @@ class Sequence:
     generator: torch.Generator | None
     device: torch.device
     uid: int = field(default_factory=lambda: next(_uids))
+    # the last token, (1,) on the device: kept by the decode loop from the step's verdict, so a draft and
+    # the next pass start from it with no host-to-device copy
+    last: torch.Tensor | None = None
