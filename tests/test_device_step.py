@@ -81,3 +81,19 @@ def test_a_draft_cut_on_the_device_gives_the_tokens_of_an_early_stop(arch, thres
         tokens, stats = generate(dec, prompt_ids(arch, 1), drafter, cfg)
         out[early] = (tokens, stats.drafted, stats.accepted)
     assert out[True][0] == plain and out[True] == out[False]
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_batched_step_reads_the_host_once(pooled):
+    """Every sequence's verdict of a packed pass comes to the host in one copy."""
+    from knnssd.engine.batched import BatchPlan, BatchStats, PassCosts, PromptJob, decode_batch
+
+    dec = make_decoder(tiny("llama"))
+    plan = BatchPlan(3, PassCosts((1, 64), (0.01, 0.01)), True, pooled)
+    jobs = [PromptJob(prompt_ids("llama", i), _drafter(("layer_skip", "hybrid", "none")[i % 3], dec.n_layers, 0.3),
+                      GenerationConfig(max_new_tokens=10 + i)) for i in range(5)]
+    stats = BatchStats(3)
+    with host_reads() as reads:
+        done = list(decode_batch(dec, jobs, plan, stats))
+    assert len(done) == 5 and sum(stats.drafted) > 0
+    assert reads["n"] == len(stats.rows) + len(jobs)  # one a step, and one a prompt for its first token

@@ -40,6 +40,7 @@ from knnssd.engine import exactness
 from knnssd.engine.cache import BUCKET
 from knnssd.engine.decode import DecodeStats, GenerationConfig, Run, prefill
 from knnssd.engine.drafters import Drafter
+from knnssd.engine.sampling import Verdict
 from knnssd.engine.skip import Decoder, forward_slots
 from knnssd.engine.timing import median_ms
 
@@ -398,7 +399,8 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
         calls = [r.propose(k) for r, k in zip(runs, ks)]
         t0 = time.perf_counter()
         logits = forward_slots([a.slot for a in active], [(c.ids, c.start) for c in calls], pool)
-        emitted = sum(r.accept(c, x) for r, c, x in zip(runs, calls, logits))
+        packed = [r.judge(c, x) for r, c, x in zip(runs, calls, logits)]
+        emitted = sum(r.apply(v, p) for r, v, p in zip(runs, Verdict.read_all(packed), packed))  # one host read
         dt = time.perf_counter() - t0
         stats.active.append(len(runs))
         stats.rows.append(sum(c.rows for c in calls))

@@ -16,6 +16,10 @@ Sampling (Leviathan et al. 2023; Chen et al. 2023): accept x_i with probability
 min(1, p_i(x_i) / q_i(x_i)); at the first rejection emit a sample of norm(max(0, p_i - q_i));
 if all k are accepted emit a sample of p_{k+1}. Every emitted token is then distributed exactly
 as under plain sampling from p, whatever q is.
+
+Both run on the device (vLLM's rejection sampler's shape): ``accept_greedy`` and ``accept_sampled``
+return the step's verdict packed in one tensor, and ``Verdict.read`` is the step's one host copy.
+A draft cut on the device at m <= k tokens (``kept``) is verified as a draft of m tokens.
 """
 from __future__ import annotations
 
@@ -87,8 +91,22 @@ class Verdict:
     @classmethod
     def read(cls, packed: torch.Tensor) -> "Verdict":
         """From ``accept_greedy``'s or ``accept_sampled``'s packed tensor: the step's one host copy."""
-        n, m, y, *x = packed.tolist()
+        return cls.of(packed.tolist())
+
+    @classmethod
+    def of(cls, values: list[int]) -> "Verdict":
+        n, m, y, *x = values
         return cls(n, tuple(x[:m]), y)
+
+    @classmethod
+    def read_all(cls, packed: list[torch.Tensor]) -> list["Verdict"]:
+        """Several sequences' verdicts with one host copy (a batched step)."""
+        values = torch.cat(packed).tolist()
+        out, at = [], 0
+        for p in packed:
+            out.append(cls.of(values[at : at + p.shape[0]]))
+            at += p.shape[0]
+        return out
 
     @property
     def emitted(self) -> list[int]:
