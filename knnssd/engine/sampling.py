@@ -72,10 +72,6 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return weights.float().div(race).argmax(-1)
 
 
-def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(draw(p, generator).item())
-
-
 # A step's verdict, packed on the device so the host reads it once: (3 + k,) long
 #     [n, m, y, x_1..x_k]   n drafted tokens accepted (n <= m), m of the k drafted tokens verified
 #                           (a confidence cut made on the device may keep fewer than k), y the next token
