@@ -78,6 +78,27 @@ def test_rejection_verify_cut_draft_samples_the_bonus_position():
     assert chi2_pvalue(counts, {1: 0.3, 2: 0.7}, 4000) > ALPHA
 
 
+def test_rejection_verify_with_draft_distributions_and_a_cut_draft():
+    """Two drafted tokens, q given, the draft cut to ``kept`` = 1: the first emitted token follows p_1 (accepted
+    draft or residual sample), and the second is p_2's whenever the first draft was accepted."""
+    g = torch.Generator().manual_seed(2)
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.3, 0.3, 0.4]])
+    q = torch.tensor([[0.2, 0.2, 0.6], [0.3, 0.3, 0.4]])
+    first: dict[int, int] = {}
+    second: dict[int, int] = {}
+    n = 12000
+    for _ in range(n):
+        x = torch.cat((torch.multinomial(q[0], 1, generator=g), torch.tensor([2])))
+        v = Verdict.read(accept_sampled(x, q, p, g, kept=torch.tensor(1)))
+        assert v.accepted <= 1 and v.drafted == (int(x[0]),)
+        tok = v.emitted[0]
+        first[tok] = first.get(tok, 0) + 1
+        if v.accepted:
+            second[v.next] = second.get(v.next, 0) + 1
+    assert chi2_pvalue(first, {i: float(p[0, i]) for i in range(3)}, n) > ALPHA
+    assert chi2_pvalue(second, {i: float(p[1, i]) for i in range(3)}, sum(second.values())) > ALPHA
+
+
 def test_greedy_verify():
     logits = torch.tensor([[0.0, 5, 0], [9, 0, 0], [0, 0, 3]])
     assert greedy_verify(torch.tensor([1, 0]), logits) == (2, 2)
@@ -115,7 +136,7 @@ def exact_joint(model, prompt: list[int], warp: Warp, length: int = 3) -> dict:
 
 @pytest.mark.parametrize("kind,warp", [
     ("none", Warp(0.8, top_k=4)),
-    ("layer_skip", Warp(0.8, top_k=4)),
+    ("layer_skip", Warp(0.8, top_k=4)),  # drafted with no host read, cut at the threshold on the device
     ("ngram", Warp(1.0, top_k=3)),
     ("hybrid", Warp(1.2, top_k=5, top_p=0.9)),
 ])
@@ -127,8 +148,10 @@ def test_speculative_sampling_distribution(kind, warp):
         prompt = list(range(2, model.config.vocab_size)) + prompt
     expected = exact_joint(model, prompt, warp)
     cfg = DrafterConfig(kind=kind, mask=SkipMask.from_layers(4, attn=[2], mlp=[1]).to_dict(), max_len=3,
-                        ngram_sizes=[2, 1])
+                        ngram_sizes=[2, 1], threshold=0.4)
     drafter = build(cfg, dec.n_layers)
+    if kind == "layer_skip":  # hybrid's layer-skip part stops early, at the threshold, as on a CPU
+        drafter.early_stop = False
     counts: dict[tuple, int] = {}
     drafted = 0
     # generate() is prefill() then decode(); the prompt's K/V and logits do not depend on the seed, so

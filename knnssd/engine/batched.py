@@ -6,7 +6,8 @@ its own) with its own drafter. A step:
     k_b   = choose_lengths(...)                   # draft lengths from goodput, down to 0
     call_b = run_b.propose(k_b)                   # each sequence drafts on its slot
     logits = forward_slots(slots, calls, pool)    # one pass: every sequence's rows packed together
-    run_b.accept(call_b, logits_b)                # verify, emit, roll back (decode.Run)
+    run_b.apply(verdict_b)                        # verify on the device (run_b.judge), read every verdict
+                                                  # in one host copy, emit, roll back (decode.Run)
 
 The slots' caches are rows of one ``SlotPool``, so attention runs batched: one call per key
 length over the slots reading it (``pooled_exact`` checks on the real model that this gives each
@@ -400,7 +401,7 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
         t0 = time.perf_counter()
         logits = forward_slots([a.slot for a in active], [(c.ids, c.start) for c in calls], pool)
         packed = [r.judge(c, x) for r, c, x in zip(runs, calls, logits)]
-        emitted = sum(r.apply(v, p) for r, v, p in zip(runs, Verdict.read_all(packed), packed))  # one host read
+        emitted = sum(r.apply(v) for r, v in zip(runs, Verdict.read_all(packed)))  # the step's one host read
         dt = time.perf_counter() - t0
         stats.active.append(len(runs))
         stats.rows.append(sum(c.rows for c in calls))

@@ -182,8 +182,7 @@ class Run:
         """Verify ``call``'s draft against the full model's ``logits`` (one row per id, or only the last
         when nothing was drafted), emit the accepted tokens and the next one, roll the cache back.
         Returns the number of tokens emitted."""
-        packed = self.judge(call, logits)
-        return self.apply(Verdict.read(packed), packed)  # the step's one host read
+        return self.apply(Verdict.read(self.judge(call, logits)))  # the step's one host read
 
     def judge(self, call: Call, logits: torch.Tensor) -> torch.Tensor:
         """The packed verdict on ``call`` (``sampling.Verdict``), on the device: nothing is read yet."""
@@ -193,10 +192,10 @@ class Run:
             return accept_greedy(x, logits, kept)
         return accept_sampled(x, draft.q if draft is not None else None, probs(logits, warp), self.seq.generator, kept)
 
-    def apply(self, verdict: Verdict, packed: torch.Tensor) -> int:
-        """Emit what ``verdict`` (read from ``packed``) accepted and the next token; returns how many."""
+    def apply(self, verdict: Verdict) -> int:
+        """Emit what ``verdict`` accepted and the next token; returns how many."""
         seq, stats = self.seq, self.stats
-        seq.last = packed[2:3]  # the next token stays on the device for the next draft and pass
+        seq.last = verdict.next_ids
         n = verdict.accepted
         stats.steps += 1
         stats.drafted += len(verdict.drafted)

@@ -34,7 +34,12 @@ class Draft:
 
     @classmethod
     def of(cls, tokens: list[int], device: torch.device) -> "Draft":
-        return cls(torch.tensor(tokens, dtype=torch.long, device=device))
+        """From tokens on the host (n-gram lookup): on CUDA through pinned memory, a copy that does not wait
+        for the drafts other sequences have queued."""
+        t = torch.tensor(tokens, dtype=torch.long)
+        if device.type == "cuda":
+            t = t.pin_memory()
+        return cls(t.to(device, non_blocking=True))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -72,7 +77,10 @@ class LayerSkip(_Feedback):
     first token whose probability is under ``threshold``. ``early_stop`` says where that stop is made: True
     reads each token on the host and drafts no further (free on a CPU, where it saves draft steps); False
     drafts all k tokens with no host read and cuts the draft on the device (``Draft.kept``), so a step
-    costs one host sync (the verdict's); None: True on a CPU, False elsewhere. Same tokens either way."""
+    costs one host sync (the verdict's); None: True on a CPU, False elsewhere. Greedy drafts verify the
+    same tokens either way; when sampling, the device draft draws for all k tokens (the same distribution,
+    other draws). Off the CPU a threshold saves no draft step and no verified row (the pass has k + 1
+    rows either way): it only limits what may be accepted."""
 
     def __init__(self, mask: SkipMask, max_len: int = 8, threshold: float = 0.0, int8: bool = False,
                  early_stop: bool | None = None):
@@ -102,13 +110,13 @@ class LayerSkip(_Feedback):
             toks.append(tok)
             if self.threshold > 0:
                 confs.append(dist.gather(0, tok))
-                if early and float(confs[-1]) < self.threshold:
+                if early and bool(confs[-1] < self.threshold):  # the comparison the device cut makes
                     break
-        draft = Draft(torch.cat(toks) if toks else seq.last[:0], torch.stack(qs) if qs else None)
+        kept = None
         if confs and not early:
             below = torch.cat(confs) < self.threshold  # keep up to and including the first token under it
-            draft.kept = torch.where(below.any(), below.long().argmax() + 1, len(toks))
-        return draft
+            kept = torch.where(below.any(), below.long().argmax() + 1, len(toks))
+        return Draft(torch.cat(toks) if toks else seq.last[:0], torch.stack(qs) if qs else None, kept)
 
 
 class NGram(_Feedback):

@@ -69,13 +69,13 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     as a long tensor on the device (...,): the exponential race argmax_i weights_i / E_i, E_i ~ Exp(1), so
     no host read and no normalising."""
     race = torch.empty_like(weights, dtype=torch.float32).exponential_(generator=generator)
-    return weights.float().div(race).argmax(-1)
+    return weights.float().div(race.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1)  # never 0 / 0
 
 
 # A step's verdict, packed on the device so the host reads it once: (3 + k,) long
 #     [n, m, y, x_1..x_k]   n drafted tokens accepted (n <= m), m of the k drafted tokens verified
 #                           (a confidence cut made on the device may keep fewer than k), y the next token
-VERDICT_HEAD = 3
+_N, _M, _Y, _HEAD = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -83,16 +83,12 @@ class Verdict:
     accepted: int  # n
     drafted: tuple[int, ...]  # x_1..x_m: the drafted tokens that were verified
     next: int  # y
+    next_ids: torch.Tensor  # (1,): y on the device, for the next draft and pass (no host-to-device copy)
 
     @classmethod
     def read(cls, packed: torch.Tensor) -> "Verdict":
         """From ``accept_greedy``'s or ``accept_sampled``'s packed tensor: the step's one host copy."""
-        return cls.of(packed.tolist())
-
-    @classmethod
-    def of(cls, values: list[int]) -> "Verdict":
-        n, m, y, *x = values
-        return cls(n, tuple(x[:m]), y)
+        return cls.of(packed.tolist(), packed)
 
     @classmethod
     def read_all(cls, packed: list[torch.Tensor]) -> list["Verdict"]:
@@ -100,25 +96,28 @@ class Verdict:
         values = torch.cat(packed).tolist()
         out, at = [], 0
         for p in packed:
-            out.append(cls.of(values[at : at + p.shape[0]]))
+            out.append(cls.of(values[at : at + p.shape[0]], p))
             at += p.shape[0]
         return out
+
+    @classmethod
+    def of(cls, values: list[int], packed: torch.Tensor) -> "Verdict":
+        n, m, y = values[_N], values[_M], values[_Y]
+        return cls(n, tuple(values[_HEAD : _HEAD + m]), y, packed[_Y : _Y + 1])
 
     @property
     def emitted(self) -> list[int]:
         return [*self.drafted[: self.accepted], self.next]
 
 
-def _pack(n: torch.Tensor, m: torch.Tensor | None, y: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
-    if m is None:
-        m = torch.full((), drafted.shape[0], dtype=torch.long, device=drafted.device)
-    return torch.cat((n.view(1), m.view(1).long(), y.view(1), drafted))
+def _verified(drafted: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """m, 0-d: how many drafted tokens are verified (``kept``, or all k)."""
+    return torch.full((), drafted.shape[0], dtype=torch.long, device=drafted.device) if kept is None else kept.long()
 
 
-def _within(ok: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-    """Accept flags (k,) limited to the first ``kept`` positions; n = the count of the accepted prefix."""
-    if kept is not None:
-        ok = ok & (torch.arange(ok.shape[0], device=ok.device) < kept)
+def _accepted(ok: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """n, 0-d: the length of the accepted prefix of ``ok`` (k,), within its first m positions."""
+    ok = ok & (torch.arange(ok.shape[0], device=ok.device) < m)
     return ok.long().cumprod(0).sum()
 
 
@@ -126,9 +125,9 @@ def accept_greedy(drafted: torch.Tensor, logits: torch.Tensor, kept: torch.Tenso
     """Greedy verification on the device. drafted (k,), logits (k+1, V), ``kept`` (0-d, optional): verify only
     the first ``kept`` drafted tokens. Returns the packed verdict (``Verdict.read``)."""
     best = logits.argmax(-1)
-    k = drafted.shape[0]
-    n = _within(best[:k] == drafted, kept)
-    return _pack(n, kept, best.gather(0, n.view(1)), drafted)
+    m = _verified(drafted, kept)
+    n = _accepted(best[: drafted.shape[0]] == drafted, m)
+    return torch.cat((n.view(1), m.view(1), best.gather(0, n.view(1)), drafted))
 
 
 def accept_sampled(drafted: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator | None,
@@ -141,17 +140,17 @@ def accept_sampled(drafted: torch.Tensor, q: torch.Tensor | None, p: torch.Tenso
     p_x = p[idx, drafted]
     q_x = torch.ones_like(p_x) if q is None else q[idx, drafted]
     u = torch.rand(k, generator=generator, device=p.device)
-    n = _within(u * q_x < p_x, kept)  # u < p/q without dividing by zero
-    m = torch.full((), k, dtype=torch.long, device=p.device) if kept is None else kept
-    # the row to sample: the residual norm(max(0, p_n - q_n)) at a rejection (n < m), else p_n
-    residual = p.clone()
-    if k:
-        if q is None:
-            residual[idx, drafted] = 0
-        else:
-            residual[:k] = (p[:k] - q).clamp_min(0)
+    m = _verified(drafted, kept)
+    n = _accepted(u * q_x < p_x, m)  # u < p/q without dividing by zero
     at = n.view(1)  # rows picked by index_select: a 0-d tensor index would be read on the host
     p_n = p.index_select(0, at)[0]
-    row = torch.where(n < m, residual.index_select(0, at)[0], p_n)
-    row = torch.where(row.sum() > 0, row, p_n)  # p == q at this position: rejection had probability 0
-    return _pack(n, kept, draw(row, generator), drafted)
+    row = p_n  # n == m: every verified token accepted, sample p at the position after them
+    if k:  # at a rejection (n < m), the residual norm(max(0, p_n - q_n)) instead
+        below = at.clamp_max(k - 1)
+        if q is None:
+            residual = p_n.scatter(0, drafted.index_select(0, below), 0.0)
+        else:
+            residual = (p_n - q.index_select(0, below)[0]).clamp_min(0)
+        row = torch.where(n < m, residual, p_n)
+        row = torch.where(row.sum() > 0, row, p_n)  # p == q at this position: rejection had probability 0
+    return torch.cat((n.view(1), m.view(1), draw(row, generator).view(1), drafted))

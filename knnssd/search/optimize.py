@@ -88,25 +88,29 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     n = dec.n_layers
     kinds = tuple(k for k in ("layer_skip", "hybrid") if k in budget.kinds) if dec.can_skip else ()
     proxy = job.study("proxy", budget.seed)
-    # every worker of a study, and every resumed run, scores with the step costs the study began with
+    # every worker of a study, and every resumed run, scores with the step costs the study began with, and
+    # searches the precisions it began with (studies from before the int8 rule searched budget.int8's)
     stored = proxy.user_attrs.get("costs")
     if stored:
         costs = Costs(stored["verify"], {k: tuple(v) for k, v in stored["draft"].items()})
+        search_int8 = budget.int8 and bool(proxy.user_attrs.get("int8", True))
     else:
         costs = m.measure_costs()
+        search_int8 = budget.int8 and costs.int8_pays(n)
         proxy.set_user_attr("costs", asdict(costs))
-    int8 = budget.int8 and costs.int8_pays(n)
-    if budget.int8 and not int8:  # e.g. on CUDA, where _weight_int8pack_mm is slower than a bf16 step
-        log.info("int8 drafts left out of the search: an int8 draft step costs %.2f ms, a full-precision one "
-                 "%.2f ms (measured)", costs.draft_ms(SkipMask.none(n), True), costs.draft_ms(SkipMask.none(n), False))
-    precisions = [True, False] if int8 else [False]
+        proxy.set_user_attr("int8", search_int8)
+        if budget.int8 and not search_int8:  # e.g. on CUDA, where _weight_int8pack_mm is slower than a bf16 step
+            none = SkipMask.none(n)
+            log.info("int8 drafts left out of the search: an int8 draft step costs %.2f ms, a full-precision one "
+                     "%.2f ms (measured)", costs.draft_ms(none, True), costs.draft_ms(none, False))
+    precisions = [True, False] if search_int8 else [False]
     if not kinds:
         return Proxy(proxy, samples, proposals, kinds, costs)
     if not proxy.trials:
         for int8 in precisions:
             proxy.enqueue_trial(trial_params(SkipMask.none(n), int8))
         for params in job.warm_start:
-            if int8 or not params.get("int8"):
+            if search_int8 or not params.get("int8"):
                 proxy.enqueue_trial(params)
         for mask in influence_masks(influence(dec, samples, budget.context)):
             for int8 in precisions:
