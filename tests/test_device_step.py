@@ -41,14 +41,18 @@ def host_reads():
             setattr(torch.Tensor, name, fn)
 
 
+def set_early_stop(drafter, early: bool):
+    """Make a drafter's layer-skip part (itself, or a hybrid's) stop early on the host or cut on the device."""
+    for d in (drafter, getattr(drafter, "layer_skip", None)):
+        if isinstance(d, LayerSkip):
+            d.early_stop = early
+    return drafter
+
+
 def _drafter(kind: str, n_layers: int, threshold: float):
     cfg = DrafterConfig(kind=kind, mask=SkipMask.from_layers(n_layers, attn=[2], mlp=[1]).to_dict(), max_len=5,
                         threshold=threshold, ngram_sizes=[2, 1])
-    drafter = build(cfg, n_layers)
-    for d in (drafter, getattr(drafter, "layer_skip", None)):
-        if isinstance(d, LayerSkip):
-            d.early_stop = False
-    return drafter
+    return set_early_stop(build(cfg, n_layers), False)
 
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from knnssd.engine import exactness
 from knnssd.engine.attention import SDPA, Attention
 from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import DrafterConfig, LayerSkip, build
+from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import Decoder, SkipMask, make_decoder
+from test_device_step import set_early_stop
 from tiny import ARCHS, prompt_ids, tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -119,11 +120,8 @@ def test_bf16_speculative_greedy_equals_own_plain_decoding(arch, prompt, data):
     dec = decoder(arch, "bfloat16")
     assume(dec.exactness.exact)  # architectures without an exact bf16 step here skip in the row-invariance test
     cfg = data.draw(_drafters(dec.n_layers))
-    drafter = build(cfg, dec.n_layers)
     early = data.draw(st.booleans())  # False: draft on the device, cut at the threshold afterwards (the CUDA path)
-    for d in (drafter, getattr(drafter, "layer_skip", None)):
-        if isinstance(d, LayerSkip):
-            d.early_stop = early
+    drafter = set_early_stop(build(cfg, dec.n_layers), early)
     out, stats = generate(dec, prompt_ids(arch, prompt), drafter, GenerationConfig(max_new_tokens=MAX_NEW))
     assert tuple(out) == plain(arch, "bfloat16", prompt), f"{cfg.describe()} early_stop={early}"
     assert stats.exact
