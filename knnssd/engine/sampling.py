@@ -125,6 +125,8 @@ def accept_greedy(drafted: torch.Tensor, logits: torch.Tensor, kept: torch.Tenso
     """Greedy verification on the device. drafted (k,), logits (k+1, V), ``kept`` (0-d, optional): verify only
     the first ``kept`` drafted tokens. Returns the packed verdict (``Verdict.read``)."""
     best = logits.argmax(-1)
+    if not drafted.shape[0]:  # plain decoding's step: n = m = 0, y = argmax p_1
+        return torch.cat((best.new_zeros(2), best))
     m = _verified(drafted, kept)
     n = _accepted(best[: drafted.shape[0]] == drafted, m)
     return torch.cat((n.view(1), m.view(1), best.gather(0, n.view(1)), drafted))
