@@ -56,11 +56,18 @@ class KVCache:
         if end > self.length:
             raise CacheFull(f"positions up to {end - 1} do not fit the {self.length} reserved for this generation")
 
-    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (1, KV, T, D) at positions ``pos`` (T,); return the (1, KV, length, D) views attention reads."""
+    def write(self, layer: int, at: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (1, KV, T, D) at positions ``at``: a (T,) tensor, or a slice when the caller knows them
+        on the host (a plain copy, a third of an indexed one's cost on a CPU). Returns the (1, KV, length, D)
+        views attention reads."""
         kc, vc = self.k[layer], self.v[layer]
-        kc.index_copy_(2, pos, k.to(self.dtype))
-        vc.index_copy_(2, pos, v.to(self.dtype))
+        if isinstance(at, slice):
+            kc[:, :, at] = k
+            vc[:, :, at] = v
+        else:
+            kc.index_copy_(2, at, k.to(self.dtype))
+            vc.index_copy_(2, at, v.to(self.dtype))
         return kc[:, :, : self.length], vc[:, :, : self.length]
 
     def nbytes(self) -> int:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from knnssd.engine.attention import PREFILL_ROWS, SDPA, SDPA_DYNAMIC, Attention, allowed
+from knnssd.engine.attention import PREFILL_ROWS, SDPA, SDPA_DYNAMIC, Attention, PositionMask, allowed
 from knnssd.engine.cache import KVCache, SlotPool
 from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf
 
@@ -227,12 +227,12 @@ class Decoder:
         tapped = None
         T = ids.shape[0]
         if isinstance(start, torch.Tensor):
-            pos = start
+            pos = at = start
         else:
             if start == 0 and T > self.cache.length:  # a fresh sequence nobody reserved for
                 self.reserve(T)
             self.cache.check(start + T)
-            pos = torch.arange(start, start + T, device=ids.device)
+            pos, at = torch.arange(start, start + T, device=ids.device), slice(start, start + T)
         h = self._embed(s, ids)
         rope = self._rope(pos, h)
         attn = self._attention_for(T)
@@ -244,7 +244,7 @@ class Decoder:
             if skip_a is None or not skip_a[i]:
                 if layer.window not in masks:
                     masks[layer.window] = attn.mask(pos, self.cache.length, layer.window)
-                y = self._attention(layer, i, h, pos, rope[layer.rope], attn, masks[layer.window])
+                y = self._attention(layer, i, h, at, rope[layer.rope], attn, masks[layer.window])
                 if sizes is not None:
                     sizes[0, i] = _relative(y, h)
                 h = h + y
@@ -268,16 +268,17 @@ class Decoder:
         h = F.embedding(ids, s.embed)[None]
         return h * s.embed_scale if s.embed_scale is not None else h
 
-    def _attention(self, layer: Layer, i: int, h: torch.Tensor, pos: torch.Tensor, rope, attn: Attention, mask
+    def _attention(self, layer: Layer, i: int, h: torch.Tensor, at: torch.Tensor | slice, rope, attn: Attention, mask
                    ) -> torch.Tensor:
-        return _attn_out(layer, self._attend(layer, i, layer.qkv(layer.attn_norm(h))[0], pos, rope, attn, mask))
+        return _attn_out(layer, self._attend(layer, i, layer.qkv(layer.attn_norm(h))[0], at, rope, attn, mask))
 
-    def _attend(self, layer: Layer, i: int, qkv: torch.Tensor, pos: torch.Tensor, rope, attn: Attention, mask
+    def _attend(self, layer: Layer, i: int, qkv: torch.Tensor, at: torch.Tensor | slice, rope, attn: Attention, mask
                 ) -> torch.Tensor:
         """Attention of one sequence's rows, from their QKV projection (T, (H + 2 KV) D): writes their K/V to
-        this decoder's cache at ``pos`` and returns (1, T, H D), before the output projection."""
+        this decoder's cache at positions ``at`` (``KVCache.write``) and returns (1, T, H D), before the output
+        projection."""
         q, k, v = _heads(self.stack, layer, qkv, rope)
-        kc, vc = self.cache.write(i, pos, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        kc, vc = self.cache.write(i, at, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         return attn.attend(q, kc, vc, mask, self.stack.scale)
 
     def _rope(self, pos: torch.Tensor, h: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -348,7 +349,8 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
             raise ValueError("forward_slots runs slots of one decoder (the same weights)")
         slot.cache.check(start + ids.shape[0])
         pos = torch.arange(start, start + ids.shape[0], device=ids.device)
-        per_call.append((slot, pos, slot._rope(pos, h), slot._attention_for(ids.shape[0]), {}))
+        per_call.append((slot, pos, slot._rope(pos, h), slot._attention_for(ids.shape[0]), {},
+                         slice(start, start + ids.shape[0])))
     packed = _PooledAttention(per_call, pool) if pool is not None else None
     for i, layer in enumerate(s.layers):
         qkv = layer.qkv(layer.attn_norm(h))[0]
@@ -356,10 +358,10 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
             attended = packed(layer, i, qkv)
         else:
             parts = []
-            for (slot, pos, rope, attn, masks), rows in zip(per_call, qkv.split(sizes)):
+            for (slot, pos, rope, attn, masks, at), rows in zip(per_call, qkv.split(sizes)):
                 if layer.window not in masks:
                     masks[layer.window] = attn.mask(pos, slot.cache.length, layer.window)
-                parts.append(slot._attend(layer, i, rows, pos, rope[layer.rope], attn, masks[layer.window]))
+                parts.append(slot._attend(layer, i, rows, at, rope[layer.rope], attn, masks[layer.window]))
             attended = torch.cat(parts, dim=1)
         h = h + _attn_out(layer, attended)
         h = h + _mlp(layer, h)
@@ -377,7 +379,7 @@ class _PooledAttention:
     GATHER_ABOVE = 1.5  # slice rows per member slot above which a call copies its members' rows instead
 
     def __init__(self, per_call, pool: SlotPool):
-        slot0, _, _, attn, _ = per_call[0]
+        slot0, _, _, attn, _, _ = per_call[0]
         if attn.batch is None or any(c[3] is not attn or getattr(c[0].cache, "pool", None) is not pool
                                      for c in per_call):
             raise ValueError("pooled attention needs slots of one pool running a step with a batched form")
@@ -422,7 +424,7 @@ class _PooledAttention:
         out = q.new_empty(n, H * D)
         for length, read, R, rows, local, t, qpos, masks in self.groups:
             if layer.window not in masks:
-                masks[layer.window] = allowed_batch(qpos, length, layer.window)
+                masks[layer.window] = PositionMask(allowed_batch(qpos, length, layer.window))
             qg = q.new_zeros(qpos.shape[0], R, H, D)
             qg[local, t] = q[rows]
             k, v = self.pool.k[i][:, :, :length], self.pool.v[i][:, :, :length]
