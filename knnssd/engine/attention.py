@@ -103,12 +103,13 @@ def folded(rows: int = 1) -> "Attention":
         KV = k.shape[1]
         G = H // KV
         R = -(-G * T // rows) * rows
-        qg = q.reshape(T, KV, G, D).permute(1, 2, 0, 3).reshape(1, KV, G * T, D)
+        one = T == 1  # a one-token step: (1, H, D) is already (1, KV, G, D), so no permutes
+        qg = q.reshape(1, KV, G, D) if one else q.reshape(T, KV, G, D).permute(1, 2, 0, 3).reshape(1, KV, G * T, D)
         if R > G * T:
-            qg = torch.cat((qg, qg.new_zeros(1, KV, R - G * T, D)), 2)
+            qg = F.pad(qg, (0, 0, 0, R - G * T))
         mg = m.memo(("fold", G, q.dtype), lambda: to_additive(fold(m.ok, G, R - G * T), q.dtype))
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
-        return o[0, :, : G * T].reshape(KV, G, T, D).permute(2, 0, 1, 3).reshape(1, T, H * D)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)[0, :, : G * T]
+        return o.reshape(1, 1, H * D) if one else o.reshape(KV, G, T, D).permute(2, 0, 1, 3).reshape(1, T, H * D)
 
     def batch(q, k, v, m: PositionMask, scale):  # as ``attend``, over B sequences (``Attention.batch``)
         B, R, H, D = q.shape
@@ -117,7 +118,7 @@ def folded(rows: int = 1) -> "Attention":
         P = -(-G * R // rows) * rows
         qg = q.view(B, R, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B, KV, G * R, D)
         if P > G * R:
-            qg = torch.cat((qg, qg.new_zeros(B, KV, P - G * R, D)), 2)
+            qg = F.pad(qg, (0, 0, 0, P - G * R))
         mg = m.memo(("fold", G, q.dtype), lambda: to_additive(fold(m.ok, G, P - G * R), q.dtype))  # (B, 1, P, L)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
         return o[:, :, : G * R].reshape(B, KV, G, R, D).permute(0, 3, 1, 2, 4).reshape(B, R, H * D)
