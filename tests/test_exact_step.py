@@ -155,13 +155,13 @@ def test_smollm2_bf16_step_is_row_invariant(smol_bf16):
 
 
 @pytest.mark.integration
-@settings(max_examples=8)
+@pytest.mark.parametrize("i", range(5))  # every real prompt (one per domain), a drawn drafter each
+@settings(max_examples=1)
 @given(data=st.data())
-def test_smollm2_bf16_speculative_greedy_equals_own_plain_decoding(smol_bf16, data):
+def test_smollm2_bf16_speculative_greedy_equals_own_plain_decoding(smol_bf16, i, data):
     dec, ids, cfg, ref = smol_bf16
-    assert len(ids) >= 5
+    assert len(ids) == 5
     exact_or_skip(dec, "bfloat16")
-    i = data.draw(st.integers(0, len(ids) - 1))
     drafter = data.draw(_drafters(dec.n_layers).filter(lambda c: c.kind == "ngram" or c.int8 or c.mask["skip_attn"]
                                                        or c.mask["skip_mlp"]))
     out, _ = generate(dec, ids[i], build(drafter, dec.n_layers), cfg)
