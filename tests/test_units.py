@@ -50,6 +50,12 @@ def test_kv_cache_is_static_per_generation():
     k = torch.arange(12.0).view(1, 1, 3, 4)
     kc, vc = c.write(1, torch.arange(5, 8), k, -k)
     assert kc.shape[2] == BUCKET and torch.equal(kc[:, :, 5:8], k) and torch.equal(vc[:, :, 5:8], -k)
+    kc, _ = c.write(0, slice(9, 12), k, -k)  # positions known on the host: a plain copy, the same values
+    assert torch.equal(kc[:, :, 9:12], k) and torch.count_nonzero(kc[:, :, :9]) == 0
+    wide = KVCache(1, 1, 4, torch.float32, torch.device("cpu"))  # fp32 K/V of a bf16 model: stored exactly
+    wide.reserve(3)
+    kb = torch.randn(1, 1, 3, 4).bfloat16()
+    assert torch.equal(wide.write(0, slice(0, 3), kb, kb)[0][:, :, :3], kb.float())
     assert not c.reserve(BUCKET - 1) and c.length == BUCKET  # same bucket: buffers reused, key length unchanged
     assert c.reserve(4 * BUCKET + 1) and c.length == 5 * BUCKET
     assert not c.reserve(2 * BUCKET) and c.length == 2 * BUCKET  # a shorter generation reads fewer keys

@@ -8,7 +8,7 @@ j <= pos[t] (and j > pos[t] - window for a sliding-window layer).
 Which one gives the rows of a T-token pass bitwise equal to T one-token steps depends on the
 device, the dtype and the model's shapes (``exactness.py`` measures it at load):
 
-    sdpa          SDPA over all L keys with a boolean position mask (static shapes)
+    sdpa          SDPA over all L keys with a position mask (static shapes; ``PositionMask``)
     sdpa_fold     the same, with the G query heads of each KV head folded into rows: one
                   (G * T, L) score matrix per KV head, no repeated K/V; ``folded(4)`` pads
                   those rows to a multiple of 4 (``sdpa_fold_r4``)
@@ -53,8 +53,10 @@ def allowed(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
 class PositionMask:
     """The keys each query row may read (``ok``, bool), built once per call and window and shared by its
     layers, with the forms attention reads derived from it once too (``memo``): SDPA is given the 0 / -inf
-    float mask (``additive``), since it converts a boolean one again on every call (bitwise the same
-    result; the float form took 10-20% less per call on a 2-core AVX2 Zen 3, fp32 and bf16)."""
+    float mask (``additive``), since it converts a boolean one again on every call (on the CPU bitwise
+    the same result, and 10-20% less per call on a 2-core AVX2 Zen 3, fp32 and bf16; CUDA's cuDNN
+    backend fills a boolean mask with a finite value instead, so there the forms may round apart: the
+    exactness probe compares runs that both use this one)."""
 
     def __init__(self, ok: torch.Tensor):
         self.ok = ok
@@ -128,7 +130,7 @@ def folded(rows: int = 1) -> "Attention":
 
 
 def _sdpa_batch(q, k, v, mask: PositionMask, scale):
-    """``_sdpa`` over B sequences at once: q (B, R, H, D), k/v (B, KV, L, D), mask (B, 1, R, L) -> (B, R, H * D)."""
+    """``_sdpa`` over B sequences at once: q (B, R, H, D), k/v (B, KV, L, D), a mask of (B, 1, R, L) -> (B, R, H * D)."""
     B, R, H, D = q.shape
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask.additive(q.dtype), scale=scale,
                                        enable_gqa=H != k.shape[1])
