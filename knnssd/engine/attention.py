@@ -130,7 +130,8 @@ def folded(rows: int = 1) -> "Attention":
 
 
 def _sdpa_batch(q, k, v, mask: PositionMask, scale):
-    """``_sdpa`` over B sequences at once: q (B, R, H, D), k/v (B, KV, L, D), a mask of (B, 1, R, L) -> (B, R, H * D)."""
+    """``_sdpa`` over B sequences at once: q (B, R, H, D), k/v (B, KV, L, D), a mask of (B, 1, R, L) ->
+    (B, R, H * D)."""
     B, R, H, D = q.shape
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask.additive(q.dtype), scale=scale,
                                        enable_gqa=H != k.shape[1])

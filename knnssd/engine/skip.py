@@ -329,6 +329,18 @@ def _logits(s: Stack, hidden: torch.Tensor) -> torch.Tensor:
     return logits.float()
 
 
+class _SlotCall(NamedTuple):
+    """One sequence's part of a packed pass (``forward_slots``): its slot, positions (as a tensor and as the
+    slice its cache writes), rotary tables, attention step, and the masks its layers share."""
+
+    slot: Decoder
+    pos: torch.Tensor
+    at: slice
+    rope: dict
+    attn: Attention
+    masks: dict
+
+
 @torch.inference_mode()
 def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], pool: SlotPool | None = None
                   ) -> list[torch.Tensor]:
@@ -343,14 +355,14 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
     s = slots[0].stack
     sizes = [ids.shape[0] for ids, _ in calls]
     h = Decoder._embed(s, torch.cat([ids for ids, _ in calls]))
-    per_call = []
+    per_call: list[_SlotCall] = []
     for slot, (ids, start) in zip(slots, calls):
         if slot.stack is not s:
             raise ValueError("forward_slots runs slots of one decoder (the same weights)")
         slot.cache.check(start + ids.shape[0])
         pos = torch.arange(start, start + ids.shape[0], device=ids.device)
-        per_call.append((slot, pos, slot._rope(pos, h), slot._attention_for(ids.shape[0]), {},
-                         slice(start, start + ids.shape[0])))
+        per_call.append(_SlotCall(slot, pos, slice(start, start + ids.shape[0]), slot._rope(pos, h),
+                                  slot._attention_for(ids.shape[0]), {}))
     packed = _PooledAttention(per_call, pool) if pool is not None else None
     for i, layer in enumerate(s.layers):
         qkv = layer.qkv(layer.attn_norm(h))[0]
@@ -358,10 +370,10 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
             attended = packed(layer, i, qkv)
         else:
             parts = []
-            for (slot, pos, rope, attn, masks, at), rows in zip(per_call, qkv.split(sizes)):
-                if layer.window not in masks:
-                    masks[layer.window] = attn.mask(pos, slot.cache.length, layer.window)
-                parts.append(slot._attend(layer, i, rows, at, rope[layer.rope], attn, masks[layer.window]))
+            for c, rows in zip(per_call, qkv.split(sizes)):
+                if layer.window not in c.masks:
+                    c.masks[layer.window] = c.attn.mask(c.pos, c.slot.cache.length, layer.window)
+                parts.append(c.slot._attend(layer, i, rows, c.at, c.rope[layer.rope], c.attn, c.masks[layer.window]))
             attended = torch.cat(parts, dim=1)
         h = h + _attn_out(layer, attended)
         h = h + _mlp(layer, h)
@@ -378,24 +390,25 @@ class _PooledAttention:
 
     GATHER_ABOVE = 1.5  # slice rows per member slot above which a call copies its members' rows instead
 
-    def __init__(self, per_call, pool: SlotPool):
-        slot0, _, _, attn, _, _ = per_call[0]
-        if attn.batch is None or any(c[3] is not attn or getattr(c[0].cache, "pool", None) is not pool
+    def __init__(self, per_call: list["_SlotCall"], pool: SlotPool):
+        slot0, attn = per_call[0].slot, per_call[0].attn
+        if attn.batch is None or any(c.attn is not attn or getattr(c.slot.cache, "pool", None) is not pool
                                      for c in per_call):
             raise ValueError("pooled attention needs slots of one pool running a step with a batched form")
         self.pool, self.attn, self.stack = pool, attn, slot0.stack
-        device = per_call[0][1].device
-        index = [c[0].cache.index for c in per_call]
-        sizes = [c[1].shape[0] for c in per_call]
+        device = per_call[0].pos.device
+        index = [c.slot.cache.index for c in per_call]
+        sizes = [c.pos.shape[0] for c in per_call]
         self.slots = torch.tensor([b for b, t in zip(index, sizes) for _ in range(t)], device=device)
-        self.pos = torch.cat([c[1] for c in per_call])
-        self.rope = {key: tuple(torch.cat([c[2][key][j] for c in per_call]) for j in (0, 1)) for key in per_call[0][2]}
+        self.pos = torch.cat([c.pos for c in per_call])
+        self.rope = {key: tuple(torch.cat([c.rope[key][j] for c in per_call]) for j in (0, 1))
+                     for key in per_call[0].rope}
         starts = [0]
         for t in sizes:
             starts.append(starts[-1] + t)
         by_length: dict[int, list[int]] = {}
         for b, c in enumerate(per_call):
-            by_length.setdefault(c[0].cache.length, []).append(b)
+            by_length.setdefault(c.slot.cache.length, []).append(b)
         self.groups = []
         for length, members in by_length.items():
             members.sort(key=lambda b: index[b])
@@ -412,7 +425,7 @@ class _PooledAttention:
             t = torch.tensor([j for b in members for j in range(sizes[b])], device=device)
             qpos = torch.zeros(n_read, R, dtype=torch.long, device=device)  # rows of no member: position 0
             for b in members:
-                p = per_call[b][1]
+                p = per_call[b].pos
                 qpos[local_of[b]] = torch.cat((p, p[:1].expand(R - p.shape[0])))
             self.groups.append((length, read, R, rows, local, t, qpos, {}))
 
