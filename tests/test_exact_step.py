@@ -180,9 +180,16 @@ def test_smollm2_fp32_step_is_row_invariant(smollm2):
 
 def _packed_equals_own(dec: Decoder, prompts: list[list[int]], rows: tuple[int, ...], pooled: bool = False) -> None:
     """Packed passes (``pooled``: attention batched over a ``SlotPool``, at key lengths that differ
-    between slots) give each sequence the logits of its own pass, and the K/V its next steps read."""
-    from knnssd.engine.cache import BUCKET
+    between slots, and within the pass of a sequence whose rows straddle a key-length boundary) give
+    each sequence the logits of its own pass, and the K/V its next steps read."""
+    from knnssd.engine.cache import SPAN
     from knnssd.engine.skip import forward_slots
+
+    # odd sequences one SPAN further on (two key lengths, interleaved); the first pass of the longest
+    # draft starts 3 positions before a boundary
+    longest = rows.index(max(rows))
+    prompts = [p + p[:1] * ((b % 2) * SPAN + (b == longest) * ((SPAN - 3 - len(p)) % SPAN))
+               for b, p in enumerate(prompts)]
 
     if pooled and dec.attention.batch is None:
         pytest.skip(f"{dec.attention.name} has no batched form")
@@ -192,7 +199,7 @@ def _packed_equals_own(dec: Decoder, prompts: list[list[int]], rows: tuple[int, 
     g = torch.Generator().manual_seed(5)
     for slots in (packed_slots, own_slots):
         for b, (slot, p) in enumerate(zip(slots, prompts)):
-            slot.reserve(len(p) + 2 * max(rows) + (b % 2) * BUCKET)  # two key lengths, interleaved
+            slot.reserve(len(p) + 2 * max(rows))
             slot.forward(torch.tensor(p), 0)
     starts = [len(p) for p in prompts]
     for step_rows in (rows, tuple(1 for _ in rows)):  # a pass, then one-token steps that read its K/V

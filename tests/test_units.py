@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from knnssd import models
-from knnssd.engine.cache import BUCKET, CacheFull, KVCache
+from knnssd.engine.cache import BUCKET, SPAN, CacheFull, KVCache, Span
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, NGram, build
 from knnssd.engine.sampling import Warp
@@ -56,11 +56,26 @@ def test_kv_cache_is_static_per_generation():
     wide.reserve(3)
     kb = torch.randn(1, 1, 3, 4).bfloat16()
     assert torch.equal(wide.write(0, slice(0, 3), kb, kb)[0][:, :, :3], kb.float())
-    assert not c.reserve(BUCKET - 1) and c.length == BUCKET  # same bucket: buffers reused, key length unchanged
+    assert not c.reserve(BUCKET - 1) and c.length == BUCKET  # same bucket: buffers reused
     assert c.reserve(4 * BUCKET + 1) and c.length == 5 * BUCKET
-    assert not c.reserve(2 * BUCKET) and c.length == 2 * BUCKET  # a shorter generation reads fewer keys
+    assert not c.reserve(2 * BUCKET) and c.length == 2 * BUCKET  # a shorter generation may write fewer
     with pytest.raises(CacheFull):
         c.check(2 * BUCKET + 1)
+
+
+def test_key_length_is_set_by_the_query_position():
+    c = KVCache(1, 1, 4, torch.float32, torch.device("cpu"))
+    c.reserve(2 * BUCKET + 5)  # may write 3 * BUCKET positions
+    assert [c.keys(end) for end in (1, SPAN, SPAN + 1, 2 * SPAN, 3 * BUCKET)] == [SPAN, SPAN, 2 * SPAN, 2 * SPAN,
+                                                                                   3 * BUCKET]
+    assert c.spans(3, 5) == (Span(0, 5, SPAN),)  # one length: one attention call
+    # a pass straddling a boundary: each row reads what a one-token step at its position reads
+    start, rows = SPAN - 3, 12
+    spans = c.spans(start, rows)
+    assert spans == (Span(0, 3, SPAN), Span(3, 12, 2 * SPAN))
+    for sp in spans:
+        assert all(c.keys(start + r + 1) == sp.keys for r in range(sp.lo, sp.hi))
+    assert c.spans(3 * BUCKET - 2, 2) == (Span(0, 2, 3 * BUCKET),)  # never past the reservation
 
 
 def test_ngram_lookup_uses_latest_match_and_never_itself():

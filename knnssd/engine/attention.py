@@ -1,14 +1,15 @@
 """Attention over the static KV cache, in the implementations the exactness probe chooses from.
 
 Terms: T queries at positions ``pos`` (T,), H query heads in KV groups of G = H / KV, D head
-dim, L the key length this generation reads (``KVCache.length``). Every implementation maps
+dim, L the key length the call reads (``KVCache.keys``: set by the queries' positions, so the same
+for a row of a pass and the one-token step at its position). Every implementation maps
 q (T, H, D) and the cache views k, v (1, KV, L, D) to (1, T, H * D); query t sees key j iff
 j <= pos[t] (and j > pos[t] - window for a sliding-window layer).
 
 Which one gives the rows of a T-token pass bitwise equal to T one-token steps depends on the
 device, the dtype and the model's shapes (``exactness.py`` measures it at load):
 
-    sdpa          SDPA over all L keys with a position mask (static shapes; ``PositionMask``)
+    sdpa          SDPA over all L keys with a position mask (``PositionMask``)
     sdpa_fold     the same, with the G query heads of each KV head folded into rows: one
                   (G * T, L) score matrix per KV head, no repeated K/V; ``folded(4)`` pads
                   those rows to a multiple of 4 (``sdpa_fold_r4``)
@@ -200,7 +201,7 @@ class Attention:
     mask: Callable  # (pos, length, window) -> whatever ``attend`` takes; built once per call and window
     attend: Callable  # (q, k, v, mask, scale) -> (1, T, H * D)
     cache_fp32: bool  # keep K/V in fp32
-    static: bool  # shapes do not depend on the position (CUDA-graph capturable)
+    static: bool  # shapes are set by the key length, not the positions (CUDA-graph capturable)
     # The same arithmetic over several sequences' caches at one key length, for packed passes
     # (``skip.forward_slots``): (q (B, R, H, D), k, v (B, KV, L, D), mask (a PositionMask of (B, 1, R, L)), scale) ->
     # (B, R, H * D), the queries padded to R >= ``rows``. None: no batched form.

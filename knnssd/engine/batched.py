@@ -38,7 +38,7 @@ from typing import Protocol
 import torch
 
 from knnssd.engine import exactness
-from knnssd.engine.cache import BUCKET
+from knnssd.engine.cache import SPAN
 from knnssd.engine.decode import DecodeStats, GenerationConfig, Run, prefill
 from knnssd.engine.drafters import Drafter
 from knnssd.engine.sampling import Verdict
@@ -243,12 +243,14 @@ def pooled_exact(decoder: Decoder, slots: int) -> bool:
     g = torch.Generator().manual_seed(7)
     starts = []
     for b in range(slots):
-        ids = torch.randint(0, vocab, (5 + b % 3,), generator=g).to(decoder.device)
-        # key lengths by position: C at both ends (a copied group), else A or B (every third slot):
-        # 8 slots read C,B,A,A,B,A,A,C (two copied groups, a slice with a non-member inside)
+        # key lengths by position (``KVCache.keys``): C at both ends (a copied group), else A or B (every
+        # third slot): 8 slots read C,B,A,A,B,A,A,C (two copied groups, a slice with a non-member inside);
+        # each sequence starts 5 to 7 positions before a key-length boundary, so its longer passes
+        # straddle it (a sequence in two calls, one of them shared with the next length's slots)
         extra = 2 if slots > 2 and b in (0, slots - 1) else 1 if b % 3 == 1 else 0
+        ids = torch.randint(0, vocab, (SPAN * (1 + extra) - 7 + b % 3,), generator=g).to(decoder.device)
         for s in (pooled[b], own[b]):
-            s.reserve(BUCKET * (1 + extra))
+            s.reserve(ids.shape[0] + 2 * max_t + 1)
             s.forward(ids, 0)
         starts.append(ids.shape[0])
     mixed = [1 + (b * 5) % max_t for b in range(slots)]

@@ -1,12 +1,19 @@
-"""Static KV cache: one preallocated K and V buffer per layer, read at a fixed length.
+"""Static KV cache: one preallocated K and V buffer per layer, read at a key length set by position.
 
-``reserve(n)`` is called once per generation (at the prefill). It fixes the *key length* that
-every attention call of that generation reads: ``n`` rounded up to a bucket of ``BUCKET``
-positions, a function of the prompt length and the generation budget only, so a speculative
-run and a plain run of the same request read keys of the same length. Buffers are allocated
-zeroed when they are too small and reused otherwise; a ``KVCache`` is never reallocated
-mid-generation. A ``SlotPool`` is: another slot's longer reservation regrows (and copies) every
-slot's buffers, so callers take the views ``write`` returns afresh on every call.
+``reserve(n)`` is called once per generation (at the prefill): it fixes the positions the
+generation may write, ``length`` (``n`` rounded up to a bucket of ``BUCKET`` positions). Buffers are
+allocated zeroed when they are too small and reused otherwise; a ``KVCache`` is never
+reallocated mid-generation. A ``SlotPool`` is: another slot's longer reservation regrows (and
+copies) every slot's buffers, so callers take the buffers afresh on every call.
+
+The *key length* a query reads is a function of its own position alone: ``keys(p + 1)``, the
+positions up to p rounded up to ``SPAN`` (never past ``length``), with a position mask over the
+rest. So the row at position p of a verify pass reads exactly the keys a one-token step at p reads,
+whatever the rest of the pass, and a speculative run and a plain run of the same request read keys
+of the same length; a pass whose rows straddle a ``SPAN`` boundary is split into one attention
+call per key length (``spans``). Attention kernels round the P @ V reduction differently for a
+different key length, so this, not one length for the whole generation, is what keeps the rows
+exact while a query reads about SPAN / 2 masked keys instead of up to the whole reservation.
 
 Rolling back is free: attention masks every position past a query's own, and the next call
 overwrites it. Drafts write K/V for the layers they run; verification rewrites every layer for
@@ -18,9 +25,20 @@ and an fp32 attention then reads them without a conversion per call.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-BUCKET = 64
+BUCKET = 64  # reservations are rounded up to this many positions
+SPAN = 32  # key lengths are rounded up to this many positions (a divisor of BUCKET)
+
+
+class Span(NamedTuple):
+    """Rows ``lo``..``hi - 1`` of a call, which all read the first ``keys`` positions of the cache."""
+
+    lo: int
+    hi: int
+    keys: int
 
 
 class CacheFull(RuntimeError):
@@ -52,6 +70,22 @@ class KVCache:
         self.capacity = self.length
         return True
 
+    def keys(self, end: int) -> int:
+        """The key length a query at position ``end - 1`` reads: ``end`` rounded up to ``SPAN``, within the
+        reserved length."""
+        return min(self.length, -(-end // SPAN) * SPAN)
+
+    def spans(self, start: int, rows: int) -> tuple[Span, ...]:
+        """The rows of a call at positions start..start+rows-1, grouped by the key length each reads
+        (one group, unless the rows straddle a ``SPAN`` boundary)."""
+        out, lo = [], 0
+        while lo < rows:
+            keys = self.keys(start + lo + 1)
+            hi = min(rows, keys - start)  # the rows at positions below ``keys`` read that many
+            out.append(Span(lo, hi, keys))
+            lo = hi
+        return tuple(out)
+
     def check(self, end: int) -> None:
         if end > self.length:
             raise CacheFull(f"positions up to {end - 1} do not fit the {self.length} reserved for this generation")
@@ -59,8 +93,8 @@ class KVCache:
     def write(self, layer: int, at: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (1, KV, T, D) at positions ``at``: a (T,) tensor, or a slice when the caller knows them
-        on the host (a plain copy, a third of an indexed one's cost on a CPU). Returns the (1, KV, length, D)
-        views attention reads."""
+        on the host (a plain copy, a third of an indexed one's cost on a CPU). Returns the (1, KV, capacity, D)
+        buffers; a query reads their first ``keys(...)`` positions."""
         kc, vc = self.k[layer], self.v[layer]
         if isinstance(at, slice):
             kc[:, :, at] = k
@@ -68,7 +102,7 @@ class KVCache:
         else:
             kc.index_copy_(2, at, k.to(self.dtype))
             vc.index_copy_(2, at, v.to(self.dtype))
-        return kc[:, :, : self.length], vc[:, :, : self.length]
+        return kc, vc
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

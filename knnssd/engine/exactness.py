@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 MAX_T = 12  # longest pass checked: the longest draft (11) plus the bonus position
 CONTEXT = 37
 # Random token sets the probe checks, one context length each (one set wrongly passed a step that
-# a second failed); they read key lengths of 64, 128 and 320 (multiples of cache.BUCKET).
+# a second failed); their passes read key lengths of 64, 64 and 96 (straddling the two: one call per
+# length), and 320 (``cache.KVCache.keys``).
 CONTEXTS = (CONTEXT, CONTEXT + 23, CONTEXT + 263)
 TIMING_ROUNDS = 4
 TIMING_CONTEXT = 300  # timed at a 320-key length: attention costs grow with the key length

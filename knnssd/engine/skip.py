@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from knnssd.engine.attention import PREFILL_ROWS, SDPA, SDPA_DYNAMIC, Attention, PositionMask, allowed
-from knnssd.engine.cache import KVCache, SlotPool
+from knnssd.engine.cache import KVCache, SlotPool, Span
 from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf
 
 log = logging.getLogger(__name__)
@@ -151,8 +151,11 @@ class Decoder:
 
     ``forward(ids, start)`` runs tokens ``ids`` (T,) at positions start..start+T-1 (``start``: an
     int, or the positions as a tensor), reading the cache for earlier positions, and returns
-    logits for each (or only the last) position. Attention reads the fixed key length reserved
-    for the generation, with a position mask. ``stack`` swaps in another set of weights with the
+    logits for each (or only the last) position. Attention reads, with a position mask, the key
+    length each query's position sets (``KVCache.keys``; a call straddling two runs one attention
+    call per length), or, for positions given as a tensor (never read on the host), the whole
+    reserved length: one shape for the generation. A generation uses one of the two forms
+    throughout (the decode loop passes ints). ``stack`` swaps in another set of weights with the
     same shape (e.g. ``stack.int8()`` for drafts). ``attention`` and ``exactness`` are set by
     ``exactness.choose`` at load.
     """
@@ -228,11 +231,13 @@ class Decoder:
         T = ids.shape[0]
         if isinstance(start, torch.Tensor):
             pos = at = start
+            spans = (Span(0, T, self.cache.length),)
         else:
             if start == 0 and T > self.cache.length:  # a fresh sequence nobody reserved for
                 self.reserve(T)
             self.cache.check(start + T)
             pos, at = torch.arange(start, start + T, device=ids.device), slice(start, start + T)
+            spans = self._spans(start, T)
         h = self._embed(s, ids)
         rope = self._rope(pos, h)
         attn = self._attention_for(T)
@@ -243,8 +248,8 @@ class Decoder:
         for i, layer in enumerate(s.layers):
             if skip_a is None or not skip_a[i]:
                 if layer.window not in masks:
-                    masks[layer.window] = attn.mask(pos, self.cache.length, layer.window)
-                y = self._attention(layer, i, h, at, rope[layer.rope], attn, masks[layer.window])
+                    masks[layer.window] = _span_masks(attn, pos, spans, layer.window)
+                y = self._attention(layer, i, h, at, rope[layer.rope], attn, spans, masks[layer.window])
                 if sizes is not None:
                     sizes[0, i] = _relative(y, h)
                 h = h + y
@@ -258,6 +263,13 @@ class Decoder:
         hidden = s.norm(h)[0]
         return Output(_logits(s, hidden[-1:] if last else hidden), hidden, tapped, sizes)
 
+    def _spans(self, start: int, rows: int) -> tuple[Span, ...]:
+        """The key lengths a call's rows read (``KVCache.spans``); a prefill's rows are never compared with
+        one-token steps, so a long one reads one length, its last position's."""
+        if rows > PREFILL_ROWS:
+            return (Span(0, rows, self.cache.keys(start + rows)),)
+        return self.cache.spans(start, rows)
+
     def _attention_for(self, rows: int) -> Attention:
         """The probed step; a prefill's rows are never compared with one-token steps (plain and speculative
         runs share it), so it takes the fastest form: causal SDPA over the keys written so far."""
@@ -268,18 +280,24 @@ class Decoder:
         h = F.embedding(ids, s.embed)[None]
         return h * s.embed_scale if s.embed_scale is not None else h
 
-    def _attention(self, layer: Layer, i: int, h: torch.Tensor, at: torch.Tensor | slice, rope, attn: Attention, mask
-                   ) -> torch.Tensor:
-        return _attn_out(layer, self._attend(layer, i, layer.qkv(layer.attn_norm(h))[0], at, rope, attn, mask))
+    def _attention(self, layer: Layer, i: int, h: torch.Tensor, at: torch.Tensor | slice, rope, attn: Attention,
+                   spans: tuple[Span, ...], masks: list) -> torch.Tensor:
+        return _attn_out(layer, self._attend(layer, i, layer.qkv(layer.attn_norm(h))[0], at, rope, attn, spans, masks))
 
-    def _attend(self, layer: Layer, i: int, qkv: torch.Tensor, at: torch.Tensor | slice, rope, attn: Attention, mask
-                ) -> torch.Tensor:
+    def _attend(self, layer: Layer, i: int, qkv: torch.Tensor, at: torch.Tensor | slice, rope, attn: Attention,
+                spans: tuple[Span, ...], masks: list) -> torch.Tensor:
         """Attention of one sequence's rows, from their QKV projection (T, (H + 2 KV) D): writes their K/V to
-        this decoder's cache at positions ``at`` (``KVCache.write``) and returns (1, T, H D), before the output
+        this decoder's cache at positions ``at`` (``KVCache.write``), then runs one attention call per span
+        of rows over the keys it reads (``masks``: one per span), and returns (1, T, H D), before the output
         projection."""
         q, k, v = _heads(self.stack, layer, qkv, rope)
         kc, vc = self.cache.write(i, at, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        return attn.attend(q, kc, vc, mask, self.stack.scale)
+        scale = self.stack.scale
+        if len(spans) == 1:
+            n = spans[0].keys
+            return attn.attend(q, kc[:, :, :n], vc[:, :, :n], masks[0], scale)
+        return torch.cat([attn.attend(q[s.lo : s.hi], kc[:, :, : s.keys], vc[:, :, : s.keys], m, scale)
+                          for s, m in zip(spans, masks)], dim=1)
 
     def _rope(self, pos: torch.Tensor, h: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         s = self.stack
@@ -295,6 +313,11 @@ class Decoder:
         if key == "all":
             return self.stack.rotary(x, pos)
         return self.stack.rotary(x, pos, key)
+
+
+def _span_masks(attn: Attention, pos: torch.Tensor, spans: tuple[Span, ...], window: int | None) -> list:
+    """The masks (``attn.mask``) of a call's spans of rows, each over the keys its rows read."""
+    return [attn.mask(pos[sp.lo : sp.hi], sp.keys, window) for sp in spans]
 
 
 def _heads(s: Stack, layer: Layer, qkv: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -331,11 +354,13 @@ def _logits(s: Stack, hidden: torch.Tensor) -> torch.Tensor:
 
 class _SlotCall(NamedTuple):
     """One sequence's part of a packed pass (``forward_slots``): its slot, positions (as a tensor and as the
-    slice its cache writes), rotary tables, attention step, and the masks its layers share."""
+    slice its cache writes), the key lengths its rows read, rotary tables, attention step, and the masks its
+    layers share."""
 
     slot: Decoder
     pos: torch.Tensor
     at: slice
+    spans: tuple[Span, ...]
     rope: dict
     attn: Attention
     masks: dict
@@ -361,8 +386,8 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
             raise ValueError("forward_slots runs slots of one decoder (the same weights)")
         slot.cache.check(start + ids.shape[0])
         pos = torch.arange(start, start + ids.shape[0], device=ids.device)
-        per_call.append(_SlotCall(slot, pos, slice(start, start + ids.shape[0]), slot._rope(pos, h),
-                                  slot._attention_for(ids.shape[0]), {}))
+        per_call.append(_SlotCall(slot, pos, slice(start, start + ids.shape[0]), slot._spans(start, ids.shape[0]),
+                                  slot._rope(pos, h), slot._attention_for(ids.shape[0]), {}))
     packed = _PooledAttention(per_call, pool) if pool is not None else None
     for i, layer in enumerate(s.layers):
         qkv = layer.qkv(layer.attn_norm(h))[0]
@@ -372,8 +397,9 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
             parts = []
             for c, rows in zip(per_call, qkv.split(sizes)):
                 if layer.window not in c.masks:
-                    c.masks[layer.window] = c.attn.mask(c.pos, c.slot.cache.length, layer.window)
-                parts.append(c.slot._attend(layer, i, rows, c.at, c.rope[layer.rope], c.attn, c.masks[layer.window]))
+                    c.masks[layer.window] = _span_masks(c.attn, c.pos, c.spans, layer.window)
+                parts.append(c.slot._attend(layer, i, rows, c.at, c.rope[layer.rope], c.attn, c.spans,
+                                            c.masks[layer.window]))
             attended = torch.cat(parts, dim=1)
         h = h + _attn_out(layer, attended)
         h = h + _mlp(layer, h)
@@ -382,9 +408,10 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
 
 class _PooledAttention:
     """Attention of a packed pass over slots of one ``SlotPool``: the K/V of all rows written in one
-    call, then one batched attention call per key length, each sequence's queries padded to that
-    call's R rows (at its first position, as ``attention.padded`` pads). A call reads the pool rows
-    lo..hi that hold its slots (a slice: no copy) when they are mostly its own, and a copy of just
+    call, then one batched attention call per key length, over the spans of rows that read it (a
+    sequence whose rows straddle two key lengths takes part in two calls), each span's queries padded
+    to that call's R rows (at its first position, as ``attention.padded`` pads). A call reads the pool
+    rows lo..hi that hold its slots (a slice: no copy) when they are mostly its own, and a copy of just
     its slots' rows otherwise (``GATHER_ABOVE``); rows in a slice that belong to no slot of the call
     read key 0 and are dropped."""
 
@@ -406,26 +433,27 @@ class _PooledAttention:
         starts = [0]
         for t in sizes:
             starts.append(starts[-1] + t)
-        by_length: dict[int, list[int]] = {}
+        by_length: dict[int, list[tuple[int, Span]]] = {}  # key length -> the (call, span) reading it
         for b, c in enumerate(per_call):
-            by_length.setdefault(c.slot.cache.length, []).append(b)
+            for sp in c.spans:
+                by_length.setdefault(sp.keys, []).append((b, sp))
         self.groups = []
         for length, members in by_length.items():
-            members.sort(key=lambda b: index[b])
-            lo, hi = index[members[0]], index[members[-1]]
+            members.sort(key=lambda m: index[m[0]])
+            lo, hi = index[members[0][0]], index[members[-1][0]]
             if hi - lo + 1 <= self.GATHER_ABOVE * len(members):
-                read, local_of = slice(lo, hi + 1), {b: index[b] - lo for b in members}
+                read, local_of = slice(lo, hi + 1), {b: index[b] - lo for b, _ in members}
             else:
-                read = torch.tensor([index[b] for b in members], device=device)
-                local_of = {b: j for j, b in enumerate(members)}
+                read = torch.tensor([index[b] for b, _ in members], device=device)
+                local_of = {b: j for j, (b, _) in enumerate(members)}
             n_read = hi - lo + 1 if isinstance(read, slice) else len(members)
-            R = max(attn.rows, *(sizes[b] for b in members))
-            rows = torch.tensor([r for b in members for r in range(starts[b], starts[b + 1])], device=device)
-            local = torch.tensor([local_of[b] for b in members for _ in range(sizes[b])], device=device)
-            t = torch.tensor([j for b in members for j in range(sizes[b])], device=device)
+            R = max(attn.rows, *(sp.hi - sp.lo for _, sp in members))
+            rows = torch.tensor([starts[b] + r for b, sp in members for r in range(sp.lo, sp.hi)], device=device)
+            local = torch.tensor([local_of[b] for b, sp in members for _ in range(sp.lo, sp.hi)], device=device)
+            t = torch.tensor([j for _, sp in members for j in range(sp.hi - sp.lo)], device=device)
             qpos = torch.zeros(n_read, R, dtype=torch.long, device=device)  # rows of no member: position 0
-            for b in members:
-                p = per_call[b].pos
+            for b, sp in members:
+                p = per_call[b].pos[sp.lo : sp.hi]
                 qpos[local_of[b]] = torch.cat((p, p[:1].expand(R - p.shape[0])))
             self.groups.append((length, read, R, rows, local, t, qpos, {}))
 
