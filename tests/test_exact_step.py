@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from knnssd.engine import exactness
 from knnssd.engine.attention import SDPA, Attention
+from knnssd.engine.cache import SPAN
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import Decoder, SkipMask, make_decoder
@@ -22,6 +23,7 @@ from tiny import ARCHS, prompt_ids, tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_NEW = 24
+STRADDLE = 2 * SPAN - 4  # a context whose passes of 5 tokens and more straddle a key-length boundary
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,9 +47,24 @@ def test_chosen_step_is_row_invariant(arch, dtype):
     dec = decoder(arch, dtype)
     assert isinstance(dec, Decoder), f"{arch} {dtype} fell back to HF forwards"
     exact_or_skip(dec, dtype)
-    for seed in (11, 12):  # other random tokens than the probe's
-        equal, total = exactness.row_check(dec, exactness.MAX_T, seed=seed)
-        assert equal == total, f"{dec.exactness.step}: {equal}/{total} rows equal"
+    # other random tokens than the probe's; at STRADDLE the longer passes cross a key-length boundary
+    for seed, context in ((11, exactness.CONTEXT), (12, STRADDLE)):
+        equal, total = exactness.row_check(dec, exactness.MAX_T, context, seed=seed)
+        assert equal == total, f"{dec.exactness.step} at {context}: {equal}/{total} rows equal"
+
+
+def test_positions_as_a_tensor_read_the_whole_reservation():
+    """A step whose positions stay on the device (never read on the host) runs one shape for the whole
+    generation: the reserved length, masked; the same logits as the step at its own key length, up to rounding."""
+    dec = decoder("llama", "float32")
+    ids = torch.tensor(prompt_ids("llama", 0, 12))
+    by_int, by_tensor = dec.slot(), dec.slot()
+    for d in (by_int, by_tensor):
+        d.reserve(4 * 64)
+        d.forward(ids[:10], 0)
+    want = by_int.forward(ids[10:12], 10).logits
+    got = by_tensor.forward(ids[10:12], torch.arange(10, 12)).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def _perturbed(impl: Attention) -> Attention:
@@ -150,7 +167,7 @@ def smol_bf16(data_dir):
 def test_smollm2_bf16_step_is_row_invariant(smol_bf16):
     dec = smol_bf16[0]
     exact_or_skip(dec, "bfloat16")
-    equal, total = exactness.row_check(dec, exactness.MAX_T, seed=13)
+    equal, total = exactness.row_check(dec, exactness.MAX_T, STRADDLE, seed=13)
     assert equal == total
 
 
@@ -172,7 +189,7 @@ def test_smollm2_bf16_speculative_greedy_equals_own_plain_decoding(smol_bf16, i,
 def test_smollm2_fp32_step_is_row_invariant(smollm2):
     dec = smollm2.decoder
     exact_or_skip(dec, "float32")
-    equal, total = exactness.row_check(dec, exactness.MAX_T, seed=13)
+    equal, total = exactness.row_check(dec, exactness.MAX_T, STRADDLE, seed=13)
     assert equal == total
 
 

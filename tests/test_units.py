@@ -75,7 +75,9 @@ def test_key_length_is_set_by_the_query_position():
     assert spans == (Span(0, 3, SPAN), Span(3, 12, 2 * SPAN))
     for sp in spans:
         assert all(c.keys(start + r + 1) == sp.keys for r in range(sp.lo, sp.hi))
-    assert c.spans(3 * BUCKET - 2, 2) == (Span(0, 2, 3 * BUCKET),)  # never past the reservation
+    assert c.spans(3 * BUCKET - 2, 2) == (Span(0, 2, 3 * BUCKET),)  # the last positions read the whole reservation
+    with pytest.raises(CacheFull):
+        c.spans(3 * BUCKET - 2, 3)
 
 
 def test_ngram_lookup_uses_latest_match_and_never_itself():

@@ -201,7 +201,7 @@ class Attention:
     mask: Callable  # (pos, length, window) -> whatever ``attend`` takes; built once per call and window
     attend: Callable  # (q, k, v, mask, scale) -> (1, T, H * D)
     cache_fp32: bool  # keep K/V in fp32
-    static: bool  # shapes are set by the key length, not the positions (CUDA-graph capturable)
+    static: bool  # shapes are set by the key length, not the positions (CUDA-graph capturable per key length)
     # The same arithmetic over several sequences' caches at one key length, for packed passes
     # (``skip.forward_slots``): (q (B, R, H, D), k, v (B, KV, L, D), mask (a PositionMask of (B, 1, R, L)), scale) ->
     # (B, R, H * D), the queries padded to R >= ``rows``. None: no batched form.

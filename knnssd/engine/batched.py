@@ -245,10 +245,10 @@ def pooled_exact(decoder: Decoder, slots: int) -> bool:
     for b in range(slots):
         # key lengths by position (``KVCache.keys``): C at both ends (a copied group), else A or B (every
         # third slot): 8 slots read C,B,A,A,B,A,A,C (two copied groups, a slice with a non-member inside);
-        # each sequence starts 5 to 7 positions before a key-length boundary, so its longer passes
-        # straddle it (a sequence in two calls, one of them shared with the next length's slots)
+        # each sequence starts 3 to 5 positions before a key-length boundary, so its passes of 4 rows and
+        # more straddle it (a sequence in two calls, one of them shared with the next length's slots)
         extra = 2 if slots > 2 and b in (0, slots - 1) else 1 if b % 3 == 1 else 0
-        ids = torch.randint(0, vocab, (SPAN * (1 + extra) - 7 + b % 3,), generator=g).to(decoder.device)
+        ids = torch.randint(0, vocab, (SPAN * (1 + extra) - 3 - b % 3,), generator=g).to(decoder.device)
         for s in (pooled[b], own[b]):
             s.reserve(ids.shape[0] + 2 * max_t + 1)
             s.forward(ids, 0)

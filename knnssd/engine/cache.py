@@ -12,8 +12,9 @@ rest. So the row at position p of a verify pass reads exactly the keys a one-tok
 whatever the rest of the pass, and a speculative run and a plain run of the same request read keys
 of the same length; a pass whose rows straddle a ``SPAN`` boundary is split into one attention
 call per key length (``spans``). Attention kernels round the P @ V reduction differently for a
-different key length, so this, not one length for the whole generation, is what keeps the rows
-exact while a query reads about SPAN / 2 masked keys instead of up to the whole reservation.
+different key length, so every row must read the length its one-token step reads; one length for
+the whole generation (the reservation) kept that too, but had every query read up to
+``max_new_tokens`` masked keys, where this reads fewer than ``SPAN``.
 
 Rolling back is free: attention masks every position past a query's own, and the next call
 overwrites it. Drafts write K/V for the layers they run; verification rewrites every layer for
@@ -30,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 BUCKET = 64  # reservations are rounded up to this many positions
-SPAN = 32  # key lengths are rounded up to this many positions (a divisor of BUCKET)
+SPAN = 32  # key lengths are rounded up to this many positions (a divisor of BUCKET: never past a reservation)
 
 
 class Span(NamedTuple):
@@ -42,7 +43,7 @@ class Span(NamedTuple):
 
 
 class CacheFull(RuntimeError):
-    """A call writes past the key length reserved for this generation."""
+    """A call writes past the positions reserved for this generation."""
 
 
 class KVCache:
@@ -50,7 +51,7 @@ class KVCache:
         self.shape = (n_layers, n_kv, head_dim)
         self.dtype, self.device = dtype, device
         self.capacity = 0  # allocated positions
-        self.length = 0  # positions every attention call of this generation reads
+        self.length = 0  # positions this generation may write (a multiple of BUCKET)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
@@ -59,7 +60,7 @@ class KVCache:
         return max(BUCKET, -(-n // BUCKET) * BUCKET)
 
     def reserve(self, n: int) -> bool:
-        """Fix this generation's key length at ``bucket(n)``; True if buffers were (re)allocated."""
+        """Reserve ``bucket(n)`` positions for this generation; True if buffers were (re)allocated."""
         self.length = self.bucket(n)
         if self.length <= self.capacity:
             return False
@@ -71,13 +72,14 @@ class KVCache:
         return True
 
     def keys(self, end: int) -> int:
-        """The key length a query at position ``end - 1`` reads: ``end`` rounded up to ``SPAN``, within the
-        reserved length."""
-        return min(self.length, -(-end // SPAN) * SPAN)
+        """The key length a query at position ``end - 1`` reads: ``end`` rounded up to ``SPAN`` (within the
+        reservation for any ``end`` that ``check`` allows)."""
+        return -(-end // SPAN) * SPAN
 
     def spans(self, start: int, rows: int) -> tuple[Span, ...]:
         """The rows of a call at positions start..start+rows-1, grouped by the key length each reads
         (one group, unless the rows straddle a ``SPAN`` boundary)."""
+        self.check(start + rows)
         out, lo = [], 0
         while lo < rows:
             keys = self.keys(start + lo + 1)

@@ -116,7 +116,7 @@ def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int |
     if not config.warp.greedy:
         gen = torch.Generator(device=device)
         gen.manual_seed(config.seed if config.seed is not None else torch.seed())
-    decoder.reserve(len(prompt_ids) + config.max_new_tokens)  # the key length: the same for every drafter
+    decoder.reserve(len(prompt_ids) + config.max_new_tokens)  # positions: the same for every drafter
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     out = decoder.forward(ids, 0, last=True, tap=tap)
     seq = Sequence(list(prompt_ids), len(prompt_ids), decoder, config.warp, gen, device)

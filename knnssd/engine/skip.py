@@ -210,7 +210,7 @@ class Decoder:
         return out, pool
 
     def reserve(self, n: int) -> None:
-        """Start a generation of up to n positions: fixes the key length every call reads."""
+        """Start a generation of up to n positions (the cache's reservation)."""
         if self.cache.reserve(n):
             self._tables.clear()
 
@@ -229,6 +229,7 @@ class Decoder:
         s = stack or self.stack
         tapped = None
         T = ids.shape[0]
+        attn = self._attention_for(T)
         if isinstance(start, torch.Tensor):
             pos = at = start
             spans = (Span(0, T, self.cache.length),)
@@ -237,10 +238,9 @@ class Decoder:
                 self.reserve(T)
             self.cache.check(start + T)
             pos, at = torch.arange(start, start + T, device=ids.device), slice(start, start + T)
-            spans = self._spans(start, T)
+            spans = self._spans(start, T, attn)
         h = self._embed(s, ids)
         rope = self._rope(pos, h)
-        attn = self._attention_for(T)
         masks: dict[int | None, object] = {}
         skip_a = mask.attn if mask is not None else None
         skip_m = mask.mlp if mask is not None else None
@@ -249,7 +249,7 @@ class Decoder:
             if skip_a is None or not skip_a[i]:
                 if layer.window not in masks:
                     masks[layer.window] = _span_masks(attn, pos, spans, layer.window)
-                y = self._attention(layer, i, h, at, rope[layer.rope], attn, spans, masks[layer.window])
+                y = self._attention(layer, i, h, at, rope[layer.rope], attn, masks[layer.window])
                 if sizes is not None:
                     sizes[0, i] = _relative(y, h)
                 h = h + y
@@ -263,10 +263,11 @@ class Decoder:
         hidden = s.norm(h)[0]
         return Output(_logits(s, hidden[-1:] if last else hidden), hidden, tapped, sizes)
 
-    def _spans(self, start: int, rows: int) -> tuple[Span, ...]:
+    def _spans(self, start: int, rows: int, attn: Attention) -> tuple[Span, ...]:
         """The key lengths a call's rows read (``KVCache.spans``); a prefill's rows are never compared with
-        one-token steps, so a long one reads one length, its last position's."""
-        if rows > PREFILL_ROWS:
+        one-token steps, so a long one reads one length, its last position's, as does a step whose shapes
+        follow the positions anyway (``sdpa_dynamic``)."""
+        if rows > PREFILL_ROWS or not attn.static:
             return (Span(0, rows, self.cache.keys(start + rows)),)
         return self.cache.spans(start, rows)
 
@@ -281,23 +282,22 @@ class Decoder:
         return h * s.embed_scale if s.embed_scale is not None else h
 
     def _attention(self, layer: Layer, i: int, h: torch.Tensor, at: torch.Tensor | slice, rope, attn: Attention,
-                   spans: tuple[Span, ...], masks: list) -> torch.Tensor:
-        return _attn_out(layer, self._attend(layer, i, layer.qkv(layer.attn_norm(h))[0], at, rope, attn, spans, masks))
+                   masks: tuple["SpanMask", ...]) -> torch.Tensor:
+        return _attn_out(layer, self._attend(layer, i, layer.qkv(layer.attn_norm(h))[0], at, rope, attn, masks))
 
     def _attend(self, layer: Layer, i: int, qkv: torch.Tensor, at: torch.Tensor | slice, rope, attn: Attention,
-                spans: tuple[Span, ...], masks: list) -> torch.Tensor:
+                masks: tuple["SpanMask", ...]) -> torch.Tensor:
         """Attention of one sequence's rows, from their QKV projection (T, (H + 2 KV) D): writes their K/V to
         this decoder's cache at positions ``at`` (``KVCache.write``), then runs one attention call per span
-        of rows over the keys it reads (``masks``: one per span), and returns (1, T, H D), before the output
-        projection."""
+        of rows (``masks``), over the keys it reads, and returns (1, T, H D), before the output projection."""
         q, k, v = _heads(self.stack, layer, qkv, rope)
         kc, vc = self.cache.write(i, at, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         scale = self.stack.scale
-        if len(spans) == 1:
-            n = spans[0].keys
-            return attn.attend(q, kc[:, :, :n], vc[:, :, :n], masks[0], scale)
-        return torch.cat([attn.attend(q[s.lo : s.hi], kc[:, :, : s.keys], vc[:, :, : s.keys], m, scale)
-                          for s, m in zip(spans, masks)], dim=1)
+        if len(masks) == 1:  # the common case: no slicing of the queries
+            (sp, m), = masks
+            return attn.attend(q, kc[:, :, : sp.keys], vc[:, :, : sp.keys], m, scale)
+        return torch.cat([attn.attend(q[sp.lo : sp.hi], kc[:, :, : sp.keys], vc[:, :, : sp.keys], m, scale)
+                          for sp, m in masks], dim=1)
 
     def _rope(self, pos: torch.Tensor, h: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         s = self.stack
@@ -315,9 +315,16 @@ class Decoder:
         return self.stack.rotary(x, pos, key)
 
 
-def _span_masks(attn: Attention, pos: torch.Tensor, spans: tuple[Span, ...], window: int | None) -> list:
-    """The masks (``attn.mask``) of a call's spans of rows, each over the keys its rows read."""
-    return [attn.mask(pos[sp.lo : sp.hi], sp.keys, window) for sp in spans]
+class SpanMask(NamedTuple):
+    """A span of a call's rows and its mask (``Attention.mask``) over the keys they read."""
+
+    span: Span
+    mask: object
+
+
+def _span_masks(attn: Attention, pos: torch.Tensor, spans: tuple[Span, ...], window: int | None
+                ) -> tuple[SpanMask, ...]:
+    return tuple(SpanMask(sp, attn.mask(pos[sp.lo : sp.hi], sp.keys, window)) for sp in spans)
 
 
 def _heads(s: Stack, layer: Layer, qkv: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -386,8 +393,9 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
             raise ValueError("forward_slots runs slots of one decoder (the same weights)")
         slot.cache.check(start + ids.shape[0])
         pos = torch.arange(start, start + ids.shape[0], device=ids.device)
-        per_call.append(_SlotCall(slot, pos, slice(start, start + ids.shape[0]), slot._spans(start, ids.shape[0]),
-                                  slot._rope(pos, h), slot._attention_for(ids.shape[0]), {}))
+        attn = slot._attention_for(ids.shape[0])
+        per_call.append(_SlotCall(slot, pos, slice(start, start + ids.shape[0]), slot._spans(start, ids.shape[0], attn),
+                                  slot._rope(pos, h), attn, {}))
     packed = _PooledAttention(per_call, pool) if pool is not None else None
     for i, layer in enumerate(s.layers):
         qkv = layer.qkv(layer.attn_norm(h))[0]
@@ -398,8 +406,7 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
             for c, rows in zip(per_call, qkv.split(sizes)):
                 if layer.window not in c.masks:
                     c.masks[layer.window] = _span_masks(c.attn, c.pos, c.spans, layer.window)
-                parts.append(c.slot._attend(layer, i, rows, c.at, c.rope[layer.rope], c.attn, c.spans,
-                                            c.masks[layer.window]))
+                parts.append(c.slot._attend(layer, i, rows, c.at, c.rope[layer.rope], c.attn, c.masks[layer.window]))
             attended = torch.cat(parts, dim=1)
         h = h + _attn_out(layer, attended)
         h = h + _mlp(layer, h)
