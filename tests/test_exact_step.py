@@ -199,7 +199,6 @@ def _packed_equals_own(dec: Decoder, prompts: list[list[int]], rows: tuple[int, 
     """Packed passes (``pooled``: attention batched over a ``SlotPool``, at key lengths that differ
     between slots, and within the pass of a sequence whose rows straddle a key-length boundary) give
     each sequence the logits of its own pass, and the K/V its next steps read."""
-    from knnssd.engine.cache import SPAN
     from knnssd.engine.skip import forward_slots
 
     # odd sequences one SPAN further on (two key lengths, interleaved); the first pass of the longest
