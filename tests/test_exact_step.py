@@ -9,10 +9,11 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from knnssd.engine import exactness
+from knnssd.engine import exactness, native
 from knnssd.engine.attention import SDPA, Attention
 from knnssd.engine.cache import SPAN
 from knnssd.engine.decode import GenerationConfig, generate
@@ -81,6 +82,36 @@ def test_probe_reports_not_exact_for_an_implementation_that_is_not_row_invariant
     dec.exactness = ex
     _, stats = generate(dec, prompt_ids("llama", 0), None, GenerationConfig(max_new_tokens=4))
     assert stats.exact is False and stats.step == "perturbed"
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_native_rms_norm_is_row_invariant_and_computes_what_torch_does(dtype):
+    if not native.available():
+        pytest.skip("no C compiler here: norms run as torch ops")
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(576, generator=g).to(dt)
+    norm = native.RMSNorm.of(w, 1e-5)
+    x = (torch.randn(1, 12, 576, generator=g) * 3).to(dt)
+    rows = norm(x)
+    assert rows.shape == x.shape and rows.dtype == dt
+    assert all(torch.equal(rows[0, t], norm(x[:, t : t + 1])[0, 0]) for t in range(12))
+    torch.testing.assert_close(rows, F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    heads = torch.randn(5, 15, 64, generator=g).to(dt)[:, 2:11]  # a q-norm's input: a strided slice of QKV
+    qn = native.RMSNorm.of(torch.randn(64, generator=g).to(dt), 1e-6)
+    torch.testing.assert_close(qn(heads), F.rms_norm(heads, (64,), qn.weight.to(dt), 1e-6), rtol=1e-5, atol=1e-5)
+    assert norm(x.to(torch.float16)) is None  # a dtype the kernels do not take: the caller keeps torch ops
+
+
+def test_without_a_compiler_norms_run_as_torch_ops(monkeypatch):
+    monkeypatch.setenv("KNNSSD_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert native.RMSNorm.of(torch.ones(8), 1e-6) is None
+        dec = make_decoder(tiny("llama"))
+        assert dec.stack.norm.kernel is None and dec.exactness.exact
+    finally:
+        native.library.cache_clear()
 
 
 def test_probe_remembers_its_exact_choice_on_its_machine_key(tmp_path, monkeypatch):

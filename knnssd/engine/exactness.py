@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from knnssd.engine import native
 from knnssd.engine.attention import Attention, implementations
 from knnssd.engine.stack import RowPadded, Stack
 from knnssd.engine.timing import median_ms
@@ -256,13 +257,14 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
 KERNEL_ENV = ("DNNL_", "ONEDNN_", "MKL_", "OMP_", "KMP_", "ATEN_", "CUBLAS_", "NVIDIA_TF32", "TORCH_BLAS")
 # The engine code a forward pass runs (which kernels, on what shapes) and the probe itself.
 FORWARD_CODE = tuple(Path(__file__).parent / f for f in ("attention.py", "cache.py", "skip.py", "stack.py",
-                                                        "exactness.py"))
+                                                        "exactness.py", "native.py", "native.c"))
 
 
 def machine_key(device: torch.device) -> str:
     """What the kernels' rounding may depend on besides the model: torch build, threads, the
-    processor (CPU model and flags, or the GPU's name), kernel settings in the environment, and
-    the engine code of the forward pass (which kernels it calls, and how: ``FORWARD_CODE``)."""
+    processor (CPU model and flags, or the GPU's name), kernel settings in the environment, whether
+    the native kernels are built, and the engine code of the forward pass (which kernels it calls,
+    and how: ``FORWARD_CODE``)."""
     if device.type == "cuda":
         chip = torch.cuda.get_device_name(device)
     else:
@@ -273,7 +275,8 @@ def machine_key(device: torch.device) -> str:
         chip = platform.machine() + "".join(sorted({l for l in info if l.startswith(("model name", "flags"))}))
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(KERNEL_ENV))
     h = hashlib.sha256(f"{torch.__version__}|{torch.get_num_threads()}|{chip}|{env}|"
-                       f"{torch.get_float32_matmul_precision()}|{torch.backends.mkldnn.is_available()}".encode())
+                       f"{torch.get_float32_matmul_precision()}|{torch.backends.mkldnn.is_available()}|"
+                       f"{native.available()}".encode())
     for f in FORWARD_CODE:
         h.update(f.read_bytes())
     return h.hexdigest()[:12]
