@@ -103,6 +103,22 @@ def test_native_rms_norm_is_row_invariant_and_computes_what_torch_does(dtype):
     assert norm(x.to(torch.float16)) is None  # a dtype the kernels do not take: the caller keeps torch ops
 
 
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("d", [64, 32])  # full and partial (Phi3-style) rotary
+def test_native_rope_rounds_as_the_torch_ops_do(dtype, d):
+    if not native.available():
+        pytest.skip("no C compiler here: RoPE runs as torch ops")
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(d)
+    for T in (1, 5):
+        x = torch.randn(T, 15, 64, generator=g).to(dt)[:, :12]  # the q and k heads of QKV rows
+        cos, sin = (torch.randn(T, 1, d, generator=g).to(dt) for _ in range(2))
+        xr = x[..., :d]
+        want = torch.cat((xr * cos + xr.roll(d // 2, -1) * sin, x[..., d:]), dim=-1)
+        got = native.rope(x, cos, sin)
+        assert got.is_contiguous() and torch.equal(got, want)
+
+
 def test_without_a_compiler_norms_run_as_torch_ops(monkeypatch):
     monkeypatch.setenv("KNNSSD_NATIVE", "0")
     native.library.cache_clear()

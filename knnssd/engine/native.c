@@ -50,3 +50,29 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 #define SAME(v) (v)
 RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 RMS_NORM(rms_norm_f32, float, SAME, SAME)
+
+/* RoPE of T rows of heads x D values, x's rows ``stride`` apart (the q and k heads of a QKV row),
+   into out (T, heads, D): x * cos + roll(x, d / 2) * sin over the first d values (sin signed for
+   the rotation), the rest copied; each product and the sum rounded to the type, as torch's ops do. */
+#define ROPE_HALF(FROM, SHIFT, LOAD, STORE) /* j pairs with j + SHIFT; no branch, so it vectorises */   \
+    for (int64_t j = FROM; j < FROM + half; j++)                                                   \
+        o[j] = STORE(LOAD(STORE(LOAD(xr[j]) * LOAD(c[j]))) + LOAD(STORE(LOAD(xr[j + SHIFT]) * LOAD(s[j]))));
+
+#define ROPE(NAME, T, LOAD, STORE)                                                                 \
+    void NAME(const T *x, int64_t stride, const T *cos, const T *sin, T *out, int64_t rows,          \
+              int64_t heads, int64_t D, int64_t d) {                                               \
+        int64_t half = d / 2;                                                                      \
+        for (int64_t t = 0; t < rows; t++) {                                                       \
+            const T *c = cos + t * d, *s = sin + t * d;                                            \
+            for (int64_t h = 0; h < heads; h++) {                                                  \
+                const T *xr = x + t * stride + h * D;                                              \
+                T *o = out + (t * heads + h) * D;                                                  \
+                ROPE_HALF(0, half, LOAD, STORE)                                                    \
+                ROPE_HALF(half, -half, LOAD, STORE)                                                \
+                for (int64_t j = d; j < D; j++) o[j] = xr[j];                                      \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+ROPE(rope_f32, float, SAME, SAME)

@@ -1,9 +1,10 @@
 """C kernels for the CPU step (``native.c``), built at first use with the system's C compiler.
 
-A torch op costs a few microseconds of dispatch on the CPU whatever its size, and RMSNorm is about
-eight of them (F.rms_norm's composite: upcast, square, mean, add, rsqrt, two products, downcast).
-A one-token step of SmolLM2 runs 61 norms of one 576-wide row: in the step they cost about 2 ms of
-its 20 (bf16, 2-core Zen 4), and one C call does each in about 2.5 us.
+A torch op costs a few microseconds of dispatch on the CPU whatever its size. RMSNorm is about
+eight of them (F.rms_norm's composite: upcast, square, mean, add, rsqrt, two products, downcast)
+and RoPE four (two products, a roll, a sum). A one-token step of SmolLM2 runs 61 norms of one
+576-wide row and 30 RoPEs: in torch ops they cost about 2 ms of its 20 (bf16, 2-core Zen 4); one
+C call each costs about 2.5 us (norm) and 4.5 us (RoPE), Python included.
 
 Each kernel computes every row alone with one fixed loop (``native.c``), so its rows do not depend
 on the call's row count (the exactness probe still measures the whole step). The library is built
@@ -68,19 +69,21 @@ def library() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.info("no C compiler (cc): the step's norms run as torch ops")
+        log.info("no C compiler (cc): the step's norms and RoPE run as torch ops")
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
-        log.warning("could not build the native kernels (%s): the step's norms run as torch ops", str(detail)[-300:])
+        log.warning("could not build the native kernels (%s): the step's norms and RoPE run as torch ops",
+                    str(detail)[-300:])
         return None
-    for name, elem in (("rms_norm_bf16", ctypes.c_uint16), ("rms_norm_f32", ctypes.c_float)):
-        f = getattr(lib, name)
-        f.restype = None
-        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                      ctypes.c_float]
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    for names, args in ((("rms_norm_bf16", "rms_norm_f32"), (ptr, ptr, ptr, i64, i64, ctypes.c_float)),
+                        (("rope_bf16", "rope_f32"), (ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64))):
+        for name in names:
+            f = getattr(lib, name)
+            f.restype, f.argtypes = None, list(args)
     return lib
 
 
@@ -91,29 +94,43 @@ def available() -> bool:
 class RMSNorm:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim, computed in fp32 and rounded once to x's
     dtype (what ``F.rms_norm`` computes, for a weight of either dtype), for CPU tensors in bf16 or fp32.
-    ``of`` returns None where the kernels are not built or the weight is not on the CPU."""
-
-    KERNELS = {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"}
+    ``of`` returns None where the kernels are not built or the weight is not on the CPU. (The calls
+    stay lean: at one row, the C work is well under a microsecond of their ~2.)"""
 
     def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, eps: float):
         self.weight = weight.detach().float().contiguous()  # the kernels read an fp32 weight
-        self.eps = eps
-        self.kernels = {dtype: getattr(lib, name) for dtype, name in self.KERNELS.items()}
+        self.n, self.eps, self.weight_ptr = self.weight.numel(), eps, self.weight.data_ptr()
+        self.kernels = {torch.bfloat16: lib.rms_norm_bf16, torch.float32: lib.rms_norm_f32}
 
     @classmethod
     def of(cls, weight: torch.Tensor, eps: float) -> "RMSNorm | None":
-        lib = library() if weight.device.type == "cpu" else None
+        lib = library() if weight.is_cpu else None
         return cls(lib, weight, eps) if lib is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """The norm of x, or None for a dtype or device the kernels do not take."""
         kernel = self.kernels.get(x.dtype)
-        n = x.shape[-1]
-        if kernel is None or x.device.type != "cpu" or n != self.weight.numel():
+        if kernel is None or not x.is_cpu or x.shape[-1] != self.n:
             return None
-        rows = x.reshape(-1, n)  # a copy only for a layout that cannot be viewed so (same values either way)
-        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != n):
-            rows = rows.contiguous()
-        out = torch.empty(x.shape, dtype=x.dtype)
-        kernel(rows.data_ptr(), self.weight.data_ptr(), out.data_ptr(), rows.shape[0], n, self.eps)
+        if not x.is_contiguous():  # e.g. a q-norm's heads, sliced from QKV rows: the same values, copied
+            x = x.contiguous()
+        out = torch.empty_like(x)
+        kernel(x.data_ptr(), self.weight_ptr, out.data_ptr(), x.numel() // self.n, self.n, self.eps)
         return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor | None:
+    """``skip._rope`` in one call: x (T, heads, D) with contiguous heads (a slice of QKV rows), cos and
+    sin_signed (T, 1, d) of x's dtype -> a new contiguous (T, heads, D); None where the kernels do not apply."""
+    lib = library()
+    if lib is None or not x.is_cpu or cos.dtype != x.dtype or sin_signed.dtype != x.dtype:
+        return None
+    kernel = lib.rope_bf16 if x.dtype == torch.bfloat16 else lib.rope_f32 if x.dtype == torch.float32 else None
+    T, heads, D = x.shape
+    d = cos.shape[-1]
+    if kernel is None or x.stride(2) != 1 or x.stride(1) != D or d % 2 or not (cos.is_contiguous()
+                                                                             and sin_signed.is_contiguous()):
+        return None
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    kernel(x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr(), T, heads, D, d)
+    return out

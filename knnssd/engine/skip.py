@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from knnssd.engine import native
 from knnssd.engine.attention import PREFILL_ROWS, SDPA, SDPA_DYNAMIC, Attention, PositionMask, allowed
 from knnssd.engine.cache import KVCache, SlotPool, Span
 from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf
@@ -126,7 +127,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     """RoPE on (T, heads, D): x*cos + rotate_half(x)*sin, with rotate_half(x)*sin = roll(x, D/2)*sin_signed.
 
     cos, sin_signed: (T, 1, d); d < D rotates only the first d dims (partial rotary, Phi3 style).
+    One C call on the CPU where ``native`` is built (the same roundings), else four torch ops.
     """
+    y = native.rope(x, cos, sin_signed)
+    if y is not None:
+        return y
     d = cos.shape[-1]
     if d == x.shape[-1]:
         return x * cos + x.roll(d // 2, -1) * sin_signed
