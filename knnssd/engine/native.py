@@ -107,6 +107,9 @@ class RMSNorm:
         lib = library() if weight.is_cpu else None
         return cls(lib, weight, eps) if lib is not None else None
 
+    def __reduce__(self):  # copies and pickles load the library again (ctypes functions cannot be pickled)
+        return RMSNorm.of, (self.weight, self.eps)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """The norm of x, or None for a dtype or device the kernels do not take."""
         kernel = self.kernels.get(x.dtype)
