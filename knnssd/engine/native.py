@@ -13,6 +13,7 @@ compiler, or ``KNNSSD_NATIVE=0``, ``library()`` is None and callers keep the tor
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -22,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +53,10 @@ def _build(compiler: str) -> Path:
     if path.exists():
         return path
     folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob(".build-*"):  # left by a build that was killed (a build takes about a second)
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > 600:
+                stale.unlink()
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
