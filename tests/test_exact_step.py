@@ -119,6 +119,21 @@ def test_native_rope_rounds_as_the_torch_ops_do(dtype, d):
         assert got.is_contiguous() and torch.equal(got, want)
 
 
+def test_a_library_that_lacks_a_kernel_is_reported_removed_and_not_used(monkeypatch, tmp_path, caplog):
+    if not native.available():
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "SIGNATURES", {**native.SIGNATURES, ("no_such_kernel",): ("p",)})
+    native.library.cache_clear()
+    try:
+        assert native.library() is None and "could not build the native kernels" in caplog.text
+        assert not list((tmp_path / "native").iterdir())  # the broken library is gone: the next load builds again
+    finally:
+        native.library.cache_clear()
+    x = torch.randn(3, 4, 64)
+    assert native.rope(x, torch.ones(1, 1, 64), torch.ones(1, 1, 64)) is None  # broadcast cos/sin: torch ops
+
+
 def test_without_a_compiler_norms_run_as_torch_ops(monkeypatch):
     monkeypatch.setenv("KNNSSD_NATIVE", "0")
     native.library.cache_clear()

@@ -263,7 +263,7 @@ FORWARD_CODE = tuple(Path(__file__).parent / f for f in ("attention.py", "cache.
 def machine_key(device: torch.device) -> str:
     """What the kernels' rounding may depend on besides the model: torch build, threads, the
     processor (CPU model and flags, or the GPU's name), kernel settings in the environment, whether
-    the native kernels are built, and the engine code of the forward pass (which kernels it calls,
+    the native kernels are built (on the CPU), and the engine code of the forward pass (which kernels it calls,
     and how: ``FORWARD_CODE``)."""
     if device.type == "cuda":
         chip = torch.cuda.get_device_name(device)
@@ -276,7 +276,7 @@ def machine_key(device: torch.device) -> str:
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(KERNEL_ENV))
     h = hashlib.sha256(f"{torch.__version__}|{torch.get_num_threads()}|{chip}|{env}|"
                        f"{torch.get_float32_matmul_precision()}|{torch.backends.mkldnn.is_available()}|"
-                       f"{native.available()}".encode())
+                       f"{device.type == 'cpu' and native.available()}".encode())
     for f in FORWARD_CODE:
         h.update(f.read_bytes())
     return h.hexdigest()[:12]
