@@ -37,11 +37,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")  # no fused multiply-add: torch's rounding
-
-
-SIGNATURES = {  # the kernels native.c defines, and their arguments
-    ("rms_norm_bf16", "rms_norm_f32"): ("p", "p", "p", "i", "i", "f"),  # x, w (fp32), out, rows, n, eps
-    ("rope_bf16", "rope_f32"): ("p", "i", "p", "p", "p", "i", "i", "i", "i"),  # x, stride, cos, sin, out, T, heads, D, d
+SIGNATURES = {  # the kernels native.c defines, and their arguments (p: pointer, i: int64, f: float)
+    # x, w (fp32), out, rows, n, eps
+    ("rms_norm_bf16", "rms_norm_f32"): ("p", "p", "p", "i", "i", "f"),
+    # x, x's token stride, cos, sin, out, T, heads, D, d
+    ("rope_bf16", "rope_f32"): ("p", "i", "p", "p", "p", "i", "i", "i", "i"),
 }
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}
 # /proc/cpuinfo lines that say what -march=native may use (x86 "flags"; ARM "Features" and the part)
