@@ -263,8 +263,8 @@ FORWARD_CODE = tuple(Path(__file__).parent / f for f in ("attention.py", "cache.
 def machine_key(device: torch.device) -> str:
     """What the kernels' rounding may depend on besides the model: torch build, threads, the
     processor (CPU model and flags, or the GPU's name), kernel settings in the environment, whether
-    the native kernels are built (on the CPU), and the engine code of the forward pass (which kernels it calls,
-    and how: ``FORWARD_CODE``)."""
+    the native kernels are built (on the CPU), and the engine code of the forward pass (which
+    kernels it calls, and how: ``FORWARD_CODE``)."""
     if device.type == "cuda":
         chip = torch.cuda.get_device_name(device)
     else:
