@@ -268,11 +268,7 @@ def machine_key(device: torch.device) -> str:
     if device.type == "cuda":
         chip = torch.cuda.get_device_name(device)
     else:
-        try:
-            info = Path("/proc/cpuinfo").read_text().splitlines()
-        except OSError:
-            info = []
-        chip = platform.machine() + "".join(sorted({l for l in info if l.startswith(("model name", "flags"))}))
+        chip = platform.machine() + native.processor()
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(KERNEL_ENV))
     h = hashlib.sha256(f"{torch.__version__}|{torch.get_num_threads()}|{chip}|{env}|"
                        f"{torch.get_float32_matmul_precision()}|{torch.backends.mkldnn.is_available()}|"

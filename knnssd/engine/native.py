@@ -48,7 +48,9 @@ CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}
 PROCESSOR_LINES = ("flags", "Features", "model name", "CPU implementer", "CPU part")
 
 
-def _processor() -> str:
+def processor() -> str:
+    """What identifies this CPU's instruction set: its /proc/cpuinfo lines that name the model and flags
+    (the native build's key, and the exactness record's)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -68,7 +70,7 @@ def _build(compiler: list[str]) -> Path:
     """The shared library for this source, compiler and processor, compiled unless already there (written
     to a temporary name and renamed, so a killed or concurrent build never leaves a partial library)."""
     key = hashlib.sha256(b"|".join((SOURCE.read_bytes(), " ".join(compiler + list(FLAGS)).encode(),
-                                    platform.machine().encode(), _processor().encode()))).hexdigest()[:16]
+                                    platform.machine().encode(), processor().encode()))).hexdigest()[:16]
     folder = cache_dir() / "native"
     path = folder / f"knnssd-{key}.so"
     if folder.is_dir():
