@@ -123,7 +123,7 @@ def test_a_library_that_lacks_a_kernel_is_reported_removed_and_not_used(monkeypa
     if not native.available():
         pytest.skip("no C compiler here")
     monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "SIGNATURES", {**native.SIGNATURES, ("no_such_kernel",): ("p",)})
+    monkeypatch.setattr(native, "SIGNATURES", {**native.SIGNATURES, "no_such_kernel": ("p",)})
     native.library.cache_clear()
     try:
         assert native.library() is None and "could not build the native kernels" in caplog.text

@@ -27,6 +27,8 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,13 +39,14 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")  # no fused multiply-add: torch's rounding
-SIGNATURES = {  # the kernels native.c defines, and their arguments (p: pointer, i: int64, f: float)
+SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<family>_f32``) and their arguments
     # x, w (fp32), out, rows, n, eps
-    ("rms_norm_bf16", "rms_norm_f32"): ("p", "p", "p", "i", "i", "f"),
+    "rms_norm": ("p", "p", "p", "i", "i", "f"),
     # x, x's token stride, cos, sin, out, T, heads, D, d
-    ("rope_bf16", "rope_f32"): ("p", "i", "p", "p", "p", "i", "i", "i", "i"),
+    "rope": ("p", "i", "p", "p", "p", "i", "i", "i", "i"),
 }
-CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}
+CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
+SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the dtypes the kernels take
 # /proc/cpuinfo lines that say what -march=native may use (x86 "flags"; ARM "Features" and the part)
 PROCESSOR_LINES = ("flags", "Features", "model name", "CPU implementer", "CPU part")
 
@@ -89,17 +92,28 @@ def _build(compiler: list[str]) -> Path:
     return path
 
 
-def _load(path: Path) -> ctypes.CDLL:
+@dataclass(frozen=True)
+class Kernels:
+    """The loaded library's kernels, per dtype of the tensors they take."""
+
+    rms_norm: dict[torch.dtype, Callable]
+    rope: dict[torch.dtype, Callable]
+
+
+def _load(path: Path) -> Kernels:
     lib = ctypes.CDLL(str(path))
-    for names, args in SIGNATURES.items():
-        for name in names:
-            f = getattr(lib, name)  # AttributeError: a library without it
+    families = {}
+    for family, args in SIGNATURES.items():
+        families[family] = {}
+        for dtype, suffix in SUFFIXES.items():
+            f = getattr(lib, f"{family}_{suffix}")  # AttributeError: a library without it
             f.restype, f.argtypes = None, [CTYPES[a] for a in args]
-    return lib
+            families[family][dtype] = f
+    return Kernels(**families)
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
+def library() -> Kernels | None:
     """The loaded kernels, or None (no compiler, a failed build, or ``KNNSSD_NATIVE=0``), logged once a process."""
     if os.environ.get("KNNSSD_NATIVE", "1") == "0":
         return None
@@ -132,10 +146,10 @@ class RMSNorm:
     order, so a value may differ from ``F.rms_norm``'s by an ulp), for CPU tensors in bf16 or fp32.
     ``of`` returns None where the kernels are not built or the weight is not on the CPU."""
 
-    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, eps: float):
+    def __init__(self, lib: Kernels, weight: torch.Tensor, eps: float):
         self.weight = weight.detach().float().contiguous()  # the kernels read an fp32 weight
         self.n, self.eps, self.weight_ptr = self.weight.numel(), eps, self.weight.data_ptr()
-        self.kernels = {torch.bfloat16: lib.rms_norm_bf16, torch.float32: lib.rms_norm_f32}
+        self.kernels = lib.rms_norm
 
     @classmethod
     def of(cls, weight: torch.Tensor, eps: float) -> "RMSNorm | None":
@@ -165,7 +179,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     if not x.is_cpu or x.dim() != 3 or cos.dtype != x.dtype or sin_signed.dtype != x.dtype:
         return None
     lib = library()
-    kernel = None if lib is None else {torch.bfloat16: lib.rope_bf16, torch.float32: lib.rope_f32}.get(x.dtype)
+    kernel = None if lib is None else lib.rope.get(x.dtype)
     T, heads, D = x.shape
     d = cos.shape[-1]
     if (kernel is None or x.stride(2) != 1 or x.stride(1) != D or d % 2 or d > D or cos.shape != (T, 1, d)
