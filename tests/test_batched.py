@@ -52,7 +52,7 @@ def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
     if dtype == "bfloat16" and not (dec.exactness.exact and plan.exact):
         pytest.skip(f"no exact packed bf16 pass here: {dec.exactness.note or 'packed linears not row-invariant'}")
     assert plan.exact, "fp32 must be exact"
-    assert plan.pooled == (dec.attention.batch is not None and batched.pooled_exact(dec, 4))
+    assert plan.pooled == (dec.attention.poolable and batched.pooled_exact(dec, 4))
     jobs = mixed_jobs(dec, arch, 13, 20)
     stats = BatchStats(plan.slots)
     done = list(decode_batch(dec, jobs, plan, stats))
@@ -99,7 +99,7 @@ def test_batched_sampling_keeps_each_sequences_distribution():
             for s in range(n)]
     stats = BatchStats(8)
     counts: dict[tuple, int] = {}
-    for f in decode_batch(dec, jobs, BatchPlan(8, FLAT, True, pooled=dec.attention.batch is not None), stats):
+    for f in decode_batch(dec, jobs, BatchPlan(8, FLAT, True, pooled=dec.attention.poolable), stats):
         key = tuple(f.tokens[:3])
         counts[key] = counts.get(key, 0) + 1
     assert sum(stats.drafted) > n / 2

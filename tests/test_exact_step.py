@@ -14,11 +14,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from knnssd.engine import exactness, native
-from knnssd.engine.attention import SDPA, Attention
+from knnssd.engine.attention import NATIVE, SDPA, Attention
 from knnssd.engine.cache import SPAN
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import Decoder, SkipMask, make_decoder
+from knnssd.engine.stack import from_hf
 from test_device_step import set_early_stop
 from tiny import ARCHS, prompt_ids, tiny
 
@@ -117,6 +118,54 @@ def test_native_rope_rounds_as_the_torch_ops_do(dtype, d):
         want = torch.cat((xr * cos + xr.roll(d // 2, -1) * sin, x[..., d:]), dim=-1)
         got = native.rope(x, cos, sin)
         assert got.is_contiguous() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("D", [64, 24])  # the AVX-512 form where built (D a multiple of 16), and the portable one
+def test_native_attention_reads_each_rows_own_keys_alone(dtype, D):
+    if not native.available():
+        pytest.skip("no C compiler here: attention runs as torch ops")
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(D)
+    S, KV, H, C = 3, 2, 6, 96  # GQA: 3 query heads per KV head
+    k, v = (torch.randn(S, KV, C, D, generator=g).to(dt) for _ in range(2))
+    q = torch.randn(5, H + 2 * KV, D, generator=g).to(dt)[:, :H]  # the q heads of QKV rows (strided)
+    slots, pos = torch.tensor([0, 2, 1, 1, 0]), torch.tensor([10, 90, 0, 95, 57])
+    for window in (None, 16):
+        rows = native.Rows(slots, pos, window)
+        out = native.attention(q, k, v, rows, 0.25)
+        want = []
+        for r in range(5):
+            s, p = int(slots[r]), int(pos[r])
+            lo = max(0, p - window + 1) if window else 0
+            kk, vv = (t[s, :, lo : p + 1].double().repeat_interleave(H // KV, 0) for t in (k, v))
+            a = torch.softmax((q[r].double()[:, None] * kk).sum(-1) * 0.25, -1)
+            want.append((a[..., None] * vv).sum(1).reshape(-1))
+        tol = 1e-5 if dt == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double(), torch.stack(want), rtol=tol, atol=tol)
+        # bitwise the same for each row alone, and over a cache with a longer key length
+        longer = [torch.cat((t, t.new_zeros(S, KV, 64, D)), dim=2) for t in (k, v)]
+        alone = [native.attention(q[r : r + 1], k, v, native.Rows(slots[r : r + 1], pos[r : r + 1], window), 0.25)
+                 for r in range(5)]
+        assert torch.equal(torch.cat(alone), out)
+        assert torch.equal(native.attention(q, *longer, native.Rows(slots, pos, window), 0.25), out)
+    assert native.attention(q, k, v, native.Rows(slots, torch.tensor([10, 90, 0, 96, 57]), None), 0.25) is None  # past L
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_native_attention_step_is_exact_and_pools(arch, dtype):
+    """The C attention as the step: the probe finds it exact, and packed passes over a pool (one call
+    per layer, rows at different key lengths) give each sequence its own pass's logits."""
+    if not native.available():
+        pytest.skip("no C compiler here: attention runs as torch ops")
+    dec = Decoder(from_hf(tiny(arch, dtype=DTYPES[dtype])))
+    ex = exactness.choose(dec, candidates=(NATIVE,))
+    assert ex.exact and dec.attention is NATIVE, ex.note
+    equal, total = exactness.row_check(dec, exactness.MAX_T, STRADDLE, seed=13)
+    assert equal == total
+    prompts = [prompt_ids(arch, i, length) for i, length in enumerate((5, 21, 9, 12, 7))]
+    _packed_equals_own(dec, prompts, rows=(1, 4, 12, 2, 3), pooled=True)
 
 
 def test_a_library_that_lacks_a_kernel_is_reported_removed_and_not_used(monkeypatch, tmp_path, caplog):
@@ -269,7 +318,7 @@ def _packed_equals_own(dec: Decoder, prompts: list[list[int]], rows: tuple[int, 
     prompts = [p + p[:1] * ((b % 2) * SPAN + (b == longest) * ((SPAN - 3 - len(p)) % SPAN))
                for b, p in enumerate(prompts)]
 
-    if pooled and dec.attention.batch is None:
+    if pooled and not dec.attention.poolable:
         pytest.skip(f"{dec.attention.name} has no batched form")
     packed_slots, pool = dec.pooled_slots(len(prompts)) if pooled else ([dec.slot() for _ in prompts], None)
     own_slots = [dec.slot() for _ in prompts]

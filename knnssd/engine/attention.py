@@ -17,6 +17,10 @@ device, the dtype and the model's shapes (``exactness.py`` measures it at load):
                   the cache is kept in fp32 so nothing is converted per call)
     sdpa_dynamic  the pre-static step: SDPA over keys 0..pos[-1] only, no mask for T = 1
                   (shapes change with the position; needs the position on the host)
+    native        the C kernel of ``native.py`` (CPU, where it is built): each query row alone,
+                  reading its keys 0..pos only, in fp32 with one rounding, so invariant to the
+                  call's rows and to the key length by construction; a packed pass over a
+                  ``SlotPool`` is one call per layer (``Attention.pooled``), whatever the key lengths
 
 and ``padded(impl, R)`` of the static ones: the queries of a call with fewer than R tokens are
 padded with zero rows to R (gpt-fast's verification at a fixed length), so one-token steps and
@@ -39,6 +43,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from knnssd.engine import native
 
 
 def allowed(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
@@ -207,7 +213,38 @@ class Attention:
     # (B, R, H * D), the queries padded to R >= ``rows``. None: no batched form.
     batch: Callable | None = None
     rows: int = 1
+    # Each query row reads its own keys and nothing else, whatever the key length or the other rows (so a
+    # call needs no split at key-length boundaries, and a packed pass one call per layer): the rows' form
+    # of the mask, (slots (R,), pos (R,), window) -> what ``pooled`` takes, and ``pooled`` itself,
+    # (q (R, H, D), k, v (S, KV, L, D) a pool's buffers, rows, scale) -> (R, H * D). None: no such form.
+    pooled_rows: Callable | None = None
+    pooled: Callable | None = None
 
+    @property
+    def poolable(self) -> bool:
+        """Has a form for a packed pass over a ``SlotPool`` (``batch`` or ``pooled``)."""
+        return self.batch is not None or self.pooled is not None
+
+
+def _native_mask(pos, length, window):
+    return native.Rows(torch.zeros_like(pos), pos, window)
+
+
+def _native_pooled(q, k, v, rows: native.Rows, scale):
+    out = native.attention(q, k, v, rows, scale)
+    if out is None:
+        raise RuntimeError(f"the native attention kernel refused q {tuple(q.shape)} {q.dtype} on {q.device} with a "
+                           f"cache of {tuple(k.shape)} {k.dtype} (another layout, or a row outside the cache)")
+    return out
+
+
+def _native(q, k, v, rows: native.Rows, scale):
+    return _native_pooled(q, k, v, rows, scale)[None]
+
+
+# The C kernel (``native.c``): each query row alone, in fp32 with one rounding, reading keys 0..pos only.
+NATIVE = Attention("native", _native_mask, _native, cache_fp32=False, static=True,
+                   pooled_rows=native.Rows, pooled=_native_pooled)
 
 PREFILL_ROWS = 16  # longer calls are prefills: ``skip.Decoder`` runs them with ``SDPA_DYNAMIC``
 SDPA = Attention("sdpa", _position_mask, _sdpa, cache_fp32=False, static=True, batch=_sdpa_batch)
@@ -234,9 +271,11 @@ def padded(impl: Attention, rows: int) -> Attention:
     return Attention(f"{impl.name}_pad{rows}", mask, attend, impl.cache_fp32, impl.static, impl.batch, rows)
 
 
-def implementations(rows: int) -> tuple[Attention, ...]:
-    """The candidates the exactness probe measures, for passes of up to ``rows`` tokens: the plain ones,
-    then padded forms from the cheapest (2 rows) to the surest (``rows``: every call one shape)."""
+def implementations(rows: int, device: torch.device | str = "cpu") -> tuple[Attention, ...]:
+    """The candidates the exactness probe measures, for passes of up to ``rows`` tokens on ``device``: the
+    plain ones, then padded forms from the cheapest (2 rows) to the surest (``rows``: every call one
+    shape), and on the CPU, where the native kernels are built, ``native``."""
     pads = sorted({p for p in (2, 4, rows) if 1 < p <= rows})
+    own = (NATIVE,) if torch.device(device).type == "cpu" and native.available() else ()
     return (SDPA, SDPA_FOLD, FP32, SDPA_DYNAMIC, *(padded(impl, p) for p in pads for impl in (SDPA, FP32)),
-            folded(4))
+            folded(4), *own)

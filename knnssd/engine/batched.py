@@ -234,7 +234,7 @@ def pooled_exact(decoder: Decoder, slots: int) -> bool:
     bitwise. False where the step has no
     batched form or is not exact itself."""
     ex = decoder.exactness
-    if ex is None or not ex.exact or decoder.attention.batch is None:
+    if ex is None or not ex.exact or not decoder.attention.poolable:
         return False
     max_t = ex.max_t
     pooled, pool = decoder.pooled_slots(slots)
@@ -286,7 +286,7 @@ def auto_slots(decoder: Decoder, positions: int, jobs: int, memory: int = DEFAUL
     limit = min(max_slots(decoder, positions, memory), max(1, jobs))
     best, best_rate = 1, None
     for n in (x for x in AUTO_SLOTS if x <= limit):
-        rate = n / measure_pass_costs(decoder, n, (1,), repeats=3, pooled=decoder.attention.batch is not None
+        rate = n / measure_pass_costs(decoder, n, (1,), repeats=3, pooled=decoder.attention.poolable
                                       ).seconds[0]
         if best_rate is not None and rate < AUTO_GAIN * best_rate:
             break

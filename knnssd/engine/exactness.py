@@ -214,7 +214,7 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
     """Probe ``dec`` (a ``skip.Decoder``), set its exact step (the module docstring's order), and return
     what was measured; or take the choice ``record`` holds (``remember`` writes it), without probing.
     ``packed``: ``skip.forward_slots``, to time the candidates' packed passes."""
-    candidates = candidates or implementations(max_t)
+    candidates = candidates or implementations(max_t, dec.stack.device)
     dtype, device = _dtype_name(dec.stack.dtype), str(dec.stack.device)
     stack, adjusted = pad_linears(dec.stack, max_t)
     dec.use_stack(stack)
@@ -297,7 +297,7 @@ def remember(record: Path, result: Exactness, candidates: tuple[Attention, ...] 
     further, as ``skip.make_decoder`` does against HF, writes it only once that check has passed)."""
     if not result.exact or result.recalled:
         return
-    candidates = candidates or implementations(result.max_t)
+    candidates = candidates or implementations(result.max_t, result.device)
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         part = record.with_name(f".{record.name}.{os.getpid()}")
@@ -358,7 +358,7 @@ def _packed_ms(dec, candidates: tuple[Attention, ...], max_t: int, packed) -> li
     for impl in candidates:
         d = dec.slot()
         d.set_attention(impl)
-        slots, pool = d.pooled_slots(BATCH_SLOTS) if impl.batch is not None else (
+        slots, pool = d.pooled_slots(BATCH_SLOTS) if impl.poolable else (
             [d.slot() for _ in range(BATCH_SLOTS)], None)
         for s in slots:
             s.reserve(TIMING_CONTEXT + max_t)

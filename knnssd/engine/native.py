@@ -44,7 +44,11 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
     "rms_norm": ("p", "p", "p", "i", "i", "f"),
     # x, x's token stride, cos, sin, out, T, heads, D, d
     "rope": ("p", "i", "p", "p", "p", "i", "i", "i", "i"),
+    # q, q's row stride, k, v, slots in the cache, slot stride, L, head stride, slots, pos, out, rows, H, KV, D,
+    # window, scale, scratch; returns 0, or -1 for a row outside the cache
+    "attention": ("p", "i", "p", "p", "i", "i", "i", "i", "p", "p", "p", "i", "i", "i", "i", "i", "f", "p"),
 }
+RESULTS = {"attention": ctypes.c_int64}  # the kernels that return something (the others: nothing)
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the dtypes the kernels take
 # /proc/cpuinfo lines that say what -march=native may use (x86 "flags"; ARM "Features" and the part)
@@ -98,6 +102,7 @@ class Kernels:
 
     rms_norm: dict[torch.dtype, Callable]
     rope: dict[torch.dtype, Callable]
+    attention: dict[torch.dtype, Callable]
 
 
 def _load(path: Path) -> Kernels:
@@ -107,7 +112,7 @@ def _load(path: Path) -> Kernels:
         families[family] = {}
         for dtype, suffix in SUFFIXES.items():
             f = getattr(lib, f"{family}_{suffix}")  # AttributeError: a library without it
-            f.restype, f.argtypes = None, [CTYPES[a] for a in args]
+            f.restype, f.argtypes = RESULTS.get(family), [CTYPES[a] for a in args]
             families[family][dtype] = f
     return Kernels(**families)
 
@@ -187,4 +192,59 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
         return None
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     kernel(x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr(), T, heads, D, d)
+    return out
+
+
+class Rows:
+    """The query rows of an attention call (``attention``): each row's cache slot and position (int64
+    CPU tensors, never read here: the kernel checks them) and the layer's sliding window (None: none).
+    Built once per call and window and shared by its layers, it also keeps what its first
+    ``attention`` call checked (the tensors' layout) and allocated (the kernel's scratch), for the
+    layers after it."""
+
+    def __init__(self, slots: torch.Tensor, pos: torch.Tensor, window: int | None):
+        self.slots, self.pos = slots.contiguous(), pos.contiguous()
+        self.window = window or 0
+        self.checked: tuple | None = None  # the layout the last call was checked for
+        self.scratch: torch.Tensor | None = None
+
+
+def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    return q.dtype, q.device, q.shape, q.stride(), k.dtype, k.device, k.shape, k.stride(), v.dtype, v.shape, v.stride()
+
+
+def _fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> bool:
+    if not q.is_cpu or not k.is_cpu or q.dim() != 3 or k.dim() != 4:
+        return False
+    R, H, D = q.shape
+    return (k.dtype == q.dtype and v.dtype == q.dtype and k.shape == v.shape and k.stride() == v.stride()
+            and k.shape[3] == D and k.stride(3) == 1 and k.stride(2) == D and q.stride(2) == 1 and q.stride(1) == D
+            and rows.pos.shape == (R,) and rows.slots.shape == (R,) and rows.pos.dtype == rows.slots.dtype == torch.long
+            and rows.pos.is_cpu and rows.slots.is_cpu)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, scale: float) -> torch.Tensor | None:
+    """Attention of each query row alone (``native.c``'s ``attention``): q (R, H, D) with each head's D
+    values contiguous and heads D apart (rows any stride apart), k and v (S, KV, L, D) cache buffers of
+    q's dtype with one layout, D values per position; row r reads positions 0..rows.pos[r] (within the
+    window) of slot rows.slots[r]. Returns (R, H * D); None where the kernels are not built, the
+    tensors are laid out otherwise, or a row's slot or position lies outside the buffers."""
+    lib = library()
+    kernel = None if lib is None else lib.attention.get(q.dtype)
+    if kernel is None:
+        return None
+    layout = _layout(q, k, v)
+    if layout != rows.checked:  # the first layer of a call, or another layout
+        if not _fits(q, k, v, rows):
+            return None
+        rows.checked = layout
+        G, D, L = max(1, q.shape[1] // k.shape[1]), q.shape[2], k.shape[2]
+        rows.scratch = torch.empty((2 * G + 1) * D + G * L + 16, dtype=torch.float32)  # either form's
+    R, H, D = q.shape
+    S, KV, L, _ = k.shape
+    out = torch.empty(R, H * D, dtype=q.dtype)
+    if kernel(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), S, k.stride(0), L, k.stride(1),
+              rows.slots.data_ptr(), rows.pos.data_ptr(), out.data_ptr(), R, H, KV, D, rows.window, scale,
+              rows.scratch.data_ptr()):
+        return None
     return out

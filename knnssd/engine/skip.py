@@ -272,7 +272,7 @@ class Decoder:
         """The key lengths a call's rows read (``KVCache.spans``); a prefill's rows are never compared with
         one-token steps, so a long one reads one length, its last position's, as does a step whose shapes
         follow the positions anyway (``sdpa_dynamic``)."""
-        if rows > PREFILL_ROWS or not attn.static:
+        if rows > PREFILL_ROWS or not attn.static or attn.pooled is not None:  # the last: rows read their own keys
             return (Span(0, rows, self.cache.keys(start + rows)),)
         return self.cache.spans(start, rows)
 
@@ -431,8 +431,8 @@ class _PooledAttention:
 
     def __init__(self, per_call: list["_SlotCall"], pool: SlotPool):
         slot0, attn = per_call[0].slot, per_call[0].attn
-        if attn.batch is None or any(c.attn is not attn or getattr(c.slot.cache, "pool", None) is not pool
-                                     for c in per_call):
+        if not attn.poolable or any(
+                c.attn is not attn or getattr(c.slot.cache, "pool", None) is not pool for c in per_call):
             raise ValueError("pooled attention needs slots of one pool running a step with a batched form")
         self.pool, self.attn, self.stack = pool, attn, slot0.stack
         device = per_call[0].pos.device
@@ -442,6 +442,10 @@ class _PooledAttention:
         self.pos = torch.cat([c.pos for c in per_call])
         self.rope = {key: tuple(torch.cat([c.rope[key][j] for c in per_call]) for j in (0, 1))
                      for key in per_call[0].rope}
+        self.groups = []
+        self.rows: dict[int | None, object] = {}  # window -> ``attn.pooled_rows``, for a form whose rows read their own keys
+        if attn.pooled is not None:
+            return
         starts = [0]
         for t in sizes:
             starts.append(starts[-1] + t)
@@ -449,7 +453,6 @@ class _PooledAttention:
         for b, c in enumerate(per_call):
             for sp in c.spans:
                 by_length.setdefault(sp.keys, []).append((b, sp))
-        self.groups = []
         for length, members in by_length.items():
             members.sort(key=lambda m: index[m[0]])
             lo, hi = index[members[0][0]], index[members[-1][0]]
@@ -474,6 +477,10 @@ class _PooledAttention:
         H, D = s.n_heads, s.head_dim
         q, k, v = _heads(s, layer, qkv, self.rope[layer.rope])
         self.pool.write(i, self.slots, self.pos, k, v)
+        if self.attn.pooled is not None:  # every row alone: one call over the pool
+            if layer.window not in self.rows:
+                self.rows[layer.window] = self.attn.pooled_rows(self.slots, self.pos, layer.window)
+            return self.attn.pooled(q, self.pool.k[i], self.pool.v[i], self.rows[layer.window], s.scale)[None]
         out = q.new_empty(n, H * D)
         for length, read, R, rows, local, t, qpos, masks in self.groups:
             if layer.window not in masks:
