@@ -41,6 +41,7 @@ import torch
 
 from knnssd.engine import native
 from knnssd.engine.attention import Attention, implementations
+from knnssd.engine.cache import SPAN
 from knnssd.engine.stack import RowPadded, Stack
 from knnssd.engine.timing import median_ms
 
@@ -206,6 +207,8 @@ RECALLED = "exact (a full probe's choice on this machine key: not probed again)"
 # Candidates are ranked by one sequence's step and a batch's together: on the dev machine in bf16,
 # SmolLM2's sdpa_fold_r4 and sdpa_pad4 decode one sequence at the same speed, but the first's packed
 # passes of 16 sequences spend 2.6x less in attention (plain batched decoding: 117 against 96 tok/s).
+# The batch's sequences sit at different key lengths, as a real batch's do: SDPA forms make one call
+# per length, and the native form one call per layer whatever the lengths.
 BATCH_SLOTS = 8
 
 
@@ -351,17 +354,19 @@ def _step_ms(dec, candidates: tuple[Attention, ...], max_t: int) -> list[float]:
 
 def _packed_ms(dec, candidates: tuple[Attention, ...], max_t: int, packed) -> list[float]:
     """Milliseconds of a packed pass of ``BATCH_SLOTS`` sequences, one row each, for each candidate:
-    attention batched over a ``SlotPool`` where it has a batched form, per sequence otherwise."""
+    attention batched over a ``SlotPool`` where it has a batched form, per sequence otherwise. The
+    sequences sit one ``SPAN`` apart, at ``BATCH_SLOTS`` key lengths from ``TIMING_CONTEXT`` on, as the
+    sequences of a batch of mixed prompts do (a form that makes one call per key length pays for each)."""
     ids = torch.zeros(1, dtype=torch.long, device=dec.device)
-    calls = [(ids, TIMING_CONTEXT)] * BATCH_SLOTS
+    calls = [(ids, TIMING_CONTEXT + SPAN * b) for b in range(BATCH_SLOTS)]
     runs = []
     for impl in candidates:
         d = dec.slot()
         d.set_attention(impl)
         slots, pool = d.pooled_slots(BATCH_SLOTS) if impl.poolable else (
             [d.slot() for _ in range(BATCH_SLOTS)], None)
-        for s in slots:
-            s.reserve(TIMING_CONTEXT + max_t)
+        for s, (_, start) in zip(slots, calls):
+            s.reserve(start + max_t)
         runs.append(lambda slots=slots, pool=pool: packed(slots, calls, pool))
     return _best_of_rounds(runs, dec.device)
 
