@@ -124,6 +124,25 @@ def test_choose_lengths_from_goodput():
     assert small / 2 > large / 16
 
 
+def test_a_sequence_that_has_not_drafted_costs_what_its_kind_has_cost():
+    from types import SimpleNamespace as NS
+
+    from knnssd.engine.drafters import Hybrid, NGram
+
+    def run(drafter, drafted: int, seconds: float):
+        return NS(drafter=drafter, stats=NS(drafted=drafted, draft_s=seconds))
+
+    ngram, hybrid = object.__new__(NGram), object.__new__(Hybrid)
+    costs = batched.DraftCosts()
+    # nothing measured yet: a new sequence is free to draft (and is then measured); plain ones cost 0
+    assert costs([run(hybrid, 0, 0.0), run(None, 0, 0.0)]) == [0.0, 0.0]
+    costs.finished(run(hybrid, 10, 0.1))
+    active = [run(hybrid, 0, 0.0), run(ngram, 4, 0.004), run(ngram, 0, 0.0), run(hybrid, 10, 0.3)]
+    got = costs(active)
+    assert got[1] == 0.001 and got[2] == 0.001 and got[3] == 0.03  # its own; its kind's
+    assert abs(got[0] - 0.4 / 20) < 1e-12  # the finished and the active hybrid together
+
+
 def test_pass_costs_interpolate_and_slot_memory():
     c = PassCosts((1, 4, 8), (0.01, 0.02, 0.04))
     assert c(1) == 0.01 and c(4) == 0.02 and abs(c(6) - 0.03) < 1e-12 and abs(c(12) - 0.06) < 1e-12

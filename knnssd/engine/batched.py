@@ -20,7 +20,8 @@ sequence's tokens equal its own plain decoding's, as in the one-sequence loop.
 
 Terms:
     a_b        sequence b's per-token acceptance estimate, (accepted + 1) / (drafted + 2)
-    d_b        its measured draft seconds per drafted token (0 before its first draft)
+    d_b        its measured draft seconds per drafted token; before its first draft, the mean over the
+               sequences with the same kind of drafter so far (``DraftCosts``; 0 for the first of its kind)
     v(R)       seconds of one packed pass over R rows (``PassCosts``, measured)
     E_b(k)     expected tokens sequence b emits with a k-token draft: 1 + a_b + ... + a_b^k
     goodput    sum_b E_b(k_b) / (v(sum_b (1 + k_b)) + sum_b k_b d_b)
@@ -176,6 +177,44 @@ def choose_lengths(caps: list[int], accept: list[float], draft_s: list[float], c
         extra += draft_s[choice]
         k[choice] += 1
         best = choice_rate
+
+
+class DraftCosts:
+    """d_b for ``choose_lengths``: each sequence's own draft seconds per drafted token, or, before it has
+    drafted, the mean over the sequences with the same kind of drafter (finished ones and active ones
+    that have drafted). Without that prior a joining sequence would look free to draft, and a slow drafter
+    (an int8 layer-skip draft costs about half a one-sequence step per token) would draft its longest
+    draft while the whole batch waits. The first sequence of a kind still costs 0: it drafts once and is
+    measured."""
+
+    def __init__(self):
+        self._done: dict[str, list[float]] = {}  # kind -> [draft seconds, drafted tokens] of finished sequences
+
+    @staticmethod
+    def _kind(run: Run) -> str:
+        return type(run.drafter).__name__
+
+    def finished(self, run: Run) -> None:
+        if run.drafter is not None and run.stats.drafted:
+            t = self._done.setdefault(self._kind(run), [0.0, 0])
+            t[0] += run.stats.draft_s
+            t[1] += run.stats.drafted
+
+    def __call__(self, runs: list[Run]) -> list[float]:
+        totals = {k: list(v) for k, v in self._done.items()}
+        for r in runs:
+            if r.drafter is not None and r.stats.drafted:
+                t = totals.setdefault(self._kind(r), [0.0, 0])
+                t[0] += r.stats.draft_s
+                t[1] += r.stats.drafted
+        out = []
+        for r in runs:
+            if r.stats.drafted:
+                out.append(r.stats.draft_s / r.stats.drafted)
+            else:
+                t = totals.get(self._kind(r)) if r.drafter is not None else None
+                out.append(t[0] / t[1] if t else 0.0)
+        return out
 
 
 @dataclass
@@ -358,6 +397,7 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
                     pending.append(job)
             return bool(pending)
     active: list[_Active] = []
+    costs = DraftCosts()
     t_start = time.perf_counter()
     log.info("batched decoding: %d slots; draft lengths maximise expected tokens/s given %s, each sequence's "
              "acceptance and its draft cost", plan.slots, plan.costs.describe())
@@ -365,6 +405,7 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
 
     def finish(a: _Active) -> Finished:
         free.append(a.slot)
+        costs.finished(a.run)
         tokens, st = a.run.finish()
         st.exact = st.exact and plan.exact
         st.total_s = time.perf_counter() - a.t0
@@ -394,7 +435,7 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
         runs = [a.run for a in active]
         caps = [r.draft_cap() for r in runs]
         accept = [(sum(r.stats.accepted) + 1) / (r.stats.drafted + 2) for r in runs]
-        draft_s = [r.stats.draft_s / r.stats.drafted if r.stats.drafted else 0.0 for r in runs]
+        draft_s = costs(runs)
         ks = choose_lengths(caps, accept, draft_s, plan.costs)
         if debug:
             log.debug("step %d: caps %s, acceptance %s, draft s/token %s -> k %s", stats.steps, caps,
