@@ -174,102 +174,155 @@ static inline float sum_lanes(float *acc) {
 ATTENTION(attention_any_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 ATTENTION(attention_any_f32, float, SAME, SAME)
 
-#if defined(__AVX512F__)
+/* The same attention in SIMD registers of W lanes (AVX-512: 16, AVX2 with FMA: 8), where the compiler
+   targets them and D is a multiple of W: a key's D values as D / W vectors, its G dot products by
+   fused multiply-adds, each summed across lanes in a fixed order; the softmax W scores at a time (the
+   last n % W one by one); p_j v_j by fused multiply-adds into G D / W vectors. A fixed sequence of
+   operations per row, so as row-invariant as the portable form, which it does not match bit for bit.
+   ``scratch``: G (the most keys a row reads) + 16 floats. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
-static inline __m512 load16_bf16(const uint16_t *p) {
+#if defined(__AVX512F__)
+#define W 16
+typedef __m512 vf;
+static inline vf vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 exp16(__m512 x) { /* softmax_exp on 16 lanes */
-    __m512 c = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
-                                                  _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_sub_ps(c, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), y);
+#define vload_f32 _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vzero _mm512_setzero_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmul _mm512_mul_ps
+#define vmax _mm512_max_ps
+#define vfma _mm512_fmadd_ps
+#define vsum _mm512_reduce_add_ps
+#define vmaxall _mm512_reduce_max_ps
+static inline vf vfloor(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+static inline vf vexp2n(vf n) { /* 2^n for integral n in [-126, 127] */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
-#define MAXG 16
-#define MAXC 16
-/* The same attention with AVX-512 (where the compiler targets it, and D is a multiple of 16): a key's
-   D values as D / 16 vectors, its G dot products by fused multiply-adds each summed by
-   _mm512_reduce_add_ps; the softmax on 16 scores at a time (max, exp16, sums in 16 lanes); p_j v_j
-   by fused multiply-adds into G D / 16 vectors. A fixed sequence of operations per row, so as
-   row-invariant as the portable form, which it does not match bit for bit. ``scratch``: G (the most
-   keys a row reads) + 16 floats. */
-#define ATT512(NAME, T, LOADV, STORE) \
-static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t slot_stride, int64_t head_stride, \
-                 const int64_t *slots, const int64_t *pos, T *out, int64_t rows, int64_t H, int64_t KV, int64_t D, \
-                 int64_t window, float scale, float *scratch) { \
-    int64_t G = H / KV, nc = D / 16, most = 0; \
-    for (int64_t r = 0; r < rows; r++) most = pos[r] + 1 > most ? pos[r] + 1 : most; \
-    float *p = scratch, *o = scratch + G * most; \
-    for (int64_t r = 0; r < rows; r++) { \
-        int64_t end = pos[r] + 1, lo = window > 0 && end > window ? end - window : 0, n = end - lo; \
-        for (int64_t g = 0; g < KV; g++) { \
-            const T *kg = k + slots[r] * slot_stride + g * head_stride + lo * D; \
-            const T *vg = v + slots[r] * slot_stride + g * head_stride + lo * D; \
-            const T *qg = q + r * q_stride + g * G * D; \
-            __m512 qv[MAXG * MAXC], kv[MAXC]; \
-            for (int64_t i = 0; i < G * nc; i++) qv[i] = LOADV(qg + 16 * i); \
-            for (int64_t j = 0; j < n; j++) { \
-                for (int64_t c = 0; c < nc; c++) kv[c] = LOADV(kg + j * D + 16 * c); \
-                for (int64_t h = 0; h < G; h++) { \
-                    __m512 acc = _mm512_mul_ps(qv[h * nc], kv[0]); \
-                    for (int64_t c = 1; c < nc; c++) acc = _mm512_fmadd_ps(qv[h * nc + c], kv[c], acc); \
-                    p[h * most + j] = _mm512_reduce_add_ps(acc) * scale; \
-                } \
-            } \
-            for (int64_t h = 0; h < G; h++) { \
-                float *ph = p + h * most; \
-                __m512 mx = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps(); \
-                for (int64_t j = 0; j < n; j += 16) { \
-                    __mmask16 m = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1); \
-                    mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, ph + j)); \
-                } \
-                __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(mx)); \
-                for (int64_t j = 0; j < n; j += 16) { \
-                    __mmask16 m = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1); \
-                    __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, ph + j), mb)); \
-                    _mm512_mask_storeu_ps(ph + j, m, e); \
-                    sums = _mm512_mask_add_ps(sums, m, sums, e); \
-                } \
-                __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums)); \
-                for (int64_t j = 0; j < n; j += 16) { \
-                    __mmask16 m = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1); \
-                    _mm512_mask_storeu_ps(ph + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, ph + j), inv)); \
-                } \
-            } \
-            __m512 ov[MAXG * MAXC]; \
-            for (int64_t i = 0; i < G * nc; i++) ov[i] = _mm512_setzero_ps(); \
-            for (int64_t j = 0; j < n; j++) { \
-                for (int64_t c = 0; c < nc; c++) kv[c] = LOADV(vg + j * D + 16 * c); \
-                for (int64_t h = 0; h < G; h++) { \
-                    __m512 pj = _mm512_set1_ps(p[h * most + j]); \
-                    for (int64_t c = 0; c < nc; c++) ov[h * nc + c] = _mm512_fmadd_ps(pj, kv[c], ov[h * nc + c]); \
-                } \
-            } \
-            T *dst = out + r * H * D + g * G * D; \
-            for (int64_t i = 0; i < G * nc; i++) { \
-                _mm512_storeu_ps(o, ov[i]); \
-                for (int l = 0; l < 16; l++) dst[16 * i + l] = STORE(o[l]); \
-            } \
-        } \
-    } \
+static inline vf vzero_below(vf y, vf x, float lo) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(lo), _CMP_GE_OQ), y);
 }
-ATT512(attention_512_bf16, uint16_t, load16_bf16, f32_to_bf16)
-ATT512(attention_512_f32, float, load16_f32, SAME)
+#else
+#define W 8
+typedef __m256 vf;
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#define vload_f32 _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vzero _mm256_setzero_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmul _mm256_mul_ps
+#define vmax _mm256_max_ps
+#define vfma _mm256_fmadd_ps
+static inline float vsum(vf a) { /* halves, then pairs, then the last two */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float vmaxall(vf a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf vfloor(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+static inline vf vexp2n(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vf vzero_below(vf y, vf x, float lo) { return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(lo), _CMP_GE_OQ)); }
 #endif
 
-/* Exported: the AVX-512 form where it is compiled and the shapes suit it, else the portable one (one
+static inline vf vexp(vf x) { /* softmax_exp on W lanes */
+    vf c = vmax(x, vset1(-87.0f));
+    vf n = vfloor(vadd(vmul(c, vset1(1.44269504088896341f)), vset1(0.5f)));
+    vf r = vsub(c, vmul(n, vset1(0.693359375f)));
+    r = vsub(r, vmul(n, vset1(-2.12194440e-4f)));
+    vf p = vset1(1.9875691500e-4f);
+    p = vadd(vmul(p, r), vset1(1.3981999507e-3f));
+    p = vadd(vmul(p, r), vset1(8.3334519073e-3f));
+    p = vadd(vmul(p, r), vset1(4.1665795894e-2f));
+    p = vadd(vmul(p, r), vset1(1.6666665459e-1f));
+    p = vadd(vmul(p, r), vset1(5.0000001201e-1f));
+    p = vadd(vadd(vmul(vmul(p, r), r), r), vset1(1.0f));
+    return vzero_below(vmul(p, vexp2n(n)), x, -87.0f);
+}
+
+#define MAXG 16
+#define MAXC (256 / W)
+#define ATTENTION_SIMD(NAME, T, LOADV, STORE)                                                      \
+    static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t slot_stride,     \
+                     int64_t head_stride, const int64_t *slots, const int64_t *pos, T *out,          \
+                     int64_t rows, int64_t H, int64_t KV, int64_t D, int64_t window, float scale,    \
+                     float *scratch) {                                                             \
+        int64_t G = H / KV, nc = D / W, most = 0;                                                  \
+        for (int64_t r = 0; r < rows; r++) most = pos[r] + 1 > most ? pos[r] + 1 : most;           \
+        float *p = scratch, *o = scratch + G * most;                                               \
+        for (int64_t r = 0; r < rows; r++) {                                                       \
+            int64_t end = pos[r] + 1, lo = window > 0 && end > window ? end - window : 0;           \
+            int64_t n = end - lo, body = n / W * W;                                                \
+            for (int64_t g = 0; g < KV; g++) {                                                     \
+                const T *kg = k + slots[r] * slot_stride + g * head_stride + lo * D;               \
+                const T *vg = v + slots[r] * slot_stride + g * head_stride + lo * D;               \
+                const T *qg = q + r * q_stride + g * G * D;                                        \
+                vf qv[MAXG * MAXC], kv[MAXC];                                                      \
+                for (int64_t i = 0; i < G * nc; i++) qv[i] = LOADV(qg + W * i);                    \
+                for (int64_t j = 0; j < n; j++) {                                                  \
+                    for (int64_t c = 0; c < nc; c++) kv[c] = LOADV(kg + j * D + W * c);            \
+                    for (int64_t h = 0; h < G; h++) {                                              \
+                        vf acc = vmul(qv[h * nc], kv[0]);                                          \
+                        for (int64_t c = 1; c < nc; c++) acc = vfma(qv[h * nc + c], kv[c], acc);   \
+                        p[h * most + j] = vsum(acc) * scale;                                       \
+                    }                                                                              \
+                }                                                                                  \
+                for (int64_t h = 0; h < G; h++) {                                                  \
+                    float *ph = p + h * most, m = -INFINITY, tail = 0.0f;                          \
+                    vf mx = vset1(-INFINITY), sums = vzero();                                      \
+                    for (int64_t j = 0; j < body; j += W) mx = vmax(mx, vload_f32(ph + j));        \
+                    if (body) m = vmaxall(mx);                                                     \
+                    for (int64_t j = body; j < n; j++) m = ph[j] > m ? ph[j] : m;                  \
+                    for (int64_t j = 0; j < body; j += W) {                                        \
+                        vf e = vexp(vsub(vload_f32(ph + j), vset1(m)));                            \
+                        vstore(ph + j, e);                                                         \
+                        sums = vadd(sums, e);                                                      \
+                    }                                                                              \
+                    for (int64_t j = body; j < n; j++) {                                           \
+                        ph[j] = softmax_exp(ph[j] - m);                                            \
+                        tail += ph[j];                                                             \
+                    }                                                                              \
+                    float inv = 1.0f / (vsum(sums) + tail);                                        \
+                    for (int64_t j = 0; j < body; j += W) vstore(ph + j, vmul(vload_f32(ph + j), vset1(inv))); \
+                    for (int64_t j = body; j < n; j++) ph[j] *= inv;                               \
+                }                                                                                  \
+                vf ov[MAXG * MAXC];                                                                \
+                for (int64_t i = 0; i < G * nc; i++) ov[i] = vzero();                              \
+                for (int64_t j = 0; j < n; j++) {                                                  \
+                    for (int64_t c = 0; c < nc; c++) kv[c] = LOADV(vg + j * D + W * c);            \
+                    for (int64_t h = 0; h < G; h++) {                                              \
+                        vf pj = vset1(p[h * most + j]);                                            \
+                        for (int64_t c = 0; c < nc; c++) ov[h * nc + c] = vfma(pj, kv[c], ov[h * nc + c]); \
+                    }                                                                              \
+                }                                                                                  \
+                T *dst = out + r * H * D + g * G * D;                                              \
+                for (int64_t i = 0; i < G * nc; i++) {                                             \
+                    vstore(o, ov[i]);                                                              \
+                    for (int l = 0; l < W; l++) dst[W * i + l] = STORE(o[l]);                      \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+ATTENTION_SIMD(attention_simd_bf16, uint16_t, vload_bf16, f32_to_bf16)
+ATTENTION_SIMD(attention_simd_f32, float, vload_f32, SAME)
+#define HAVE_SIMD 1
+#endif
+
+/* Exported: the SIMD form where it is compiled and the shapes suit it, else the portable one (one
    choice per model, never per call). The cache holds ``slots_n`` slots of L positions; a row outside
    them returns -1 before anything is computed. ``scratch``: (2 G + 1) D + G L + 16 floats. */
 #define ATTENTION_ENTRY(NAME, T)                                                                   \
@@ -286,11 +339,11 @@ ATT512(attention_512_f32, float, load16_f32, SAME)
         return 0;                                                                                  \
     }
 
-#if defined(__AVX512F__)
+#if defined(HAVE_SIMD)
 #define FAST(NAME)                                                                                 \
-    if (D % 16 == 0 && D / 16 <= MAXC && H / KV <= MAXG) {                                         \
-        attention_512_##NAME(q, q_stride, k, v, slot_stride, head_stride, slots, pos, out, rows, H, \
-                             KV, D, window, scale, scratch);                                       \
+    if (D % W == 0 && D / W <= MAXC && H / KV <= MAXG) {                                           \
+        attention_simd_##NAME(q, q_stride, k, v, slot_stride, head_stride, slots, pos, out, rows,   \
+                              H, KV, D, window, scale, scratch);                                   \
         return 0;                                                                                  \
     }
 #else
