@@ -1,8 +1,8 @@
 """The servable model: an MLflow pyfunc whose artifact is a skip bank.
 
-``load_context`` loads the bank and its base model (by the name the bank records, or
-``$KNNSSD_MODEL``) and starts the batch that concurrent requests join (``batcher.Batcher``;
-``$KNNSSD_BATCH_SIZE`` slots, default auto); ``predict`` takes a DataFrame with a ``prompt``
+``load_context`` starts the batch that concurrent requests join (``batcher.Batcher``;
+``$KNNSSD_BATCH_SIZE`` slots, default auto), whose thread loads the bank and its base model (by the
+name the bank records, or ``$KNNSSD_MODEL``); ``predict`` takes a DataFrame with a ``prompt``
 column and returns one row per prompt with the generated text and routing/acceptance stats.
 """
 from __future__ import annotations
@@ -21,15 +21,20 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
         from knnssd.engine.params import GenerateParams
         from knnssd.serving.batcher import Batcher
 
-        self.generator = gen = RoutedGenerator.from_bank_dir(
-            context.artifacts["bank"], model=os.environ.get("KNNSSD_MODEL"), dtype=os.environ.get("KNNSSD_DTYPE", "auto"))
-        self.batcher = None
-        if gen.can_batch:
+        def load():  # on the batch's thread (``Batcher``)
+            gen = RoutedGenerator.from_bank_dir(context.artifacts["bank"], model=os.environ.get("KNNSSD_MODEL"),
+                                                dtype=os.environ.get("KNNSSD_DTYPE", "auto"))
+            if not gen.can_batch:
+                return gen, None
             size = os.environ.get("KNNSSD_BATCH_SIZE", "auto")
             d = GenerateParams()
             slots = (auto_slots(gen.decoder, d.max_prompt_tokens + d.max_new_tokens, 1 << 10) if size == "auto"
                      else int(size))
-            self.batcher = Batcher(gen, gen.plan(slots)) if slots > 1 else None
+            return gen, gen.plan(slots) if slots > 1 else None
+
+        batcher = Batcher(load)
+        self.generator = batcher.gen
+        self.batcher = batcher if batcher.batching else None
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
