@@ -149,7 +149,8 @@ def test_native_attention_reads_each_rows_own_keys_alone(dtype, D):
                  for r in range(5)]
         assert torch.equal(torch.cat(alone), out)
         assert torch.equal(native.attention(q, *longer, native.Rows(slots, pos, window), 0.25), out)
-    assert native.attention(q, k, v, native.Rows(slots, torch.tensor([10, 90, 0, 96, 57]), None), 0.25) is None  # past L
+    past = torch.tensor([10, 90, 0, 96, 57])  # a row past the cache's 96 positions: refused
+    assert native.attention(q, k, v, native.Rows(slots, past, None), 0.25) is None
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

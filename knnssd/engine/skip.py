@@ -443,7 +443,7 @@ class _PooledAttention:
         self.rope = {key: tuple(torch.cat([c.rope[key][j] for c in per_call]) for j in (0, 1))
                      for key in per_call[0].rope}
         self.groups = []
-        self.rows: dict[int | None, object] = {}  # window -> ``attn.pooled_rows``, for a form whose rows read their own keys
+        self.rows: dict[int | None, object] = {}  # window -> ``attn.pooled_rows`` (a form whose rows read own keys)
         if attn.pooled is not None:
             return
         starts = [0]
