@@ -188,15 +188,7 @@ typedef __m512 vf;
 static inline vf vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-#define vload_f32 _mm512_loadu_ps
-#define vstore _mm512_storeu_ps
-#define vset1 _mm512_set1_ps
-#define vzero _mm512_setzero_ps
-#define vadd _mm512_add_ps
-#define vsub _mm512_sub_ps
-#define vmul _mm512_mul_ps
-#define vmax _mm512_max_ps
-#define vfma _mm512_fmadd_ps
+#define VOP(op) _mm512_##op
 #define vsum _mm512_reduce_add_ps
 #define vmaxall _mm512_reduce_max_ps
 static inline vf vfloor(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
@@ -212,15 +204,7 @@ typedef __m256 vf;
 static inline vf vload_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
-#define vload_f32 _mm256_loadu_ps
-#define vstore _mm256_storeu_ps
-#define vset1 _mm256_set1_ps
-#define vzero _mm256_setzero_ps
-#define vadd _mm256_add_ps
-#define vsub _mm256_sub_ps
-#define vmul _mm256_mul_ps
-#define vmax _mm256_max_ps
-#define vfma _mm256_fmadd_ps
+#define VOP(op) _mm256_##op
 static inline float vsum(vf a) { /* halves, then pairs, then the last two */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -237,6 +221,16 @@ static inline vf vexp2n(vf n) {
 }
 static inline vf vzero_below(vf y, vf x, float lo) { return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(lo), _CMP_GE_OQ)); }
 #endif
+/* the operations both widths name alike (_mm512_add_ps, _mm256_add_ps, ...) */
+#define vload_f32 VOP(loadu_ps)
+#define vstore VOP(storeu_ps)
+#define vset1 VOP(set1_ps)
+#define vzero VOP(setzero_ps)
+#define vadd VOP(add_ps)
+#define vsub VOP(sub_ps)
+#define vmul VOP(mul_ps)
+#define vmax VOP(max_ps)
+#define vfma VOP(fmadd_ps)
 
 static inline vf vexp(vf x) { /* softmax_exp on W lanes */
     vf c = vmax(x, vset1(-87.0f));
