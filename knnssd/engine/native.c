@@ -114,13 +114,13 @@ static inline float sum_lanes(float *acc) {
    for them. K and V share their layout: slot s, KV head g, position j at s * slot_stride + g *
    head_stride + j * D. A row's result depends on nothing but its own query, position and keys:
    invariant to the call's rows, their order and the cache's key length.
-   ``scratch``: (2 G + 1) D + G (the most keys a row reads) floats. */
+   ``scratch``: (2 G + 1) D + G L floats (L: the positions a slot holds; no row reads more). */
 #define ATTENTION(NAME, T, LOAD, STORE)                                                            \
-    static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t slot_stride,            \
-              int64_t head_stride, const int64_t *slots, const int64_t *pos, T *out, int64_t rows,  \
-              int64_t H, int64_t KV, int64_t D, int64_t window, float scale, float *scratch) {     \
-        int64_t G = H / KV, most = 0;                                                              \
-        for (int64_t r = 0; r < rows; r++) most = pos[r] + 1 > most ? pos[r] + 1 : most;           \
+    static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t slot_stride,     \
+                     int64_t L, int64_t head_stride, const int64_t *slots, const int64_t *pos, T *out, \
+                     int64_t rows, int64_t H, int64_t KV, int64_t D, int64_t window, float scale,    \
+                     float *scratch) {                                                             \
+        int64_t G = H / KV; /* p: G rows of L scores (no row reads more: the entry checks) */      \
         float *qf = scratch, *kf = qf + G * D, *o = kf + D, *p = o + G * D;                        \
         for (int64_t r = 0; r < rows; r++) {                                                       \
             int64_t end = pos[r] + 1, lo = window > 0 && end > window ? end - window : 0;           \
@@ -138,11 +138,11 @@ static inline float sum_lanes(float *acc) {
                         for (; d + LANES <= D; d += LANES)                                         \
                             for (int l = 0; l < LANES; l++) acc[l] += qh[d + l] * kf[d + l];       \
                         for (int l = 0; d < D; d++, l++) acc[l] += qh[d] * kf[d];                  \
-                        p[h * most + j] = sum_lanes(acc) * scale;                                  \
+                        p[h * L + j] = sum_lanes(acc) * scale;                                  \
                     }                                                                              \
                 }                                                                                  \
                 for (int64_t h = 0; h < G; h++) {                                                  \
-                    float *ph = p + h * most, m = -INFINITY, sums[LANES] = {0};                    \
+                    float *ph = p + h * L, m = -INFINITY, sums[LANES] = {0};                    \
                     for (int64_t j = 0; j < n; j++) m = ph[j] > m ? ph[j] : m;                     \
                     int64_t j = 0;                                                                 \
                     for (; j + LANES <= n; j += LANES)                                             \
@@ -161,7 +161,7 @@ static inline float sum_lanes(float *acc) {
                 for (int64_t j = 0; j < n; j++) {                                                  \
                     for (int64_t d = 0; d < D; d++) kf[d] = LOAD(vg[j * D + d]);                   \
                     for (int64_t h = 0; h < G; h++) {                                              \
-                        float pj = p[h * most + j];                                                \
+                        float pj = p[h * L + j];                                                \
                         for (int64_t d = 0; d < D; d++) o[h * D + d] += pj * kf[d];                \
                     }                                                                              \
                 }                                                                                  \
@@ -179,7 +179,7 @@ ATTENTION(attention_any_f32, float, SAME, SAME)
    fused multiply-adds, each summed across lanes in a fixed order; the softmax W scores at a time (the
    last n % W one by one); p_j v_j by fused multiply-adds into G D / W vectors. A fixed sequence of
    operations per row, so as row-invariant as the portable form, which it does not match bit for bit.
-   ``scratch``: G (the most keys a row reads) + 16 floats. */
+   ``scratch``: G L + 16 floats. */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #if defined(__AVX512F__)
@@ -251,12 +251,11 @@ static inline vf vexp(vf x) { /* softmax_exp on W lanes */
 #define MAXC (256 / W)
 #define ATTENTION_SIMD(NAME, T, LOADV, STORE)                                                      \
     static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t slot_stride,     \
-                     int64_t head_stride, const int64_t *slots, const int64_t *pos, T *out,          \
+                     int64_t L, int64_t head_stride, const int64_t *slots, const int64_t *pos, T *out, \
                      int64_t rows, int64_t H, int64_t KV, int64_t D, int64_t window, float scale,    \
                      float *scratch) {                                                             \
-        int64_t G = H / KV, nc = D / W, most = 0;                                                  \
-        for (int64_t r = 0; r < rows; r++) most = pos[r] + 1 > most ? pos[r] + 1 : most;           \
-        float *p = scratch, *o = scratch + G * most;                                               \
+        int64_t G = H / KV, nc = D / W;                                                            \
+        float *p = scratch, *o = scratch + G * L;                                               \
         for (int64_t r = 0; r < rows; r++) {                                                       \
             int64_t end = pos[r] + 1, lo = window > 0 && end > window ? end - window : 0;           \
             int64_t n = end - lo, body = n / W * W;                                                \
@@ -271,11 +270,11 @@ static inline vf vexp(vf x) { /* softmax_exp on W lanes */
                     for (int64_t h = 0; h < G; h++) {                                              \
                         vf acc = vmul(qv[h * nc], kv[0]);                                          \
                         for (int64_t c = 1; c < nc; c++) acc = vfma(qv[h * nc + c], kv[c], acc);   \
-                        p[h * most + j] = vsum(acc) * scale;                                       \
+                        p[h * L + j] = vsum(acc) * scale;                                       \
                     }                                                                              \
                 }                                                                                  \
                 for (int64_t h = 0; h < G; h++) {                                                  \
-                    float *ph = p + h * most, m = -INFINITY, tail = 0.0f;                          \
+                    float *ph = p + h * L, m = -INFINITY, tail = 0.0f;                          \
                     vf mx = vset1(-INFINITY), sums = vzero();                                      \
                     for (int64_t j = 0; j < body; j += W) mx = vmax(mx, vload_f32(ph + j));        \
                     if (body) m = vmaxall(mx);                                                     \
@@ -298,7 +297,7 @@ static inline vf vexp(vf x) { /* softmax_exp on W lanes */
                 for (int64_t j = 0; j < n; j++) {                                                  \
                     for (int64_t c = 0; c < nc; c++) kv[c] = LOADV(vg + j * D + W * c);            \
                     for (int64_t h = 0; h < G; h++) {                                              \
-                        vf pj = vset1(p[h * most + j]);                                            \
+                        vf pj = vset1(p[h * L + j]);                                            \
                         for (int64_t c = 0; c < nc; c++) ov[h * nc + c] = vfma(pj, kv[c], ov[h * nc + c]); \
                     }                                                                              \
                 }                                                                                  \
@@ -328,15 +327,15 @@ ATTENTION_SIMD(attention_simd_f32, float, vload_f32, SAME)
         for (int64_t r = 0; r < rows; r++)                                                         \
             if (pos[r] < 0 || pos[r] >= L || slots[r] < 0 || slots[r] >= slots_n) return -1;        \
         FAST_##NAME                                                                                \
-        attention_any_##NAME(q, q_stride, k, v, slot_stride, head_stride, slots, pos, out, rows, H, \
-                             KV, D, window, scale, scratch);                                       \
+        attention_any_##NAME(q, q_stride, k, v, slot_stride, L, head_stride, slots, pos, out, rows, \
+                             H, KV, D, window, scale, scratch);                                    \
         return 0;                                                                                  \
     }
 
 #if defined(HAVE_SIMD)
 #define FAST(NAME)                                                                                 \
     if (D % W == 0 && D / W <= MAXC && H / KV <= MAXG) {                                           \
-        attention_simd_##NAME(q, q_stride, k, v, slot_stride, head_stride, slots, pos, out, rows,   \
+        attention_simd_##NAME(q, q_stride, k, v, slot_stride, L, head_stride, slots, pos, out, rows, \
                               H, KV, D, window, scale, scratch);                                   \
         return 0;                                                                                  \
     }
