@@ -194,19 +194,20 @@ class DraftCosts:
     def _kind(run: Run) -> str:
         return type(run.drafter).__name__
 
-    def finished(self, run: Run) -> None:
+    @classmethod
+    def _add(cls, totals: dict[str, list[float]], run: Run) -> None:
         if run.drafter is not None and run.stats.drafted:
-            t = self._done.setdefault(self._kind(run), [0.0, 0])
+            t = totals.setdefault(cls._kind(run), [0.0, 0])
             t[0] += run.stats.draft_s
             t[1] += run.stats.drafted
+
+    def finished(self, run: Run) -> None:
+        self._add(self._done, run)
 
     def __call__(self, runs: list[Run]) -> list[float]:
         totals = {k: list(v) for k, v in self._done.items()}
         for r in runs:
-            if r.drafter is not None and r.stats.drafted:
-                t = totals.setdefault(self._kind(r), [0.0, 0])
-                t[0] += r.stats.draft_s
-                t[1] += r.stats.drafted
+            self._add(totals, r)
         out = []
         for r in runs:
             if r.stats.drafted:
