@@ -149,6 +149,10 @@ def test_native_attention_reads_each_rows_own_keys_alone(dtype, D):
                  for r in range(5)]
         assert torch.equal(torch.cat(alone), out)
         assert torch.equal(native.attention(q, *longer, native.Rows(slots, pos, window), 0.25), out)
+        for threads in (1, 3, 16):  # its work items shared out among other thread counts (more than items too)
+            rows = native.Rows(slots, pos, window)
+            rows.threads = threads
+            assert torch.equal(native.attention(q, k, v, rows, 0.25), out)
     past = torch.tensor([10, 90, 0, 96, 57])  # a row past the cache's 96 positions: refused
     assert native.attention(q, k, v, native.Rows(slots, past, None), 0.25) is None
 

@@ -105,74 +105,82 @@ static inline float sum_lanes(float *acc) {
     return acc[0];
 }
 
-/* Attention of R query rows over a static KV cache, each row alone: row r (query heads q + r *
-   q_stride, each D values, heads D apart) at position pos[r] of cache slot slots[r] reads keys
-   lo..pos[r] of that slot (lo = pos[r] - window + 1 for a sliding window, else 0) and nothing else:
-   scores q.k * scale in fp32 (fixed lanes), softmax (max, exp, sum in fixed lanes), then the sum of
-   p_j v_j over the keys in order, divided by the sum and rounded once to T. The G = H / KV query
-   heads of KV head g (heads g G .. g G + G - 1) are computed together, each key and value read once
-   for them. K and V share their layout: slot s, KV head g, position j at s * slot_stride + g *
-   head_stride + j * D. A row's result depends on nothing but its own query, position and keys:
-   invariant to the call's rows, their order and the cache's key length.
+/* The arguments of one attention call (``attention_bf16``/``attention_f32``), shared by its work
+   items: row r's query heads at q + r * q_stride (each D values, heads D apart); K and V share
+   their layout: slot s, KV head g, position j at s * slot_stride + g * head_stride + j * D. */
+#define ATTENTION_ARGS(T)                                                                          \
+    struct {                                                                                       \
+        const T *q, *k, *v;                                                                        \
+        T *out;                                                                                    \
+        const int64_t *slots, *pos;                                                                \
+        int64_t q_stride, slot_stride, L, head_stride, H, KV, D, window;                           \
+        float scale;                                                                               \
+    }
+typedef uint16_t bf16_t; /* the element types, by the kernels' suffixes */
+typedef float f32_t;
+typedef ATTENTION_ARGS(bf16_t) args_bf16;
+typedef ATTENTION_ARGS(f32_t) args_f32;
+
+/* Attention of one work item, query row r and KV head g, alone: the row at position pos[r] of cache
+   slot slots[r] reads keys lo..pos[r] of that slot (lo = pos[r] - window + 1 for a sliding window,
+   else 0) and nothing else: scores q.k * scale in fp32 (fixed lanes), softmax (max, exp, sum in
+   fixed lanes), then the sum of p_j v_j over the keys in order, divided by the sum and rounded once
+   to T. The G = H / KV query heads of KV head g (heads g G .. g G + G - 1) are computed together,
+   each key and value read once for them. An item's result depends on nothing but its own query,
+   position and keys: invariant to the call's rows, their order, the cache's key length and which
+   thread computes it.
    ``scratch``: (2 G + 1) D + G L floats (L: the positions a slot holds; no row reads more). */
 #define ATTENTION(NAME, T, LOAD, STORE)                                                            \
-    static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t slot_stride,     \
-                     int64_t L, int64_t head_stride, const int64_t *slots, const int64_t *pos, T *out, \
-                     int64_t rows, int64_t H, int64_t KV, int64_t D, int64_t window, float scale,    \
-                     float *scratch) {                                                             \
-        int64_t G = H / KV; /* p: G rows of L scores (no row reads more: the entry checks) */      \
+    static void NAME(const args_##T *a, int64_t r, int64_t g, float *scratch) {                    \
+        int64_t G = a->H / a->KV, D = a->D, L = a->L;                                              \
         float *qf = scratch, *kf = qf + G * D, *o = kf + D, *p = o + G * D;                        \
-        for (int64_t r = 0; r < rows; r++) {                                                       \
-            int64_t end = pos[r] + 1, lo = window > 0 && end > window ? end - window : 0;           \
-            int64_t n = end - lo;                                                                  \
-            for (int64_t g = 0; g < KV; g++) {                                                     \
-                const T *kg = k + slots[r] * slot_stride + g * head_stride + lo * D;               \
-                const T *vg = v + slots[r] * slot_stride + g * head_stride + lo * D;               \
-                for (int64_t i = 0; i < G * D; i++) qf[i] = LOAD(q[r * q_stride + g * G * D + i]); \
-                for (int64_t j = 0; j < n; j++) {                                                  \
-                    for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kg[j * D + d]);                   \
-                    for (int64_t h = 0; h < G; h++) {                                              \
-                        const float *qh = qf + h * D;                                              \
-                        float acc[LANES] = {0};                                                    \
-                        int64_t d = 0;                                                             \
-                        for (; d + LANES <= D; d += LANES)                                         \
-                            for (int l = 0; l < LANES; l++) acc[l] += qh[d + l] * kf[d + l];       \
-                        for (int l = 0; d < D; d++, l++) acc[l] += qh[d] * kf[d];                  \
-                        p[h * L + j] = sum_lanes(acc) * scale;                                  \
-                    }                                                                              \
-                }                                                                                  \
-                for (int64_t h = 0; h < G; h++) {                                                  \
-                    float *ph = p + h * L, m = -INFINITY, sums[LANES] = {0};                    \
-                    for (int64_t j = 0; j < n; j++) m = ph[j] > m ? ph[j] : m;                     \
-                    int64_t j = 0;                                                                 \
-                    for (; j + LANES <= n; j += LANES)                                             \
-                        for (int l = 0; l < LANES; l++) {                                          \
-                            ph[j + l] = softmax_exp(ph[j + l] - m);                                \
-                            sums[l] += ph[j + l];                                                  \
-                        }                                                                          \
-                    for (int l = 0; j < n; j++, l++) {                                             \
-                        ph[j] = softmax_exp(ph[j] - m);                                            \
-                        sums[l] += ph[j];                                                          \
-                    }                                                                              \
-                    float inv = 1.0f / sum_lanes(sums);                                            \
-                    for (j = 0; j < n; j++) ph[j] *= inv;                                          \
-                }                                                                                  \
-                for (int64_t i = 0; i < G * D; i++) o[i] = 0.0f;                                   \
-                for (int64_t j = 0; j < n; j++) {                                                  \
-                    for (int64_t d = 0; d < D; d++) kf[d] = LOAD(vg[j * D + d]);                   \
-                    for (int64_t h = 0; h < G; h++) {                                              \
-                        float pj = p[h * L + j];                                                \
-                        for (int64_t d = 0; d < D; d++) o[h * D + d] += pj * kf[d];                \
-                    }                                                                              \
-                }                                                                                  \
-                T *dst = out + r * H * D + g * G * D;                                              \
-                for (int64_t i = 0; i < G * D; i++) dst[i] = STORE(o[i]);                          \
+        int64_t end = a->pos[r] + 1, lo = a->window > 0 && end > a->window ? end - a->window : 0;  \
+        int64_t n = end - lo;                                                                      \
+        const T##_t *kg = a->k + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;       \
+        const T##_t *vg = a->v + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;       \
+        for (int64_t i = 0; i < G * D; i++) qf[i] = LOAD(a->q[r * a->q_stride + g * G * D + i]);   \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kg[j * D + d]);                           \
+            for (int64_t h = 0; h < G; h++) {                                                      \
+                const float *qh = qf + h * D;                                                      \
+                float acc[LANES] = {0};                                                            \
+                int64_t d = 0;                                                                     \
+                for (; d + LANES <= D; d += LANES)                                                 \
+                    for (int l = 0; l < LANES; l++) acc[l] += qh[d + l] * kf[d + l];               \
+                for (int l = 0; d < D; d++, l++) acc[l] += qh[d] * kf[d];                          \
+                p[h * L + j] = sum_lanes(acc) * a->scale;                                          \
             }                                                                                      \
         }                                                                                          \
+        for (int64_t h = 0; h < G; h++) {                                                          \
+            float *ph = p + h * L, m = -INFINITY, sums[LANES] = {0};                               \
+            for (int64_t j = 0; j < n; j++) m = ph[j] > m ? ph[j] : m;                             \
+            int64_t j = 0;                                                                         \
+            for (; j + LANES <= n; j += LANES)                                                     \
+                for (int l = 0; l < LANES; l++) {                                                  \
+                    ph[j + l] = softmax_exp(ph[j + l] - m);                                        \
+                    sums[l] += ph[j + l];                                                          \
+                }                                                                                  \
+            for (int l = 0; j < n; j++, l++) {                                                     \
+                ph[j] = softmax_exp(ph[j] - m);                                                    \
+                sums[l] += ph[j];                                                                  \
+            }                                                                                      \
+            float inv = 1.0f / sum_lanes(sums);                                                    \
+            for (j = 0; j < n; j++) ph[j] *= inv;                                                  \
+        }                                                                                          \
+        for (int64_t i = 0; i < G * D; i++) o[i] = 0.0f;                                           \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            for (int64_t d = 0; d < D; d++) kf[d] = LOAD(vg[j * D + d]);                           \
+            for (int64_t h = 0; h < G; h++) {                                                      \
+                float pj = p[h * L + j];                                                           \
+                for (int64_t d = 0; d < D; d++) o[h * D + d] += pj * kf[d];                        \
+            }                                                                                      \
+        }                                                                                          \
+        T##_t *dst = a->out + r * a->H * D + g * G * D;                                            \
+        for (int64_t i = 0; i < G * D; i++) dst[i] = STORE(o[i]);                                  \
     }
 
-ATTENTION(attention_any_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-ATTENTION(attention_any_f32, float, SAME, SAME)
+ATTENTION(attention_any_bf16, bf16, bf16_to_f32, f32_to_bf16)
+ATTENTION(attention_any_f32, f32, SAME, SAME)
 
 /* The same attention in SIMD registers of W lanes (AVX-512: 16, AVX2 with FMA: 8), where the compiler
    targets them and D is a multiple of W: a key's D values as D / W vectors, its G dot products by
@@ -250,99 +258,103 @@ static inline vf vexp(vf x) { /* softmax_exp on W lanes */
 #define MAXG 16
 #define MAXC (256 / W)
 #define ATTENTION_SIMD(NAME, T, LOADV, STORE)                                                      \
-    static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t slot_stride,     \
-                     int64_t L, int64_t head_stride, const int64_t *slots, const int64_t *pos, T *out, \
-                     int64_t rows, int64_t H, int64_t KV, int64_t D, int64_t window, float scale,    \
-                     float *scratch) {                                                             \
-        int64_t G = H / KV, nc = D / W;                                                            \
-        float *p = scratch, *o = scratch + G * L;                                               \
-        for (int64_t r = 0; r < rows; r++) {                                                       \
-            int64_t end = pos[r] + 1, lo = window > 0 && end > window ? end - window : 0;           \
-            int64_t n = end - lo, body = n / W * W;                                                \
-            for (int64_t g = 0; g < KV; g++) {                                                     \
-                const T *kg = k + slots[r] * slot_stride + g * head_stride + lo * D;               \
-                const T *vg = v + slots[r] * slot_stride + g * head_stride + lo * D;               \
-                const T *qg = q + r * q_stride + g * G * D;                                        \
-                vf qv[MAXG * MAXC], kv[MAXC];                                                      \
-                for (int64_t i = 0; i < G * nc; i++) qv[i] = LOADV(qg + W * i);                    \
-                for (int64_t j = 0; j < n; j++) {                                                  \
-                    for (int64_t c = 0; c < nc; c++) kv[c] = LOADV(kg + j * D + W * c);            \
-                    for (int64_t h = 0; h < G; h++) {                                              \
-                        vf acc = vmul(qv[h * nc], kv[0]);                                          \
-                        for (int64_t c = 1; c < nc; c++) acc = vfma(qv[h * nc + c], kv[c], acc);   \
-                        p[h * L + j] = vsum(acc) * scale;                                       \
-                    }                                                                              \
-                }                                                                                  \
-                for (int64_t h = 0; h < G; h++) {                                                  \
-                    float *ph = p + h * L, m = -INFINITY, tail = 0.0f;                          \
-                    vf mx = vset1(-INFINITY), sums = vzero();                                      \
-                    for (int64_t j = 0; j < body; j += W) mx = vmax(mx, vload_f32(ph + j));        \
-                    if (body) m = vmaxall(mx);                                                     \
-                    for (int64_t j = body; j < n; j++) m = ph[j] > m ? ph[j] : m;                  \
-                    for (int64_t j = 0; j < body; j += W) {                                        \
-                        vf e = vexp(vsub(vload_f32(ph + j), vset1(m)));                            \
-                        vstore(ph + j, e);                                                         \
-                        sums = vadd(sums, e);                                                      \
-                    }                                                                              \
-                    for (int64_t j = body; j < n; j++) {                                           \
-                        ph[j] = softmax_exp(ph[j] - m);                                            \
-                        tail += ph[j];                                                             \
-                    }                                                                              \
-                    float inv = 1.0f / (vsum(sums) + tail);                                        \
-                    for (int64_t j = 0; j < body; j += W) vstore(ph + j, vmul(vload_f32(ph + j), vset1(inv))); \
-                    for (int64_t j = body; j < n; j++) ph[j] *= inv;                               \
-                }                                                                                  \
-                vf ov[MAXG * MAXC];                                                                \
-                for (int64_t i = 0; i < G * nc; i++) ov[i] = vzero();                              \
-                for (int64_t j = 0; j < n; j++) {                                                  \
-                    for (int64_t c = 0; c < nc; c++) kv[c] = LOADV(vg + j * D + W * c);            \
-                    for (int64_t h = 0; h < G; h++) {                                              \
-                        vf pj = vset1(p[h * L + j]);                                            \
-                        for (int64_t c = 0; c < nc; c++) ov[h * nc + c] = vfma(pj, kv[c], ov[h * nc + c]); \
-                    }                                                                              \
-                }                                                                                  \
-                T *dst = out + r * H * D + g * G * D;                                              \
-                for (int64_t i = 0; i < G * nc; i++) {                                             \
-                    vstore(o, ov[i]);                                                              \
-                    for (int l = 0; l < W; l++) dst[W * i + l] = STORE(o[l]);                      \
-                }                                                                                  \
+    static void NAME(const args_##T *a, int64_t r, int64_t g, float *scratch) {                    \
+        int64_t G = a->H / a->KV, D = a->D, L = a->L, nc = D / W;                                  \
+        float *p = scratch, *o = scratch + G * L;                                                  \
+        int64_t end = a->pos[r] + 1, lo = a->window > 0 && end > a->window ? end - a->window : 0;  \
+        int64_t n = end - lo, body = n / W * W;                                                    \
+        const T##_t *kg = a->k + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;       \
+        const T##_t *vg = a->v + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;       \
+        const T##_t *qg = a->q + r * a->q_stride + g * G * D;                                      \
+        vf qv[MAXG * MAXC], kv[MAXC];                                                              \
+        for (int64_t i = 0; i < G * nc; i++) qv[i] = LOADV(qg + W * i);                            \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            for (int64_t c = 0; c < nc; c++) kv[c] = LOADV(kg + j * D + W * c);                    \
+            for (int64_t h = 0; h < G; h++) {                                                      \
+                vf acc = vmul(qv[h * nc], kv[0]);                                                  \
+                for (int64_t c = 1; c < nc; c++) acc = vfma(qv[h * nc + c], kv[c], acc);           \
+                p[h * L + j] = vsum(acc) * a->scale;                                               \
             }                                                                                      \
+        }                                                                                          \
+        for (int64_t h = 0; h < G; h++) {                                                          \
+            float *ph = p + h * L, m = -INFINITY, tail = 0.0f;                                     \
+            vf mx = vset1(-INFINITY), sums = vzero();                                              \
+            for (int64_t j = 0; j < body; j += W) mx = vmax(mx, vload_f32(ph + j));                \
+            if (body) m = vmaxall(mx);                                                             \
+            for (int64_t j = body; j < n; j++) m = ph[j] > m ? ph[j] : m;                          \
+            for (int64_t j = 0; j < body; j += W) {                                                \
+                vf e = vexp(vsub(vload_f32(ph + j), vset1(m)));                                    \
+                vstore(ph + j, e);                                                                 \
+                sums = vadd(sums, e);                                                              \
+            }                                                                                      \
+            for (int64_t j = body; j < n; j++) {                                                   \
+                ph[j] = softmax_exp(ph[j] - m);                                                    \
+                tail += ph[j];                                                                     \
+            }                                                                                      \
+            float inv = 1.0f / (vsum(sums) + tail);                                                \
+            for (int64_t j = 0; j < body; j += W) vstore(ph + j, vmul(vload_f32(ph + j), vset1(inv))); \
+            for (int64_t j = body; j < n; j++) ph[j] *= inv;                                       \
+        }                                                                                          \
+        vf ov[MAXG * MAXC];                                                                        \
+        for (int64_t i = 0; i < G * nc; i++) ov[i] = vzero();                                      \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            for (int64_t c = 0; c < nc; c++) kv[c] = LOADV(vg + j * D + W * c);                    \
+            for (int64_t h = 0; h < G; h++) {                                                      \
+                vf pj = vset1(p[h * L + j]);                                                       \
+                for (int64_t c = 0; c < nc; c++) ov[h * nc + c] = vfma(pj, kv[c], ov[h * nc + c]); \
+            }                                                                                      \
+        }                                                                                          \
+        T##_t *dst = a->out + r * a->H * D + g * G * D;                                            \
+        for (int64_t i = 0; i < G * nc; i++) {                                                     \
+            vstore(o, ov[i]);                                                                      \
+            for (int l = 0; l < W; l++) dst[W * i + l] = STORE(o[l]);                              \
         }                                                                                          \
     }
 
-ATTENTION_SIMD(attention_simd_bf16, uint16_t, vload_bf16, f32_to_bf16)
-ATTENTION_SIMD(attention_simd_f32, float, vload_f32, SAME)
+ATTENTION_SIMD(attention_simd_bf16, bf16, vload_bf16, f32_to_bf16)
+ATTENTION_SIMD(attention_simd_f32, f32, vload_f32, SAME)
 #define HAVE_SIMD 1
 #endif
 
 /* Exported: the SIMD form where it is compiled and the shapes suit it, else the portable one (one
-   choice per model, never per call). The cache holds ``slots_n`` slots of L positions; a row outside
-   them returns -1 before anything is computed. ``scratch``: (2 G + 1) D + G L + 16 floats. */
-#define ATTENTION_ENTRY(NAME, T)                                                                   \
-    int64_t attention_##NAME(const T *q, int64_t q_stride, const T *k, const T *v, int64_t slots_n,  \
-                             int64_t slot_stride, int64_t L, int64_t head_stride, const int64_t *slots, \
-                             const int64_t *pos, T *out, int64_t rows, int64_t H, int64_t KV,       \
-                             int64_t D, int64_t window, float scale, float *scratch) {              \
+   choice per model, never per call), over the call's rows x KV heads work items, shared out among
+   ``threads`` OpenMP threads (built with OpenMP: torch's own runtime, so the same thread pool as its
+   ops) with ``per`` floats of ``scratch`` each: (2 G + 1) D + G L + 16. The cache holds ``slots_n``
+   slots of L positions; a row outside them returns -1 before anything is computed. */
+#define ATTENTION_ENTRY(NAME)                                                                      \
+    int64_t attention_##NAME(const NAME##_t *q, int64_t q_stride, const NAME##_t *k, const NAME##_t *v, \
+                             int64_t slots_n, int64_t slot_stride, int64_t L, int64_t head_stride,  \
+                             const int64_t *slots, const int64_t *pos, NAME##_t *out, int64_t rows, \
+                             int64_t H, int64_t KV, int64_t D, int64_t window, float scale,         \
+                             float *scratch, int64_t per, int64_t threads) {                        \
         if (KV <= 0 || H % KV) return -1;                                                          \
         for (int64_t r = 0; r < rows; r++)                                                         \
             if (pos[r] < 0 || pos[r] >= L || slots[r] < 0 || slots[r] >= slots_n) return -1;        \
+        args_##NAME a = {q, k, v, out, slots, pos, q_stride, slot_stride, L, head_stride, H, KV, D, window, scale}; \
+        void (*item)(const args_##NAME *, int64_t, int64_t, float *) = attention_any_##NAME;       \
         FAST_##NAME                                                                                \
-        attention_any_##NAME(q, q_stride, k, v, slot_stride, L, head_stride, slots, pos, out, rows, \
-                             H, KV, D, window, scale, scratch);                                    \
+        int64_t items = rows * KV;                                                                 \
+        PARALLEL_FOR(threads, items)                                                               \
+        for (int64_t i = 0; i < items; i++) item(&a, i / KV, i % KV, scratch + per * THREAD);      \
         return 0;                                                                                  \
     }
 
+#if defined(_OPENMP)
+#include <omp.h>
+#define PRAGMA(x) _Pragma(#x)
+#define PARALLEL_FOR(threads, items) PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(threads < items ? threads : items))
+#define THREAD omp_get_thread_num()
+#else
+#define PARALLEL_FOR(threads, items)
+#define THREAD 0
+#endif
 #if defined(HAVE_SIMD)
 #define FAST(NAME)                                                                                 \
-    if (D % W == 0 && D / W <= MAXC && H / KV <= MAXG) {                                           \
-        attention_simd_##NAME(q, q_stride, k, v, slot_stride, L, head_stride, slots, pos, out, rows, \
-                              H, KV, D, window, scale, scratch);                                   \
-        return 0;                                                                                  \
-    }
+    if (D % W == 0 && D / W <= MAXC && H / KV <= MAXG) item = attention_simd_##NAME;
 #else
 #define FAST(NAME)
 #endif
 #define FAST_bf16 FAST(bf16)
 #define FAST_f32 FAST(f32)
-ATTENTION_ENTRY(bf16, uint16_t)
-ATTENTION_ENTRY(f32, float)
+ATTENTION_ENTRY(bf16)
+ATTENTION_ENTRY(f32)

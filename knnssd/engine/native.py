@@ -7,9 +7,11 @@ and RoPE four (two products, a roll, a sum). A one-token step of SmolLM2 runs 61
 C call each costs about 2.5 us (norm) and 4.5 us (RoPE), Python included.
 
 Each kernel computes every row alone with one fixed loop (``native.c``), so its rows do not depend
-on the call's row count (the exactness probe still measures the whole step). They run on one
-thread; at 500 rows (a prefill) they still cost no more than the torch ops on two (bf16 norm 70 vs
-120 us, RoPE 170 vs 170-280 us). The library is built
+on the call's row count (the exactness probe still measures the whole step). The norm and RoPE run
+on one thread; at 500 rows (a prefill) they still cost no more than the torch ops on two (bf16 norm
+70 vs 120 us, RoPE 170 vs 170-280 us). Attention shares its rows x KV heads out among torch's
+threads where the library is built with OpenMP (``openmp_flags``): each item is computed by one
+thread with the same loop, so the threads change no bit. The library is built
 once per source, compiler and processor (``-march=native``) into ``cache_dir()/native``; with no C
 compiler, or ``KNNSSD_NATIVE=0``, ``library()`` is None and callers keep the torch ops.
 """
@@ -45,8 +47,8 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
     # x, x's token stride, cos, sin, out, T, heads, D, d
     "rope": ("p", "i", "p", "p", "p", "i", "i", "i", "i"),
     # q, q's row stride, k, v, slots in the cache, slot stride, L, head stride, slots, pos, out, rows, H, KV, D,
-    # window, scale, scratch; returns 0, or -1 for a row outside the cache
-    "attention": ("p", "i", "p", "p", "i", "i", "i", "i", "p", "p", "p", "i", "i", "i", "i", "i", "f", "p"),
+    # window, scale, scratch, its floats per thread, threads; returns 0, or -1 for a row outside the cache
+    "attention": ("p", "i", "p", "p", "i", "i", "i", "i", "p", "p", "p", "i", "i", "i", "i", "i", "f", "p", "i", "i"),
 }
 RESULTS = {"attention": ctypes.c_int64}  # the kernels that return something (the others: nothing)
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
@@ -73,10 +75,32 @@ def _remove_stale_builds(folder: Path) -> None:
                 stale.unlink()
 
 
+def openmp_flags() -> tuple[str, ...]:
+    """``-fopenmp`` where torch runs on GNU OpenMP loaded as ``libgomp.so.1``: the library then names the
+    same runtime, so the attention kernel's threads are torch's own pool. Nothing elsewhere (a torch on
+    another runtime, or a bundled libgomp under another name: a second pool would fight torch's for the
+    cores); the kernel then runs on one thread."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ()
+    return ("-fopenmp",) if any(line.endswith("/libgomp.so.1") for line in maps.splitlines()) else ()
+
+
 def _build(compiler: list[str]) -> Path:
     """The shared library for this source, compiler and processor, compiled unless already there (written
-    to a temporary name and renamed, so a killed or concurrent build never leaves a partial library)."""
-    key = hashlib.sha256(b"|".join((SOURCE.read_bytes(), " ".join(compiler + list(FLAGS)).encode(),
+    to a temporary name and renamed, so a killed or concurrent build never leaves a partial library).
+    With OpenMP where ``openmp_flags`` allows it and the compiler has it, else without."""
+    try:
+        return _compile(compiler, FLAGS + openmp_flags())
+    except subprocess.CalledProcessError:
+        if not openmp_flags():
+            raise
+        return _compile(compiler, FLAGS)
+
+
+def _compile(compiler: list[str], flags: tuple[str, ...]) -> Path:
+    key = hashlib.sha256(b"|".join((SOURCE.read_bytes(), " ".join(compiler + list(flags)).encode(),
                                     platform.machine().encode(), processor().encode()))).hexdigest()[:16]
     folder = cache_dir() / "native"
     path = folder / f"knnssd-{key}.so"
@@ -88,7 +112,7 @@ def _build(compiler: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([*compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
+        subprocess.run([*compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(tmp, path)
     finally:
@@ -205,6 +229,7 @@ class Rows:
     def __init__(self, slots: torch.Tensor, pos: torch.Tensor, window: int | None):
         self.slots, self.pos = slots.contiguous(), pos.contiguous()
         self.window = window or 0
+        self.threads = torch.get_num_threads()  # torch's: the kernel shares out its work on the same pool
         self.checked: tuple | None = None  # the layout the last call was checked for
         self.scratch: torch.Tensor | None = None
 
@@ -239,12 +264,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, sca
             return None
         rows.checked = layout
         G, D, L = max(1, q.shape[1] // k.shape[1]), q.shape[2], k.shape[2]
-        rows.scratch = torch.empty((2 * G + 1) * D + G * L + 16, dtype=torch.float32)  # either form's
+        per = (2 * G + 1) * D + G * L + 16  # either form's, per thread
+        rows.scratch = torch.empty(rows.threads, per, dtype=torch.float32)
     R, H, D = q.shape
     S, KV, L, _ = k.shape
     out = torch.empty(R, H * D, dtype=q.dtype)
     if kernel(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), S, k.stride(0), L, k.stride(1),
               rows.slots.data_ptr(), rows.pos.data_ptr(), out.data_ptr(), R, H, KV, D, rows.window, scale,
-              rows.scratch.data_ptr()):
+              rows.scratch.data_ptr(), rows.scratch.shape[1], rows.threads):
         return None
     return out
