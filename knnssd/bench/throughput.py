@@ -87,7 +87,7 @@ def run(cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> di
     ids = [gen.tokenize(r.prompt, params.max_prompt_tokens)[0] for r in rows]
     positions = max(len(x) for x in ids) + cfg.max_new_tokens
     auto = batched.auto_slots(dec, positions, len(rows))
-    plans = {n: gen.plan(n) for n in sorted({*cfg.sizes, auto}) if n > 1}
+    plans = {n: gen.plan(n, positions) for n in sorted({*cfg.sizes, auto}) if n > 1}
     best: dict[str, dict] = {}
     ref: list[list[int]] | None = None
 

@@ -193,9 +193,10 @@ def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, b
              stats: BatchStats) -> Iterator[tuple[Prompt, Result]]:
     """(prompt, result) as each finishes: batched when the decoder can run slots and the batch size
     (asked, or auto) is over 1, else one prompt at a time."""
-    slots = 1
+    slots, positions = 1, params.max_prompt_tokens + params.max_new_tokens
     if gen.can_batch and todo and batch_size != 1:
-        slots = batch_size or auto_slots(gen.decoder, params.max_prompt_tokens + params.max_new_tokens, len(todo))
+        positions = gen.positions([r.prompt for r in todo], params)
+        slots = batch_size or auto_slots(gen.decoder, positions, len(todo))
     stats.slots = slots
     if slots == 1:
         t0 = time.perf_counter()
@@ -206,7 +207,7 @@ def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, b
             stats.total_s = time.perf_counter() - t0
             yield r, res
         return
-    yield from gen.generate_many(((r, r.prompt) for r in todo), params, gen.plan(slots), stats)
+    yield from gen.generate_many(((r, r.prompt) for r in todo), params, gen.plan(slots, positions), stats)
 
 
 def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, done: dict[str, dict], params: GenerateParams,

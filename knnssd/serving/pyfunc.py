@@ -30,7 +30,7 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
             d = GenerateParams()
             slots = (auto_slots(gen.decoder, d.max_prompt_tokens + d.max_new_tokens, 1 << 10) if size == "auto"
                      else int(size))
-            return gen, gen.plan(slots) if slots > 1 else None
+            return gen, gen.plan(slots, d.max_prompt_tokens + d.max_new_tokens) if slots > 1 else None
 
         batcher = Batcher(load)
         self.generator = batcher.gen

@@ -82,6 +82,12 @@ class RoutedGenerator:
     def tokenize(self, prompt: str, limit: int) -> tuple[list[int], bool]:
         return prompt_ids(self.lm.tokenizer, prompt, limit)
 
+    def positions(self, prompts: list[str], params: GenerateParams) -> int:
+        """The most cache positions a generation of one of ``prompts`` reserves: its prompt as kept
+        (``tokenize``) and its new tokens."""
+        longest = max(len(self.lm.tokenizer(p).input_ids) for p in prompts)
+        return min(longest, params.max_prompt_tokens) + params.max_new_tokens
+
     def generate(self, prompt: str, params: GenerateParams = GenerateParams()) -> Result:
         ids, truncated = self.tokenize(prompt, params.max_prompt_tokens)
         with self.lm.busy:  # the model's one decoder is held from prefill to the last token
@@ -111,9 +117,10 @@ class RoutedGenerator:
         """The lean decoder runs sequences in slots; the HF fallback runs one at a time."""
         return isinstance(self.decoder, Decoder)
 
-    def plan(self, slots: int) -> BatchPlan:
-        """A batched run's measured plan for this generator's decoder (``engine.batched.plan``)."""
-        return batched.plan(self.decoder, slots)
+    def plan(self, slots: int, positions: int = 0) -> BatchPlan:
+        """A batched run's measured plan for this generator's decoder (``engine.batched.plan``; ``positions``:
+        the most a job reserves, prompt and new tokens, when known)."""
+        return batched.plan(self.decoder, slots, positions)
 
     def prefill_route(self, ids: list[int], cfg: GenerationConfig, decoder=None):
         """Prefill the prompt on ``decoder`` (default: the generator's own) and route its vector:
