@@ -11,7 +11,7 @@ from knnssd.engine.batched import BatchPlan, BatchStats, PassCosts, PromptJob, c
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.sampling import Warp
-from knnssd.engine.skip import SkipMask, make_decoder
+from knnssd.engine.skip import Decoder, SkipMask, make_decoder
 from test_sampling import ALPHA, chi2_pvalue, exact_joint
 from tiny import prompt_ids, tiny
 
@@ -152,3 +152,40 @@ def test_pass_costs_interpolate_and_slot_memory():
     per = batched.slot_bytes(dec, 100)
     assert per == 2 * dec.n_layers * dec.stack.n_kv * dec.stack.head_dim * 128 * 4  # fp32 K/V, 2 buckets
     assert batched.max_slots(dec, 100, memory=10 * per + 1) == 10 and batched.max_slots(dec, 100, memory=1) == 1
+
+
+def test_plan_allocates_the_longest_job_within_memory_and_the_pool_never_regrows():
+    dec = decoder("llama", "float32")
+    assert batched.plan(dec, 3).positions == 0  # unknown: slots grow as jobs reserve
+    per = batched.slot_bytes(dec, 64) // 64  # bytes per position of one slot
+    plan = batched.plan(dec, 3, positions=100)
+    assert plan.positions == 128  # one bucket past 100
+    assert batched.plan(dec, 3, positions=10**6, memory=3 * 200 * per).positions == 192  # what fits, in buckets
+    grown = []
+    jobs = [PromptJob(prompt_ids("llama", i, length=20 + 30 * i), None, GenerationConfig(max_new_tokens=4))
+            for i in range(3)]  # prompts up to 80 tokens: reservations up to 128 positions
+
+    def pooled(n):  # the decoder's own, with each growth of the pool recorded
+        slots, pool = Decoder.pooled_slots(dec, n)
+        pool_grow = pool.grow
+        pool.grow = lambda length: (grown.append((pool.capacity, length)), pool_grow(length))
+        return slots, pool
+
+    dec.pooled_slots = pooled
+    try:
+        assert len(list(decode_batch(dec, jobs, BatchPlan(3, FLAT, True, pooled=True, positions=128)))) == 3
+    finally:
+        del dec.pooled_slots
+    assert grown[0] == (0, 128) and all(cap == 128 and length <= 128 for cap, length in grown[1:])
+
+
+def test_the_batch_thread_sees_what_it_loaded(caplog):
+    """``Batcher``'s loop starts on the loaded generator: the constructor does not hand it over later."""
+    from knnssd.serving.batcher import Batcher
+
+    class Gen:
+        decoder = decoder("llama", "float32")
+
+    b = Batcher(lambda: (Gen(), BatchPlan(2, FLAT, True)))
+    b.close()
+    assert b.batching and not [r for r in caplog.records if r.levelname == "ERROR"]

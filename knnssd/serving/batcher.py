@@ -40,16 +40,16 @@ class Batcher:
         loaded: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(load, loaded), name="knnssd-batch", daemon=True)
         self._thread.start()
-        self.gen, self.plan = loaded.result()
+        loaded.result()
 
     def _run(self, load, loaded: Future) -> None:
         try:
-            gen, plan = load()
+            self.gen, self.plan = load()  # set before the constructor returns and before the loop reads them
         except BaseException as e:  # noqa: BLE001 - the constructor raises it
             loaded.set_exception(e)
             return
-        loaded.set_result((gen, plan))
-        if plan is not None:
+        loaded.set_result(None)
+        if self.plan is not None:
             self._loop()
 
     def generate(self, prompts: list[str], params: GenerateParams) -> list[Result]:
