@@ -49,8 +49,29 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
         except ValueError as e:
             raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from None
         if self.batcher is not None:
+            _admit_concurrent_requests(self.batcher.plan.slots)
             return pd.DataFrame([r.to_row() for r in self.batcher.generate(prompts, p)])
         return pd.DataFrame([self.generator.generate(text, p).to_row() for text in prompts])
+
+
+def _admit_concurrent_requests(slots: int) -> None:
+    """Let as many requests run ``predict`` at once as the batch has slots. ``mlflow models serve``
+    (uvicorn) runs each request's ``predict`` with ``asyncio.to_thread``: on its event loop's default
+    executor, a ``ThreadPoolExecutor`` of min(32, cores + 4) threads, 6 on a 2-core machine. No more
+    than 6 requests could then be in the batch together, the rest queued behind them (16 concurrent
+    requests took 7.8 s instead of 6.8 on a 2-core Zen 4). The server loads the model before its loop
+    runs, so the loop's executor cannot be replaced at load; instead, where ``predict`` runs on a
+    ``ThreadPoolExecutor``'s worker thread, that executor may start up to ``slots`` threads (each
+    ``predict`` thread only waits for its results). Elsewhere (a script calling ``predict``), nothing."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "_worker" and "executor_reference" in frame.f_locals):
+        frame = frame.f_back
+    executor = frame.f_locals["executor_reference"]() if frame is not None else None
+    if isinstance(executor, ThreadPoolExecutor) and getattr(executor, "_max_workers", slots) < slots:
+        executor._max_workers = slots
 
 
 def _prompts(model_input) -> list:
