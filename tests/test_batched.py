@@ -106,46 +106,72 @@ def test_batched_sampling_keeps_each_sequences_distribution():
     assert chi2_pvalue(counts, expected, n) > ALPHA
 
 
+def geo(accept: list[float], cap: int = 12) -> list[list[float]]:
+    """s_b(j) = a_b^j: each drafted token accepted alone with chance a_b."""
+    return [[a ** j for j in range(1, cap + 1)] for a in accept]
+
+
 def test_choose_lengths_from_goodput():
     flat = PassCosts((1, 100), (0.01, 0.01))
     steep = PassCosts((1, 2, 100), (0.01, 0.02, 1.0))  # every row costs a whole pass: drafts never pay
     # flat costs, free drafts: draft everything
-    assert choose_lengths([4, 3], [0.8, 0.5], [0.0, 0.0], flat) == [4, 3]
+    assert choose_lengths([4, 3], geo([0.8, 0.5]), [0.0, 0.0], flat) == [4, 3]
     # steep costs: plain batched decoding
-    assert choose_lengths([4, 3], [0.8, 0.9], [0.0, 0.0], steep) == [0, 0]
+    assert choose_lengths([4, 3], geo([0.8, 0.9]), [0.0, 0.0], steep) == [0, 0]
     # a costly drafter with poor acceptance drafts nothing; a free one with good acceptance drafts
-    assert choose_lengths([4, 4], [0.9, 0.2], [0.0, 0.02], flat) == [4, 0]
+    assert choose_lengths([4, 4], geo([0.9, 0.2]), [0.0, 0.02], flat) == [4, 0]
+    # a call's cost is paid once, whatever its length: a long draft with fair acceptance pays for it
+    assert choose_lengths([8], geo([0.6]), [0.008], flat) == [8]
     # caps bound the lengths, and zero caps stay zero
-    assert choose_lengths([2, 0], [0.99, 0.99], [0.0, 0.0], flat) == [2, 0]
+    assert choose_lengths([2, 0], geo([0.99, 0.99]), [0.0, 0.0], flat) == [2, 0]
     # as the batch grows on a rising cost curve, drafts shrink
     rising = PassCosts((1, 8, 16, 64), (0.010, 0.011, 0.014, 0.060))
-    small = sum(choose_lengths([6] * 2, [0.7] * 2, [0.0] * 2, rising))
-    large = sum(choose_lengths([6] * 16, [0.7] * 16, [0.0] * 16, rising))
+    small = sum(choose_lengths([6] * 2, geo([0.7] * 2), [0.0] * 2, rising))
+    large = sum(choose_lengths([6] * 16, geo([0.7] * 16), [0.0] * 16, rising))
     assert small / 2 > large / 16
+    # runs of acceptance (all of a draft or none of it, one time in three) pay for long drafts where the
+    # same per-token rate would not
+    runs = [[1 / 3] * 8]
+    slope = PassCosts((1, 9), (0.010, 0.014))
+    assert choose_lengths([8], runs, [0.0], slope) == [8] and choose_lengths([8], geo([1 / 3]), [0.0], slope)[0] < 3
 
 
-def test_a_sequence_that_has_not_drafted_costs_what_its_kind_has_cost():
+def test_draft_model_shrinks_each_sequence_towards_its_kind():
     from types import SimpleNamespace as NS
 
     from knnssd.engine.drafters import Hybrid, NGram
 
-    def run(drafter, drafted: int, seconds: float):
-        return NS(drafter=drafter, stats=NS(drafted=drafted, draft_s=seconds))
+    def run(drafter, calls: int = 0, seconds: float = 0.0, tried=(), kept=()):
+        return NS(drafter=drafter, stats=NS(draft_calls=calls, draft_s=seconds, drafted_at=list(tried),
+                                            accepted_at=list(kept)))
 
     ngram, hybrid = object.__new__(NGram), object.__new__(Hybrid)
-    costs = batched.DraftCosts()
-    # nothing measured yet: a new sequence is free to draft (and is then measured); plain ones cost 0
-    assert costs([run(hybrid, 0, 0.0), run(None, 0, 0.0)]) == [0.0, 0.0]
-    costs.finished(run(hybrid, 10, 0.1))
-    active = [run(hybrid, 0, 0.0), run(ngram, 4, 0.004), run(ngram, 0, 0.0), run(hybrid, 10, 0.3)]
-    got = costs(active)
-    assert got[1] == 0.001 and got[2] == 0.001 and got[3] == 0.03  # its own; its kind's
-    assert abs(got[0] - 0.4 / 20) < 1e-12  # the finished and the active hybrid together
+    model = batched.DraftModel()
+    p = batched.DraftModel.PRIOR
+    # nothing measured yet: a new sequence is free to draft with s(j) = 1/2^j (and is then measured);
+    # a plain one has no draft
+    s, d = model([run(hybrid), run(None)], [3, 0])
+    assert d == [0.0, 0.0] and s == [[0.5, 0.25, 0.125], []]
+    model.finished(run(hybrid, 10, 0.1, tried=[10, 8], kept=[6, 4]))
+    active = [run(hybrid), run(ngram, 4, 0.004, tried=[4, 4], kept=[4, 2]), run(hybrid, 10, 0.3, [10], [2])]
+    s, d = model(active, [2, 2, 2])
+    hybrid_d = 0.4 / (20 + p)  # the finished and the active hybrid together, per call, shrunk towards 0
+    assert abs(d[0] - hybrid_d) < 1e-12  # its kind's
+    assert abs(d[2] - (0.3 + p * hybrid_d) / (10 + p)) < 1e-12  # its own, shrunk towards its kind's
+    hybrid_s = [(8 + p / 2) / (20 + p), (4 + p / 4) / (8 + p)]  # by position, shrunk towards 1/2^j
+    assert abs(s[0][0] - hybrid_s[0]) < 1e-12 and s[0][1] == s[0][0]  # never rising with j (0.42 at j = 2)
+    assert abs(s[2][0] - (2 + p * hybrid_s[0]) / (10 + p)) < 1e-12 and s[2][1] == s[2][0]
+    assert s[1][0] > s[1][1] > 0.5 ** 2  # n-gram hits: four of four, then two of four
+    # one slow call does not price a sequence of a cheap kind out of drafting: it moves a fifth of the way
+    model.finished(run(ngram, 100, 0.01))
+    assert model([run(ngram, 1, 0.05)], [0])[1][0] < 0.05 / 4
 
 
 def test_pass_costs_interpolate_and_slot_memory():
     c = PassCosts((1, 4, 8), (0.01, 0.02, 0.04))
     assert c(1) == 0.01 and c(4) == 0.02 and abs(c(6) - 0.03) < 1e-12 and abs(c(12) - 0.06) < 1e-12
+    j = PassCosts((16, 64), (0.03, 0.08)).joined(PassCosts((1, 12), (0.02, 0.025)))
+    assert j.rows == (1, 12, 16, 64) and j(1) == 0.02 and abs(j(14) - 0.0275) < 1e-12  # not flat below 16
     dec = decoder("llama", "float32")
     measured = batched.measure_pass_costs(dec, slots=2, per_seq=(1, 4), repeats=1)
     assert measured.rows == (2, 8) and all(s > 0 for s in measured.seconds)

@@ -19,12 +19,18 @@ prefill). Where the linears are row-invariant up to the packed row count (``rows
 sequence's tokens equal its own plain decoding's, as in the one-sequence loop.
 
 Terms:
-    a_b        sequence b's per-token acceptance estimate, (accepted + 1) / (drafted + 2)
-    d_b        its measured draft seconds per drafted token; before its first draft, the mean over the
-               sequences with the same kind of drafter so far (``DraftCosts``; 0 for the first of its kind)
+    s_b(j)     sequence b's chance that the first j tokens of a draft are all accepted, given that it
+               drafted j or more: its steps that accepted j or more over those that drafted j or more
+               (``DecodeStats.accepted_at``, ``drafted_at``), shrunk towards the same for the sequences
+               with the same kind of drafter. Measured by draft position, not as one per-token rate:
+               acceptance comes in runs (an n-gram hit is accepted for several tokens or not at all; a
+               confident layer-skip draft mostly is), which a per-token rate a^j would miss
+    d_b        its draft seconds per draft call, shrunk in the same way (``DraftModel``). Per call, not
+               per token: an n-gram hit drafts 10 tokens in 0.1 ms, a layer-skip draft costs a pass per
+               token until its confidence drops, and a hybrid does one or the other
     v(R)       seconds of one packed pass over R rows (``PassCosts``, measured)
-    E_b(k)     expected tokens sequence b emits with a k-token draft: 1 + a_b + ... + a_b^k
-    goodput    sum_b E_b(k_b) / (v(sum_b (1 + k_b)) + sum_b k_b d_b)
+    E_b(k)     expected tokens sequence b emits with a k-token draft: 1 + s_b(1) + ... + s_b(k)
+    goodput    sum_b E_b(k_b) / (v(sum_b (1 + k_b)) + sum_{b: k_b > 0} d_b)
 """
 from __future__ import annotations
 
@@ -49,6 +55,8 @@ from knnssd.engine.timing import median_ms
 log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY = 4 << 30  # bytes of KV cache the slots may hold together
+EXPLORE = 16  # a sequence the rule has not let draft for EXPLORE steps per active sequence drafts once, and
+# is measured again (figures that once said "not worth it" would otherwise never change)
 
 
 class Job(Protocol):
@@ -129,6 +137,11 @@ class PassCosts:
         slope = (s[hi] - s[lo]) / (r[hi] - r[lo])
         return max(s[0], s[lo] + slope * (rows - r[lo]))
 
+    def joined(self, other: "PassCosts") -> "PassCosts":
+        """Both sets of measurements, by row count (``self``'s where both have one)."""
+        both = dict(sorted({**dict(zip(other.rows, other.seconds)), **dict(zip(self.rows, self.seconds))}.items()))
+        return PassCosts(tuple(both), tuple(both.values()))
+
     def describe(self) -> str:
         return ", ".join(f"v({r})={1e3 * s:.1f} ms" for r, s in zip(self.rows, self.seconds))
 
@@ -153,69 +166,116 @@ def measure_pass_costs(decoder: Decoder, slots: int, per_seq: tuple[int, ...] = 
     return PassCosts(tuple(r for r, _ in out), tuple(s for _, s in out))
 
 
-def choose_lengths(caps: list[int], accept: list[float], draft_s: list[float], costs: PassCosts) -> list[int]:
-    """Draft lengths k_b <= caps[b] that maximise the step's goodput (module docstring), found by
-    adding one drafted token at a time where it raises goodput most, until no addition raises it.
-    All zeros (plain batched decoding) when no draft pays for its rows and its drafting."""
-    k = [0] * len(caps)
-    emitted = float(len(caps))
-    extra = 0.0  # drafting seconds
-    best = emitted / costs(len(caps))
+def choose_lengths(caps: list[int], survival: list[list[float]], draft_s: list[float], costs: PassCosts) -> list[int]:
+    """Draft lengths k_b <= caps[b] that maximise the step's goodput (module docstring; ``survival[b][j - 1]``
+    is s_b(j), non-increasing in j). First the rows: one drafted token at a time where it raises E / v
+    most, until none does. Then the calls: while dropping a sequence's whole draft (and its call's d_b)
+    raises goodput, the draft whose dropping raises it most is dropped. All zeros (plain batched
+    decoding) when no draft pays for its rows and its call."""
+    n = len(caps)
+    k = [0] * n
+    emitted = float(n)
+    best = emitted / costs(n)
     while True:
-        rows = len(caps) + sum(k)
+        rows = n + sum(k)
         choice, choice_rate = None, best
         for b, cap in enumerate(caps):
-            if k[b] >= cap:
-                continue
-            gain = accept[b] ** (k[b] + 1)  # E_b(k + 1) - E_b(k)
-            rate = (emitted + gain) / (costs(rows + 1) + extra + draft_s[b])
-            if rate > choice_rate:
-                choice, choice_rate = b, rate
+            if k[b] < cap:
+                rate = (emitted + survival[b][k[b]]) / costs(rows + 1)  # E_b(k + 1) - E_b(k) more tokens
+                if rate > choice_rate:
+                    choice, choice_rate = b, rate
         if choice is None:
-            return k
-        emitted += accept[choice] ** (k[choice] + 1)
-        extra += draft_s[choice]
+            break
+        emitted += survival[choice][k[choice]]
         k[choice] += 1
         best = choice_rate
+    gain = [sum(survival[b][: k[b]]) for b in range(n)]  # E_b(k_b) - 1
+    calls = sum(draft_s[b] for b in range(n) if k[b])
+    while True:
+        rows = n + sum(k)
+        drop, drop_rate = None, emitted / (costs(rows) + calls)
+        for b in range(n):
+            if k[b]:
+                rate = (emitted - gain[b]) / (costs(rows - k[b]) + calls - draft_s[b])
+                if rate > drop_rate:
+                    drop, drop_rate = b, rate
+        if drop is None:
+            return k
+        emitted -= gain[drop]
+        calls -= draft_s[drop]
+        k[drop] = 0
 
 
-class DraftCosts:
-    """d_b for ``choose_lengths``: each sequence's own draft seconds per drafted token, or, before it has
-    drafted, the mean over the sequences with the same kind of drafter (finished ones and active ones
-    that have drafted). Without that prior a joining sequence would look free to draft, and a slow drafter
-    (an int8 layer-skip draft costs about half a one-sequence step per token) would draft its longest
-    draft while the whole batch waits. The first sequence of a kind still costs 0: it drafts once and is
-    measured."""
+@dataclass
+class _Drafts:
+    """A set of sequences' drafting, pooled: seconds and calls, and per draft position j (index j - 1)
+    the steps that drafted j or more and that accepted j or more."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    tried: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+
+    def add(self, run: Run) -> None:
+        s = run.stats
+        self.seconds += s.draft_s
+        self.calls += s.draft_calls
+        for mine, theirs in ((self.tried, s.drafted_at), (self.kept, s.accepted_at)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for j, c in enumerate(theirs):
+                mine[j] += c
+
+
+def _at(counts: list[int], j: int) -> int:
+    return counts[j] if j < len(counts) else 0
+
+
+class DraftModel:
+    """s_b and d_b for ``choose_lengths``: each sequence's own measurements shrunk towards its kind's
+    (the sequences with the same kind of drafter, finished and active, pooled), and its kind's towards
+    d = 0 and s(j) = 1/2^j, each as if PRIOR steps of the prior came first: d_b = (own seconds + PRIOR
+    d_kind) / (own calls + PRIOR), and per draft position s_b(j) = (own accepted j+ + PRIOR s_kind(j)) /
+    (own drafted j+ + PRIOR). A joining sequence is costed at its kind's figures: without them it looks
+    free to draft, and a slow drafter (an int8 layer-skip draft costs about half a one-sequence step per
+    token) drafts its longest draft while the whole batch waits. One or two steps (an unlucky call, a
+    rejected draft) do not set a sequence's figures on their own."""
+
+    PRIOR = 4
 
     def __init__(self):
-        self._done: dict[str, list[float]] = {}  # kind -> [draft seconds, drafted tokens] of finished sequences
+        self._done: dict[str, _Drafts] = {}  # kind -> the finished sequences' drafting
 
     @staticmethod
     def _kind(run: Run) -> str:
         return type(run.drafter).__name__
 
-    @classmethod
-    def _add(cls, totals: dict[str, list[float]], run: Run) -> None:
-        if run.drafter is not None and run.stats.drafted:
-            t = totals.setdefault(cls._kind(run), [0.0, 0])
-            t[0] += run.stats.draft_s
-            t[1] += run.stats.drafted
-
     def finished(self, run: Run) -> None:
-        self._add(self._done, run)
+        if run.drafter is not None:
+            self._done.setdefault(self._kind(run), _Drafts()).add(run)
 
-    def __call__(self, runs: list[Run]) -> list[float]:
-        totals = {k: list(v) for k, v in self._done.items()}
+    def __call__(self, runs: list[Run], caps: list[int]) -> tuple[list[list[float]], list[float]]:
+        """(s_b(1..caps[b]) for each run, d_b for each run)."""
+        kinds: dict[str, _Drafts] = {}
+        for kind, d in self._done.items():
+            kinds[kind] = _Drafts(d.seconds, d.calls, list(d.tried), list(d.kept))
         for r in runs:
-            self._add(totals, r)
-        out = []
-        for r in runs:
-            if r.stats.drafted:
-                out.append(r.stats.draft_s / r.stats.drafted)
-            else:
-                t = totals.get(self._kind(r)) if r.drafter is not None else None
-                out.append(t[0] / t[1] if t else 0.0)
-        return out
+            if r.drafter is not None:
+                kinds.setdefault(self._kind(r), _Drafts()).add(r)
+        p = self.PRIOR
+        survival, seconds = [], []
+        for r, cap in zip(runs, caps):
+            kind = kinds.get(self._kind(r)) if r.drafter is not None else None
+            kind = kind or _Drafts()
+            s = r.stats
+            d_kind = kind.seconds / (kind.calls + p)  # shrunk towards 0
+            seconds.append((s.draft_s + p * d_kind) / (s.draft_calls + p))
+            curve, last = [], 1.0
+            for j in range(cap):
+                s_kind = (_at(kind.kept, j) + p * 0.5 ** (j + 1)) / (_at(kind.tried, j) + p)  # towards 1/2^j
+                last = min(last, (_at(s.accepted_at, j) + p * s_kind) / (_at(s.drafted_at, j) + p))
+                curve.append(last)
+            survival.append(curve)
+        return survival, seconds
 
 
 @dataclass
@@ -374,6 +434,8 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
              "per sequence (no batched form measured exact for this step)")
     costs = measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=pooled)
+    if slots > 1:  # and one sequence alone, as at low load: below ``slots`` rows v would be flat at v(slots)
+        costs = costs.joined(measure_pass_costs(decoder, 1, (1, max_t), repeats=2, pooled=pooled))
     fits = memory // (slots * slot_bytes(decoder, BUCKET) // BUCKET) // BUCKET * BUCKET  # positions within memory
     return BatchPlan(slots, costs, exact, pooled, min(KVCache.bucket(positions), fits) if positions else 0)
 
@@ -407,7 +469,7 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
                     pending.append(job)
             return bool(pending)
     active: list[_Active] = []
-    costs = DraftCosts()
+    model = DraftModel()
     t_start = time.perf_counter()
     log.info("batched decoding: %d slots; draft lengths maximise expected tokens/s given %s, each sequence's "
              "acceptance and its draft cost", plan.slots, plan.costs.describe())
@@ -415,7 +477,7 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
 
     def finish(a: _Active) -> Finished:
         free.append(a.slot)
-        costs.finished(a.run)
+        model.finished(a.run)
         tokens, st = a.run.finish()
         st.exact = st.exact and plan.exact
         st.total_s = time.perf_counter() - a.t0
@@ -444,12 +506,15 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
             continue
         runs = [a.run for a in active]
         caps = [r.draft_cap() for r in runs]
-        accept = [(sum(r.stats.accepted) + 1) / (r.stats.drafted + 2) for r in runs]
-        draft_s = costs(runs)
-        ks = choose_lengths(caps, accept, draft_s, plan.costs)
+        survival, draft_s = model(runs, caps)
+        ks = choose_lengths(caps, survival, draft_s, plan.costs)
+        for b, a in enumerate(active):  # a sequence whose drafts the rule has not chosen for long drafts once
+            a.idle = 0 if ks[b] else a.idle + 1
+            if caps[b] and a.idle >= EXPLORE * len(active):
+                ks[b], a.idle = caps[b], 0
         if debug:
-            log.debug("step %d: caps %s, acceptance %s, draft s/token %s -> k %s", stats.steps, caps,
-                      [round(x, 2) for x in accept], [round(x, 4) for x in draft_s], ks)
+            log.debug("step %d: caps %s, s(1) %s, draft s/call %s -> k %s", stats.steps, caps,
+                      [round(x[0], 2) if x else None for x in survival], [round(x, 4) for x in draft_s], ks)
         calls = [r.propose(k) for r, k in zip(runs, ks)]
         t0 = time.perf_counter()
         logits = forward_slots([a.slot for a in active], [(c.ids, c.start) for c in calls], pool)
@@ -478,3 +543,4 @@ class _Active:
     slot: Decoder
     run: Run | None
     t0: float
+    idle: int = 0  # steps since this sequence last drafted

@@ -52,6 +52,9 @@ class DecodeStats:
     new_tokens: int = 0
     steps: int = 0  # full-model passes after the prefill
     drafted: int = 0
+    draft_calls: int = 0  # steps that asked the drafter for tokens (its cost is paid per call)
+    drafted_at: list[int] = field(default_factory=list)  # [j - 1]: steps that drafted j tokens or more
+    accepted_at: list[int] = field(default_factory=list)  # [j - 1]: steps that accepted j tokens or more
     accepted: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -173,6 +176,7 @@ class Run:
         t0 = time.perf_counter()
         k = self.draft_cap() if k is None else min(k, self.draft_cap())
         draft = self.drafter.propose(self.seq, k) if k > 0 else None
+        self.stats.draft_calls += k > 0
         seq = self.seq
         ids = seq.last if draft is None else torch.cat((seq.last, draft.tokens))
         self.stats.draft_s += time.perf_counter() - t0
@@ -200,6 +204,10 @@ class Run:
         stats.steps += 1
         stats.drafted += len(verdict.drafted)
         stats.accepted.append(n)
+        for counts, upto in ((stats.drafted_at, len(verdict.drafted)), (stats.accepted_at, n)):
+            counts.extend([0] * (upto - len(counts)))
+            for j in range(upto):
+                counts[j] += 1
         if self.drafter is not None:
             self.k = self.drafter.next_len(self.k, len(verdict.drafted), n)
         before = len(self.new)
