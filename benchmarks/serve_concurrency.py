@@ -6,7 +6,8 @@
 Starts the server on 127.0.0.1 (the venv's bin on PATH), waits for /ping, sends each request (one
 prompt: a mixed eval prompt of the five domains, round-robin) once sequentially and once from 16
 threads at the same moment, and prints both wall times, their ratio and whether every answer's
-tokens are identical. The server is stopped at the end, however the script ends.
+tokens are identical (``--repeats``: that many of each, alternately; the medians and every run). The
+server is stopped at the end, however the script ends.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", default="auto", help="the server's KNNSSD_BATCH_SIZE")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--repeats", type=int, default=1, help="sequential and concurrent runs, alternately (medians)")
     a = ap.parse_args()
     rows = prompts.load_domains(prompts.default_data_dir(), prompts.DOMAINS, "eval", None)
     by: dict[str, list[str]] = {}
@@ -73,17 +76,22 @@ def main() -> None:
                     sys.exit("server exited:\n" + log.read().decode()[-3000:])
                 time.sleep(0.5)
         ask(port, texts[0], 4)  # warm up
-        t0 = time.perf_counter()
-        one = [ask(port, t, a.max_new_tokens) for t in texts]
-        seq_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(len(texts)) as pool:
-            many = list(pool.map(lambda t: ask(port, t, a.max_new_tokens), texts))
-        conc_s = time.perf_counter() - t0
+        seq, conc, identical = [], [], True
+        for _ in range(a.repeats):  # alternately, so both see the same drift of the machine
+            t0 = time.perf_counter()
+            one = [ask(port, t, a.max_new_tokens) for t in texts]
+            seq.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(texts)) as pool:
+                many = list(pool.map(lambda t: ask(port, t, a.max_new_tokens), texts))
+            conc.append(time.perf_counter() - t0)
+            identical = identical and one == many
+        seq_s, conc_s = statistics.median(seq), statistics.median(conc)
         print(json.dumps({"requests": len(texts), "max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size,
                           "sequential_s": round(seq_s, 2), "concurrent_s": round(conc_s, 2),
                           "concurrent_over_sequential": round(conc_s / seq_s, 3),
-                          "identical": one == many, "tokens": sum(map(len, one))}))
+                          "sequential_runs": [round(x, 2) for x in seq], "concurrent_runs": [round(x, 2) for x in conc],
+                          "identical": identical, "tokens": sum(map(len, one))}))
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
