@@ -327,9 +327,10 @@ ATTENTION_SIMD(attention_simd_f32, f32, vload_f32, SAME)
                              const int64_t *slots, const int64_t *pos, NAME##_t *out, int64_t rows, \
                              int64_t H, int64_t KV, int64_t D, int64_t window, float scale,         \
                              float *scratch, int64_t per, int64_t threads) {                        \
-        if (KV <= 0 || H % KV) return -1;                                                          \
+        if (KV <= 0 || H % KV || threads < 1) return -1;                                           \
         for (int64_t r = 0; r < rows; r++)                                                         \
             if (pos[r] < 0 || pos[r] >= L || slots[r] < 0 || slots[r] >= slots_n) return -1;        \
+        if (rows <= 0) return 0;                                                                   \
         args_##NAME a = {q, k, v, out, slots, pos, q_stride, slot_stride, L, head_stride, H, KV, D, window, scale}; \
         void (*item)(const args_##NAME *, int64_t, int64_t, float *) = attention_any_##NAME;       \
         FAST_##NAME                                                                                \

@@ -193,7 +193,7 @@ def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, b
              stats: BatchStats) -> Iterator[tuple[Prompt, Result]]:
     """(prompt, result) as each finishes: batched when the decoder can run slots and the batch size
     (asked, or auto) is over 1, else one prompt at a time."""
-    slots, positions = 1, params.max_prompt_tokens + params.max_new_tokens
+    slots, positions = 1, 0
     if gen.can_batch and todo and batch_size != 1:
         positions = gen.positions([r.prompt for r in todo], params)
         slots = batch_size or auto_slots(gen.decoder, positions, len(todo))
