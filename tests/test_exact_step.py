@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from knnssd.engine import exactness, native
+from knnssd.engine import attention, exactness, native
 from knnssd.engine.attention import NATIVE, SDPA, Attention
 from knnssd.engine.cache import SPAN
 from knnssd.engine.decode import GenerationConfig, generate
@@ -155,6 +155,31 @@ def test_native_attention_reads_each_rows_own_keys_alone(dtype, D):
             assert torch.equal(native.attention(q, k, v, rows, 0.25), out)
     past = torch.tensor([10, 90, 0, 96, 57])  # a row past the cache's 96 positions: refused
     assert native.attention(q, k, v, native.Rows(slots, past, None), 0.25) is None
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_causal_blocks_compute_causal_attention(dtype):
+    """The prefill's blocked form: each query reads keys 0..t, over blocks that do not divide T, with GQA;
+    a CPU bf16 prefill of more than one block takes it."""
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(1)
+    T, KV, H, D = 45, 2, 6, 16
+    q = torch.randn(T, H, D, generator=g).to(dt)
+    k, v = (torch.randn(1, KV, T, D, generator=g).to(dt) for _ in range(2))
+    kk, vv = (t[0].double().repeat_interleave(H // KV, 0) for t in (k, v))  # (H, T, D)
+    s = torch.einsum("thd,hjd->htj", q.double(), kk) * 0.25
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("htj,hjd->thd", s.softmax(-1), vv).reshape(1, T, H * D)
+    tol = 1e-5 if dt == torch.float32 else 3e-2
+    for block in (8, 16, 64):
+        got = attention.causal_blocks(q, k, v, 0.25, block)
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    T = attention.CAUSAL_BLOCK + 7
+    q = torch.randn(T, H, D, generator=g).to(dt)
+    k, v = (torch.randn(1, KV, T, D, generator=g).to(dt) for _ in range(2))
+    mask = attention.SDPA_DYNAMIC.mask(torch.arange(T), T, None)
+    got = attention.SDPA_DYNAMIC.attend(q, k, v, mask, 0.25)
+    assert torch.equal(got, attention.causal_blocks(q, k, v, 0.25)) == (dt != torch.float32)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

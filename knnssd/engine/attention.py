@@ -16,7 +16,9 @@ device, the dtype and the model's shapes (``exactness.py`` measures it at load):
     fp32          fp32 bmm, additive -inf mask, softmax, bmm over all L keys (static shapes;
                   the cache is kept in fp32 so nothing is converted per call)
     sdpa_dynamic  the pre-static step: SDPA over keys 0..pos[-1] only, no mask for T = 1
-                  (shapes change with the position; needs the position on the host)
+                  (shapes change with the position; needs the position on the host); a fresh
+                  prefill runs it causal, in blocks of matrix products on the CPU in bf16/fp16
+                  (``causal_blocks``)
     native        the C kernel of ``native.py`` (CPU, where it is built): each query row alone,
                   reading its keys 0..pos only, in fp32 with one rounding, so invariant to the
                   call's rows and to the key length by construction; a packed pass over a
@@ -195,10 +197,40 @@ def _dynamic(q, k, v, mask, scale):
         o = F.scaled_dot_product_attention(q[0].view(1, KV, H // KV, D), k, v, scale=scale)
         return o.view(1, 1, H * D)
     if isinstance(m, str):
+        if T > CAUSAL_BLOCK and q.device.type == "cpu" and q.dtype != torch.float32:
+            return causal_blocks(q, k, v, scale)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
                                            enable_gqa=H != KV)
         return o.transpose(1, 2).reshape(1, T, H * D)
     return _sdpa(q, k, v, m, scale)
+
+
+CAUSAL_BLOCK = 128  # query rows per block of ``causal_blocks``
+
+
+def causal_blocks(q, k, v, scale, block: int = CAUSAL_BLOCK):
+    """Causal attention of a fresh prefill (query t reads keys 0..t; q (T, H, D), k, v (1, KV, T, D)) as
+    matrix products over blocks of ``block`` queries: each block's G query heads per KV head folded into
+    rows, scores against the keys up to its end only, -inf above the diagonal, softmax, then P @ V.
+
+    The scores and probabilities are rounded to q's dtype, as in HF's eager attention, where SDPA keeps
+    them in fp32; on a 2-core Zen 4 (avx512_bf16, no AMX) in bf16 it took 0.8 / 2.1 / 5.5 / 23 ms per layer
+    at 250 / 500 / 900 / 2000 tokens of SmolLM2 against SDPA's 1.2 / 4.4 / 9.4 / 38 ms, and the last
+    position's logits over 24 real prompts of ~900 tokens moved from an fp32 run by a mean KL of 1.56e-4
+    against SDPA's 1.44e-4, the same top token in all 24. In fp32 it was no faster, so fp32 keeps SDPA."""
+    T, H, D = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    above = torch.full((block, block), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)[None, :, None, :]
+    qg = (q * scale).view(T, KV, G, D).transpose(0, 1).reshape(KV, T * G, D)  # rows (t, g) per KV head
+    out = torch.empty(T, KV, G, D, dtype=q.dtype, device=q.device)
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        n = b - a
+        s = torch.bmm(qg[:, a * G : b * G], k[0, :, :b].transpose(1, 2))  # (KV, n G, b)
+        s.view(KV, n, G, b)[..., a:b] += above[:, :n, :, :n]
+        out[a:b] = torch.bmm(torch.softmax(s, -1), v[0, :, :b]).view(KV, n, G, D).transpose(0, 1)
+    return out.view(1, T, H * D)
 
 
 @dataclass(frozen=True)
