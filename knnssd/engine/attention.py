@@ -17,7 +17,7 @@ device, the dtype and the model's shapes (``exactness.py`` measures it at load):
                   the cache is kept in fp32 so nothing is converted per call)
     sdpa_dynamic  the pre-static step: SDPA over keys 0..pos[-1] only, no mask for T = 1
                   (shapes change with the position; needs the position on the host); a fresh
-                  prefill runs it causal, in blocks of matrix products on the CPU in bf16/fp16
+                  prefill runs it causal, in blocks of matrix products on the CPU in bf16
                   (``causal_blocks``)
     native        the C kernel of ``native.py`` (CPU, where it is built): each query row alone,
                   reading its keys 0..pos only, in fp32 with one rounding, so invariant to the
@@ -197,7 +197,7 @@ def _dynamic(q, k, v, mask, scale):
         o = F.scaled_dot_product_attention(q[0].view(1, KV, H // KV, D), k, v, scale=scale)
         return o.view(1, 1, H * D)
     if isinstance(m, str):
-        if T > CAUSAL_BLOCK and q.device.type == "cpu" and q.dtype != torch.float32:
+        if T > CAUSAL_BLOCK and q.device.type == "cpu" and q.dtype == torch.bfloat16:
             return causal_blocks(q, k, v, scale)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
                                            enable_gqa=H != KV)
@@ -217,7 +217,7 @@ def causal_blocks(q, k, v, scale, block: int = CAUSAL_BLOCK):
     them in fp32; on a 2-core Zen 4 (avx512_bf16, no AMX) in bf16 it took 0.8 / 2.1 / 5.5 / 23 ms per layer
     at 250 / 500 / 900 / 2000 tokens of SmolLM2 against SDPA's 1.2 / 4.4 / 9.4 / 38 ms, and the last
     position's logits over 24 real prompts of ~900 tokens moved from an fp32 run by a mean KL of 1.56e-4
-    against SDPA's 1.44e-4, the same top token in all 24. In fp32 it was no faster, so fp32 keeps SDPA."""
+    against SDPA's 1.44e-4, the same top token in all 24. In fp32 it was no faster, so fp32 (and fp16, not measured) keeps SDPA."""
     T, H, D = q.shape
     KV = k.shape[1]
     G = H // KV
