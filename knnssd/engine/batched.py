@@ -46,7 +46,7 @@ import torch
 
 from knnssd.engine import exactness
 from knnssd.engine.cache import BUCKET, SPAN, KVCache
-from knnssd.engine.decode import DecodeStats, GenerationConfig, Run, prefill
+from knnssd.engine.decode import DecodeStats, GenerationConfig, Run, add_at, prefill
 from knnssd.engine.drafters import Drafter
 from knnssd.engine.sampling import Verdict
 from knnssd.engine.skip import Decoder, forward_slots
@@ -220,10 +220,8 @@ class _Drafts:
         s = run.stats
         self.seconds += s.draft_s
         self.calls += s.draft_calls
-        for mine, theirs in ((self.tried, s.drafted_at), (self.kept, s.accepted_at)):
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for j, c in enumerate(theirs):
-                mine[j] += c
+        add_at(self.tried, s.drafted_at)
+        add_at(self.kept, s.accepted_at)
 
 
 def _at(counts: list[int], j: int) -> int:

@@ -38,6 +38,14 @@ def acceptance_rate(accepted: int, drafted: int) -> float:
     return accepted / drafted if drafted else 0.0
 
 
+def add_at(counts: list[int], more: list[int]) -> None:
+    """Add ``more`` to ``counts`` position by position (``DecodeStats.drafted_at``, ``accepted_at``), longer
+    where ``more`` is."""
+    counts.extend([0] * (len(more) - len(counts)))
+    for j, c in enumerate(more):
+        counts[j] += c
+
+
 def mean_accepted(accepted: int, steps: int) -> float:
     """Tokens emitted per full-model step after the prefill: the accepted drafts plus each step's own
     token, over the steps (1.0 for plain AR, and when nothing ran)."""
@@ -204,10 +212,8 @@ class Run:
         stats.steps += 1
         stats.drafted += len(verdict.drafted)
         stats.accepted.append(n)
-        for counts, upto in ((stats.drafted_at, len(verdict.drafted)), (stats.accepted_at, n)):
-            counts.extend([0] * (upto - len(counts)))
-            for j in range(upto):
-                counts[j] += 1
+        add_at(stats.drafted_at, [1] * len(verdict.drafted))
+        add_at(stats.accepted_at, [1] * n)
         if self.drafter is not None:
             self.k = self.drafter.next_len(self.k, len(verdict.drafted), n)
         before = len(self.new)
