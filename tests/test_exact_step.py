@@ -160,7 +160,8 @@ def test_native_attention_reads_each_rows_own_keys_alone(dtype, D):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_causal_blocks_compute_causal_attention(dtype):
     """The prefill's blocked form: each query reads keys 0..t, over blocks that do not divide T, with GQA;
-    a CPU bf16 prefill of more than one block takes it."""
+    a CPU bf16 prefill of more than one block takes it, as does its rest from a block boundary, with the
+    same rows bitwise."""
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(1)
     T, KV, H, D = 45, 2, 6, 16
@@ -172,14 +173,24 @@ def test_causal_blocks_compute_causal_attention(dtype):
     want = torch.einsum("htj,hjd->thd", s.softmax(-1), vv).reshape(1, T, H * D)
     tol = 1e-5 if dt == torch.float32 else 3e-2
     for block in (8, 16, 64):
-        got = attention.causal_blocks(q, k, v, 0.25, block)
+        got = attention.causal_blocks(q, k, v, 0.25, block=block)
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+        # the rest of a prompt from a block boundary (its first blocks' K/V reused): the same rows, bitwise
+        start = block * (T // (2 * block))
+        assert torch.equal(attention.causal_blocks(q[start:], k, v, 0.25, start, block), got[:, start:])
+    with pytest.raises(ValueError, match="not a multiple"):
+        attention.causal_blocks(q[3:], k, v, 0.25, 3, 8)
     T = attention.CAUSAL_BLOCK + 7
     q = torch.randn(T, H, D, generator=g).to(dt)
     k, v = (torch.randn(1, KV, T, D, generator=g).to(dt) for _ in range(2))
     mask = attention.SDPA_DYNAMIC.mask(torch.arange(T), T, None)
     got = attention.SDPA_DYNAMIC.attend(q, k, v, mask, 0.25)
     assert torch.equal(got, attention.causal_blocks(q, k, v, 0.25)) == (dt == torch.bfloat16)
+    start = attention.CAUSAL_BLOCK  # the step's form of a prefill's rest, from a block boundary
+    rest = attention.SDPA_DYNAMIC.attend(q[start:], k, v, attention.SDPA_DYNAMIC.mask(torch.arange(start, T), T, None),
+                                         0.25)
+    assert torch.equal(rest, got[:, start:]) or dt != torch.bfloat16
+    torch.testing.assert_close(rest.double(), got[:, start:].double(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

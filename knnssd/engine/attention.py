@@ -18,7 +18,8 @@ device, the dtype and the model's shapes (``exactness.py`` measures it at load):
     sdpa_dynamic  the pre-static step: SDPA over keys 0..pos[-1] only, no mask for T = 1
                   (shapes change with the position; needs the position on the host); a fresh
                   prefill runs it causal, in blocks of matrix products on the CPU in bf16
-                  (``causal_blocks``)
+                  (``causal_blocks``), as does the rest of a prompt whose first blocks' K/V
+                  were copied from another sequence (``decode.Reused``)
     native        the C kernel of ``native.py`` (CPU, where it is built): each query row alone,
                   reading its keys 0..pos only, in fp32 with one rounding, so invariant to the
                   call's rows and to the key length by construction; a packed pass over a
@@ -41,7 +42,7 @@ differently), so a packed pass makes one call per key length (``skip._PooledAtte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -175,7 +176,13 @@ def _fp32_batch(q, k, v, mask: PositionMask, scale):
     return o.reshape(B, R, H * D).to(q.dtype)
 
 
-CAUSAL = "causal"  # a ``_dynamic`` mask: the queries are all keys 0..end-1 (a fresh prefill)
+class Causal(NamedTuple):
+    """A ``_dynamic`` mask: the queries are positions start..end-1, each reading keys 0..itself, with
+    ``start`` 0 (a fresh prefill) or a multiple of ``CAUSAL_BLOCK`` (the rest of a prompt whose first
+    positions' K/V were copied from another sequence's prefill: ``decode.Reused``)."""
+
+    start: int
+    pos: torch.Tensor
 
 
 def _dynamic_mask(pos, length, window):
@@ -183,9 +190,15 @@ def _dynamic_mask(pos, length, window):
     if T == 1:
         lo = end - window if window is not None and end > window else 0
         return slice(lo, end), None
-    if T == end and window is None:  # SDPA skips the masked blocks itself
-        return slice(0, end), CAUSAL
+    start = end - T
+    if window is None and start % CAUSAL_BLOCK == 0:
+        return slice(0, end), Causal(start, pos)
     return slice(0, end), _position_mask(pos, end, window)
+
+
+def _blocked(q: torch.Tensor, end: int) -> bool:
+    """Does a causal prefill ending at ``end`` run by blocks (``causal_blocks``)? On CPU in bf16, past one block."""
+    return end > CAUSAL_BLOCK and q.device.type == "cpu" and q.dtype == torch.bfloat16
 
 
 def _dynamic(q, k, v, mask, scale):
@@ -196,11 +209,13 @@ def _dynamic(q, k, v, mask, scale):
     if m is None:  # one query: the G query heads of each KV head become rows (no repeated K/V, no mask)
         o = F.scaled_dot_product_attention(q[0].view(1, KV, H // KV, D), k, v, scale=scale)
         return o.view(1, 1, H * D)
-    if isinstance(m, str):
-        if T > CAUSAL_BLOCK and q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            return causal_blocks(q, k, v, scale)
+    if isinstance(m, Causal):
+        if _blocked(q, m.start + T):
+            return causal_blocks(q, k, v, scale, m.start)
+        if m.start:
+            return _sdpa(q, k, v, _position_mask(m.pos, m.start + T, None), scale)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale,
-                                           enable_gqa=H != KV)
+                                           enable_gqa=H != KV)  # SDPA skips the masked blocks itself
         return o.transpose(1, 2).reshape(1, T, H * D)
     return _sdpa(q, k, v, m, scale)
 
@@ -208,17 +223,21 @@ def _dynamic(q, k, v, mask, scale):
 CAUSAL_BLOCK = 128  # query rows per block of ``causal_blocks``
 
 
-def causal_blocks(q, k, v, scale, block: int = CAUSAL_BLOCK):
-    """Causal attention of a fresh prefill (query t reads keys 0..t; q (T, H, D), k, v (1, KV, T, D)) as
-    matrix products over blocks of ``block`` queries: each block's G query heads per KV head folded into
-    rows, scores against the keys up to its end only, -inf above the diagonal, softmax, then P @ V.
+def causal_blocks(q, k, v, scale, start: int = 0, block: int = CAUSAL_BLOCK):
+    """Causal attention of a prefill (query t reads keys 0..t; q (T, H, D) at positions start..start+T-1,
+    k, v (1, KV, start+T, D)) as matrix products over blocks of ``block`` queries: each block's G query heads
+    per KV head folded into rows, scores against the keys up to its end only, -inf above the diagonal,
+    softmax, then P @ V. The blocks lie at multiples of ``block`` from position 0 (``start`` is one), so a
+    block's rows come out of the same products whether the prefill started at 0 or at ``start``.
 
     The scores and probabilities are rounded to q's dtype, as in HF's eager attention, where SDPA keeps
     them in fp32; on a 2-core Zen 4 (avx512_bf16, no AMX) in bf16 it took 0.8 / 2.1 / 5.5 / 23 ms per layer
     at 250 / 500 / 900 / 2000 tokens of SmolLM2 against SDPA's 1.2 / 4.4 / 9.4 / 38 ms, and the last
     position's logits over 24 real prompts of ~900 tokens moved from an fp32 run by a mean KL of 1.56e-4
-    against SDPA's 1.44e-4, the same top token in all 24. In fp32 it was no faster, so fp32 keeps SDPA (as
-    does fp16, not measured)."""
+    against SDPA's 1.44e-4, the same top token in all 24. In fp32 it was slower (13 against 9 ms per layer
+    at 900 tokens), so fp32 keeps SDPA (as does fp16, not measured)."""
+    if start % block:
+        raise ValueError(f"causal_blocks: start {start} is not a multiple of the block ({block})")
     T, H, D = q.shape
     KV = k.shape[1]
     G = H // KV
@@ -227,10 +246,10 @@ def causal_blocks(q, k, v, scale, block: int = CAUSAL_BLOCK):
     out = torch.empty(T, KV, G, D, dtype=q.dtype, device=q.device)
     for a in range(0, T, block):
         b = min(T, a + block)
-        n = b - a
-        s = torch.bmm(qg[:, a * G : b * G], k[0, :, :b].transpose(1, 2))  # (KV, n G, b)
-        s.view(KV, n, G, b)[..., a:b] += above[:, :n, :, :n]
-        out[a:b] = torch.bmm(torch.softmax(s, -1), v[0, :, :b]).view(KV, n, G, D).transpose(0, 1)
+        n, end = b - a, start + b
+        s = torch.bmm(qg[:, a * G : b * G], k[0, :, :end].transpose(1, 2))  # (KV, n G, end)
+        s.view(KV, n, G, end)[..., start + a : end] += above[:, :n, :, :n]
+        out[a:b] = torch.bmm(torch.softmax(s, -1), v[0, :, :end]).view(KV, n, G, D).transpose(0, 1)
     return out.view(1, T, H * D)
 
 
