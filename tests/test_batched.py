@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from knnssd.engine import batched
+from knnssd.engine.attention import CAUSAL_BLOCK
 from knnssd.engine.batched import BatchPlan, BatchStats, PassCosts, PromptJob, choose_lengths, decode_batch
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
@@ -66,15 +67,40 @@ def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
     assert sum(stats.drafted) > 0  # with flat-ish tiny-model costs, drafts pay
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prompts_reuse_the_leading_blocks_of_others_in_the_batch(arch):
+    """Few-shot prompts (one example of two blocks, then their own text) and a lone one: in bf16, where the
+    probe measures reuse exact, those that start while another is in the batch copy its blocks' K/V, and
+    every prompt's tokens still equal its own plain decoding; in fp32 (SDPA's causal prefill rounds rows
+    by the prompt's length) the probe says no and nothing is reused."""
+    example = prompt_ids(arch, 0, length=2 * CAUSAL_BLOCK + 30)
+    prompts = [example + prompt_ids(arch, i, length=20 + 9 * i) for i in range(1, 6)] + [prompt_ids(arch, 9, 300)]
+    for dtype in ("bfloat16", "float32"):
+        dec = decoder(arch, dtype)
+        plan = batched.plan(dec, slots=3)
+        assert plan.shares == (dtype == "bfloat16" and dec.exactness.exact)
+        cfgs = drafters(dec.n_layers)
+        jobs = [PromptJob(ids, build(cfgs[i % 4], dec.n_layers) if cfgs[i % 4] else None,
+                          GenerationConfig(max_new_tokens=6 + 3 * i)) for i, ids in enumerate(prompts)]
+        stats = BatchStats(plan.slots)
+        done = list(decode_batch(dec, jobs, plan, stats))
+        assert len(done) == len(jobs)
+        for f in done:
+            assert f.tokens == generate(dec, f.job.prompt_ids, None, f.job.config)[0], (arch, dtype)
+        # the first three start together (the 2nd and 3rd reuse the 1st's two blocks); each later one while
+        # an earlier one still runs
+        assert stats.reused == (2 * CAUSAL_BLOCK * 4 if plan.shares else 0), (dtype, stats.reused)
+
+
 def test_at_most_one_prefill_per_step_while_others_run():
     dec = decoder("llama", "float32")
     plan = BatchPlan(3, FLAT, True)
     starts = []
 
     class Counting(PromptJob):
-        def start(self, slot):
+        def start(self, slot, prefill):
             starts.append(len(stats.rows))  # the step count when this job's prefill ran
-            return super().start(slot)
+            return super().start(slot, prefill)
 
     stats = BatchStats(3)
     jobs = [Counting(prompt_ids("llama", i), None, GenerationConfig(max_new_tokens=2 + i % 4)) for i in range(9)]

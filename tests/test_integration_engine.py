@@ -1,4 +1,4 @@
-"""The engine on the real embedded model (SmolLM2-135M, fp32) and the CLI."""
+"""The engine on the real embedded model (SmolLM2-135M, fp32, and bf16 for prompts reusing others' blocks) and the CLI."""
 import json
 import subprocess
 import sys
@@ -70,6 +70,31 @@ def test_smollm2_batched_equals_each_prompts_own_plain_decoding(smollm2, data_di
     for row, job in zip(rows, jobs):
         assert done[id(job)].tokens == generate(dec, job.prompt_ids, None, job.config)[0], row.id
     assert sum(stats.drafted) > 0
+
+
+def test_smollm2_bf16_few_shot_prompts_reuse_their_example_in_a_batch(data_dir):
+    """Summarization eval prompts all start with the same example article (354 tokens): in bf16, where the
+    probe measures reuse exact, each one that starts while another is in the batch copies the example's two
+    leading blocks from it, and every prompt's tokens still equal its own plain decoding."""
+    from knnssd import models
+    from knnssd.engine import batched
+    from knnssd.engine.attention import CAUSAL_BLOCK
+    from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
+
+    lm = models.load("smollm2", dtype="bfloat16")
+    dec = lm.decoder
+    plan = batched.plan(dec, 3)
+    if not plan.shares:
+        pytest.skip("reusing a prompt's leading blocks is not measured exact in bf16 here")
+    rows = prompts.load_domains(data_dir, ("summarization", "reasoning"), "eval", 3)
+    ids = [lm.tokenizer(r.prompt).input_ids for r in rows]
+    jobs = [PromptJob(x, build(DrafterConfig(kind="ngram", max_len=8), dec.n_layers) if i % 2 else None,
+                      GenerationConfig(max_new_tokens=6 + 4 * i, eos_ids=(2,))) for i, x in enumerate(ids)]
+    stats = BatchStats(3)
+    done = {id(f.job): f for f in decode_batch(dec, jobs, plan, stats)}
+    for row, job in zip(rows, jobs):
+        assert done[id(job)].tokens == generate(dec, job.prompt_ids, None, job.config)[0], row.id
+    assert stats.reused == 2 * 2 * CAUSAL_BLOCK  # the 2nd and 3rd summarization prompts
 
 
 def _waiting_on_locks() -> set[int]:

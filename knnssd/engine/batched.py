@@ -15,8 +15,10 @@ sequence its own pass's rows, bitwise; where not, attention runs per sequence, a
 
 A finished sequence's slot takes the next job at once (its prefill runs on the slot; while other
 sequences are active, at most one prefill per step, so none of them waits longer than one
-prefill). Where the linears are row-invariant up to the packed row count (``rows_exact``), every
-sequence's tokens equal its own plain decoding's, as in the one-sequence loop.
+prefill). A prompt whose leading blocks equal those of a prompt still in the batch copies their K/V
+instead of computing them (``Prefixes``, where ``prefix_exact`` measures that exact). Where the linears
+are row-invariant up to the packed row count (``rows_exact``), every sequence's tokens equal its own
+plain decoding's, as in the one-sequence loop.
 
 Terms:
     s_b(j)     sequence b's chance that the first j tokens of a draft are all accepted, given that it
@@ -45,8 +47,9 @@ from typing import Protocol
 import torch
 
 from knnssd.engine import exactness
+from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
 from knnssd.engine.cache import BUCKET, SPAN, KVCache
-from knnssd.engine.decode import DecodeStats, GenerationConfig, Run, add_at, prefill
+from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Reused, Run, add_at, prefill
 from knnssd.engine.drafters import Drafter
 from knnssd.engine.sampling import Verdict
 from knnssd.engine.skip import Decoder, forward_slots
@@ -60,9 +63,10 @@ EXPLORE = 16  # a sequence the rule has not let draft for EXPLORE steps per acti
 
 
 class Job(Protocol):
-    """Something to generate: ``start`` prefills it on a free slot and returns its ``Run``."""
+    """Something to generate: ``start`` prefills it on a free slot with ``prefill`` (``decode.prefill``'s
+    signature) and returns its ``Run``."""
 
-    def start(self, slot: Decoder) -> Run: ...
+    def start(self, slot: Decoder, prefill: Prefill) -> Run: ...
 
 
 @dataclass
@@ -73,7 +77,7 @@ class PromptJob:
     drafter: Drafter | None = None
     config: GenerationConfig = GenerationConfig()
 
-    def start(self, slot: Decoder) -> Run:
+    def start(self, slot: Decoder, prefill: Prefill = prefill) -> Run:
         seq, logits, _ = prefill(slot, self.prompt_ids, self.config)
         return Run(seq, logits, self.drafter, self.config)
 
@@ -111,6 +115,82 @@ class JobQueue:
     def closed(self) -> bool:
         with self._ready:
             return self._closed and not self._items
+
+
+class Prefixes:
+    """The prompts of the sequences in a batch, for the next prompts' prefills to reuse (vLLM's prefix
+    caching, within a batch). ``prefill`` (``decode.prefill``'s signature) finds the sequence in the batch
+    whose prompt shares the most leading tokens with the new one, and copies the K/V and states of
+    those positions from its slot (``decode.Reused``) instead of computing them, in whole blocks of
+    ``CAUSAL_BLOCK`` positions (the rest runs the blocks its own prefill would), leaving more than
+    ``PREFILL_ROWS`` to compute (a shorter call would take the one-token step's attention). Few-shot
+    prompts share their examples: in the 64 mixed eval prompts of ``bench-throughput``, each
+    summarization prompt starts with the same 354-token example article.
+
+    Only sequences still in the batch lend (a finished one is ``drop``-ped as its slot is freed; its
+    buffers are another job's next), so what a prompt reuses is in its batch."""
+
+    def __init__(self):
+        self._held: dict[int, _Prompt] = {}  # by id(slot)
+        self.reused = 0  # prompt positions copied instead of computed
+
+    def prefill(self, slot: Decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None):
+        reuse = self._find(prompt_ids, tap)
+        seq, logits, states = prefill(slot, prompt_ids, config, tap, reuse)
+        self._held[id(slot)] = _Prompt(slot, list(prompt_ids), states, tap)
+        self.reused += reuse.n if reuse is not None else 0
+        return seq, logits, states
+
+    def drop(self, slot: Decoder) -> None:
+        self._held.pop(id(slot), None)
+
+    def _find(self, ids: list[int], tap: int | None) -> Reused | None:
+        B = CAUSAL_BLOCK
+        limit = (len(ids) - PREFILL_ROWS - 1) // B * B
+        best, lender = 0, None
+        for p in self._held.values():
+            n = 0
+            while n < limit and p.tap == tap and p.ids[n : n + B] == ids[n : n + B]:
+                n += B
+            if n > best:
+                best, lender = n, p
+        if lender is None:
+            return None
+        cache = lender.slot.cache
+        return Reused(best, list(cache.k), list(cache.v), lender.states[:best], tap)
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """A sequence's prompt as its slot holds it: the K/V of its positions, and the states its prefill returned."""
+
+    slot: Decoder
+    ids: list[int]
+    states: torch.Tensor
+    tap: int | None
+
+
+@torch.inference_mode()
+def prefix_exact(decoder: Decoder, pooled: bool) -> bool:
+    """Does a prompt that reuses another's leading blocks (``Prefixes``) get the K/V, states and logits its
+    own prefill gives? Checked on the real model, bitwise: a random prompt of two blocks and 40 tokens on one
+    slot, then a prompt with the same two blocks and 50 other tokens on a second slot, reusing them, against
+    the second prompt alone on a third (``pooled``: the slots of one ``SlotPool``)."""
+    slots = decoder.pooled_slots(3)[0] if pooled else [decoder.slot() for _ in range(3)]
+    vocab = decoder.stack.embed.shape[0]
+    g = torch.Generator().manual_seed(11)
+    n = 2 * CAUSAL_BLOCK
+    first = torch.randint(0, vocab, (n + 40,), generator=g).tolist()
+    second = first[:n] + torch.randint(0, vocab, (50,), generator=g).tolist()
+    cfg = GenerationConfig(max_new_tokens=1)
+    store = Prefixes()
+    store.prefill(slots[0], first, cfg)
+    _, logits, states = store.prefill(slots[1], second, cfg)
+    _, own_logits, own_states = prefill(slots[2], second, cfg)
+    T = len(second)
+    kv = lambda c: [t[:, :, :T] for t in c.k + c.v]  # noqa: E731
+    return (store.reused == n and torch.equal(logits, own_logits) and torch.equal(states, own_states)
+            and all(torch.equal(a, b) for a, b in zip(kv(slots[1].cache), kv(slots[2].cache))))
 
 
 @dataclass
@@ -289,6 +369,7 @@ class BatchStats:
     pass_s: list[float] = field(default_factory=list)
     prefills: int = 0
     prefill_s: float = 0.0
+    reused: int = 0  # prompt positions whose K/V were copied from another prompt in the batch (``Prefixes``)
     total_s: float = 0.0
     exact: bool = False  # packed passes measured row-invariant up to the most rows a step may have
 
@@ -310,7 +391,7 @@ class BatchStats:
         return {"slots": self.slots, "steps": self.steps, "prefills": self.prefills, "tokens": self.tokens,
                 "tokens_per_s": self.tokens_per_s, "rows_per_step": sum(self.rows) / n,
                 "draft_per_step": sum(self.drafted) / n, "active_per_step": sum(self.active) / n,
-                "exact": self.exact}
+                "prefill_s": self.prefill_s, "reused": self.reused, "exact": self.exact}
 
 
 def rows_exact(decoder: Decoder, max_rows: int) -> bool:
@@ -401,13 +482,16 @@ class BatchPlan:
     """What a batched run of a decoder needs measured once: its slots, v(R), whether packed passes of
     up to ``slots * max_t`` rows are row-invariant (then outputs are exact), whether attention
     runs batched over the slots (``pooled``: measured exact, ``pooled_exact``) or per sequence, and
-    the positions each pooled slot is allocated at the start (``positions``; 0: as jobs reserve them)."""
+    the positions each pooled slot is allocated at the start (``positions``; 0: as jobs reserve them),
+    and whether prompts reuse the leading blocks of others in the batch (``shares``: measured exact,
+    ``prefix_exact``)."""
 
     slots: int
     costs: PassCosts
     exact: bool
     pooled: bool = False
     positions: int = 0
+    shares: bool = False
 
 
 def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT_MEMORY) -> BatchPlan:
@@ -434,11 +518,14 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     pooled = exact and pooled_exact(decoder, slots)
     log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
              "per sequence (no batched form measured exact for this step)")
+    shares = slots > 1 and prefix_exact(decoder, pooled)
+    log.info("prompts reuse the leading blocks of others in the batch: %s", "yes" if shares else
+             "no (not measured exact for this prefill)")
     costs = measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=pooled)
     if slots > 1:  # and one sequence alone, as at low load: below ``slots`` rows v would be flat at v(slots)
         costs = costs.joined(measure_pass_costs(decoder, 1, (1, max_t), repeats=2, pooled=pooled))
     fits = memory // (slots * slot_bytes(decoder, BUCKET) // BUCKET) // BUCKET * BUCKET  # positions within memory
-    return BatchPlan(slots, costs, exact, pooled, min(KVCache.bucket(positions), fits) if positions else 0)
+    return BatchPlan(slots, costs, exact, pooled, min(KVCache.bucket(positions), fits) if positions else 0, shares)
 
 
 def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPlan,
@@ -470,6 +557,7 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
                     pending.append(job)
             return bool(pending)
     active: list[_Active] = []
+    prefixes = Prefixes()
     model = DraftModel()
     t_start = time.perf_counter()
     log.info("batched decoding: %d slots; draft lengths maximise expected tokens/s given %s, each sequence's "
@@ -477,6 +565,7 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
     debug = log.isEnabledFor(logging.DEBUG)
 
     def finish(a: _Active) -> Finished:
+        prefixes.drop(a.slot)
         free.append(a.slot)
         model.finished(a.run)
         tokens, st = a.run.finish()
@@ -491,10 +580,11 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
                 return
             t0 = time.perf_counter()
             a = _Active(job, free.pop(), None, t0)
-            a.run = job.start(a.slot)
+            a.run = job.start(a.slot, prefixes.prefill if plan.shares else prefill)
             a.run.stats.prefill_s = time.perf_counter() - t0
             stats.prefills += 1
             stats.prefill_s += a.run.stats.prefill_s
+            stats.reused = prefixes.reused
             if a.run.done:
                 yield finish(a)
             else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -116,10 +117,33 @@ class _Stopper:
         return ""
 
 
-def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None
-            ) -> tuple[Sequence, torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Reused:
+    """The first ``n`` positions of a prompt, already prefilled on another slot with the same tokens: its
+    K/V buffers (``KVCache.k``, ``v``, taken before this prefill's reservation, which may regrow them) and
+    the states its prefill returned for them (``prefill``'s third value, with the same ``tap``). ``n`` is
+    a multiple of ``attention.CAUSAL_BLOCK``, so the rest of the prompt runs the blocks its own prefill
+    from 0 would (``batched.Prefixes``; ``batched.prefix_exact`` checks the result is the same)."""
+
+    n: int
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    states: torch.Tensor  # (n, E)
+    tap: int | None
+
+
+class Prefill(Protocol):
+    """``prefill``'s signature (``batched.Prefixes.prefill`` has it too)."""
+
+    def __call__(self, decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None
+                 ) -> tuple[Sequence, torch.Tensor, torch.Tensor]: ...
+
+
+def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None,
+            reuse: Reused | None = None) -> tuple[Sequence, torch.Tensor, torch.Tensor]:
     """Run the prompt; returns the sequence, the last position's logits (V,) and the prompt's hidden
-    states (T, E): final-normed, or the residual stream after layer ``tap`` when given."""
+    states (T, E): final-normed, or the residual stream after layer ``tap`` when given. ``reuse``: copy
+    its first positions' K/V and states instead of computing them."""
     if not prompt_ids:
         raise ValueError("empty prompt: at least one token is needed")
     device = decoder.device
@@ -128,10 +152,20 @@ def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int |
         gen = torch.Generator(device=device)
         gen.manual_seed(config.seed if config.seed is not None else torch.seed())
     decoder.reserve(len(prompt_ids) + config.max_new_tokens)  # positions: the same for every drafter
-    ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-    out = decoder.forward(ids, 0, last=True, tap=tap)
+    n = 0
+    if reuse is not None:
+        if reuse.tap != tap or not 0 < reuse.n < len(prompt_ids):
+            raise ValueError(f"cannot reuse {reuse.n} positions (tap {reuse.tap}) for a prompt of "
+                             f"{len(prompt_ids)} (tap {tap})")
+        n = reuse.n
+        decoder.cache.copy_from(reuse.k, reuse.v, n)
+    ids = torch.tensor(prompt_ids[n:], dtype=torch.long, device=device)
+    out = decoder.forward(ids, n, last=True, tap=tap)
+    states = out.hidden if out.tapped is None else out.tapped
+    if reuse is not None:
+        states = torch.cat([reuse.states, states])
     seq = Sequence(list(prompt_ids), len(prompt_ids), decoder, config.warp, gen, device)
-    return seq, out.logits[0], out.hidden if out.tapped is None else out.tapped
+    return seq, out.logits[0], states
 
 
 @dataclass

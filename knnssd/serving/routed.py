@@ -17,7 +17,7 @@ import numpy as np
 from knnssd import models
 from knnssd.engine import batched
 from knnssd.engine.batched import BatchPlan, BatchStats, decode_batch
-from knnssd.engine.decode import DecodeStats, GenerationConfig, Run, prefill
+from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Run, prefill
 from knnssd.engine.drafters import build
 from knnssd.engine.params import GenerateParams, prompt_ids
 from knnssd.engine.skip import Decoder
@@ -131,9 +131,9 @@ class RoutedGenerator:
         self._int8_weights()  # again, where the plan gave the decoder other forms of its linears
         return plan
 
-    def prefill_route(self, ids: list[int], cfg: GenerationConfig, decoder=None):
-        """Prefill the prompt on ``decoder`` (default: the generator's own) and route its vector:
-        (sequence, last logits, vector, route, time the prefill ended). The caller holds the decoder."""
+    def prefill_route(self, ids: list[int], cfg: GenerationConfig, decoder=None, prefill: Prefill = prefill):
+        """Prefill the prompt on ``decoder`` (default: the generator's own) with ``prefill`` and route its
+        vector: (sequence, last logits, vector, route, time the prefill ended). The caller holds the decoder."""
         pool = self.bank.pooling
         seq, logits, hidden = prefill(decoder or self.decoder, ids, cfg, tap=None if pool.layer < 0 else pool.layer)
         t1 = time.perf_counter()
@@ -154,13 +154,14 @@ class RoutedJob:
     vector: np.ndarray | None = None
     route_s: float = 0.0
 
-    def start(self, slot, drafter=None) -> Run:
-        """Prefill on ``slot``, route, and return the sequence's ``Run`` with its cluster's drafter
+    def start(self, slot, prefill: Prefill = prefill, drafter=None) -> Run:
+        """Prefill on ``slot`` (with ``prefill``: a batch's ``Prefixes.prefill`` reuses its other prompts'
+        leading blocks), route, and return the sequence's ``Run`` with its cluster's drafter
         (``drafter(cluster_id)``; default a new one, for a sequence of a batch)."""
         g, p = self.gen, self.params
         cfg = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=g.eos)
         t0 = time.perf_counter()
-        seq, logits, self.vector, self.route, t1 = g.prefill_route(self.ids, cfg, slot)
+        seq, logits, self.vector, self.route, t1 = g.prefill_route(self.ids, cfg, slot, prefill)
         cluster = g.bank.cluster(self.route.cluster)
         self.route_s = time.perf_counter() - t1
         d = drafter(cluster.id) if drafter is not None else build(cluster.drafter, g.decoder.n_layers,
