@@ -11,7 +11,9 @@ one decoder, one dtype and thread count:
 
 Terms: *throughput* = all generated tokens / the setting's wall-clock seconds (prefills included);
 *latency* = one request's seconds from its prefill to its last token (p50, p95 over the prompts;
-waiting for a free slot is not counted); *same* = the fraction of prompts whose tokens equal
+waiting for a free slot is not counted); *prefill s* = the seconds its prefills took, one after another or between the steps;
+*reused* = prompt positions whose K/V a batched run copied from another prompt in the batch
+(``batched.Prefixes``) instead of computing them; *same* = the fraction of prompts whose tokens equal
 ``routed b=1``'s (greedy output is exact, so 1.0 wherever the packed passes are exact).
 The settings run in turn, in the order listed; ``--repeats`` runs the whole list again and keeps
 each setting's best throughput.
@@ -69,7 +71,8 @@ def _row(name: str, slots: int, results: list[tuple[list[int], float]], wall: fl
            "same_as_b1": (sum(t == r for (t, _), r in zip(results, ref)) / len(ref)) if ref else 1.0}
     if stats is not None:
         s = stats.summary()
-        row.update(rows_per_step=s["rows_per_step"], draft_per_step=s["draft_per_step"], exact=s["exact"])
+        row.update(rows_per_step=s["rows_per_step"], draft_per_step=s["draft_per_step"], exact=s["exact"],
+                   prefill_s=s["prefill_s"], reused=s["reused"])
     return row
 
 
@@ -100,7 +103,8 @@ def run(cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> di
         t0 = time.perf_counter()
         one = [gen.generate(r.prompt, params) for r in rows]
         ref = [r.tokens for r in one]
-        keep(_row("routed b=1", 1, [(r.tokens, r.stats.total_s) for r in one], time.perf_counter() - t0, None, None))
+        keep({**_row("routed b=1", 1, [(r.tokens, r.stats.total_s) for r in one], time.perf_counter() - t0, None, None),
+              "prefill_s": sum(r.stats.prefill_s for r in one)})
         cfg_g = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_ids=gen.eos)
         for n in cfg.sizes:
             stats = BatchStats(n)
@@ -131,11 +135,11 @@ def run(cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> di
 def markdown(rep: dict) -> str:
     lines = [f"{rep['model']} {rep['dtype']}, {rep['prompts']} mixed eval prompts x {rep['max_new_tokens']} tokens; "
              f"auto picked {rep['auto_batch_size']} slots", "",
-             "| setting | tok/s | vs routed b=1 | p50 s | p95 s | rows/step | draft/step | same as b=1 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| setting | tok/s | vs routed b=1 | p50 s | p95 s | rows/step | draft/step | prefill s | reused | same as b=1 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["table"]:
         lines.append(f"| {r['setting']} | {r['tokens_per_s']:.1f} | {r['vs_routed_b1']:.2f}x | {r['latency_p50_s']:.2f} | "
                      f"{r['latency_p95_s']:.2f} | {r.get('rows_per_step', 1.0):.1f} | {r.get('draft_per_step', 0.0):.1f} | "
-                     f"{r['same_as_b1']:.2f} |")
+                     f"{r.get('prefill_s', 0.0):.1f} | {r.get('reused', 0)} | {r['same_as_b1']:.2f} |")
     lines.append(f"\nauto / best fixed batch size: {rep['auto_vs_best_fixed']:.2f}")
     return "\n".join(lines)

@@ -55,6 +55,7 @@ class Summary:
     wall_s: float = 0.0  # this run's generation, wall clock
     throughput: float = 0.0  # tokens generated in this run / wall_s (``tokens_per_s`` is per sequence)
     rows_per_step: float = 0.0  # packed rows per full-model pass
+    reused_prompt_tokens: int = 0  # prompt positions whose K/V were copied from another prompt in the batch
 
     def metrics(self) -> dict:
         return {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -282,4 +283,5 @@ def summarize(rows: list[dict], generated: int, output: Path, unmatched_log: str
         mean_accepted=mean_accepted(accepted, steps), route_ms=1e3 * route / max(1, n),
         route_overhead_pct=100 * route / secs if secs else 0.0, output=str(output), unmatched_log=unmatched_log,
         batch_size=stats.slots if stats else 1, wall_s=stats.total_s if stats else 0.0,
-        throughput=stats.tokens_per_s if stats else 0.0, rows_per_step=stats.summary()["rows_per_step"] if stats else 0.0)
+        throughput=stats.tokens_per_s if stats else 0.0, rows_per_step=stats.summary()["rows_per_step"] if stats else 0.0,
+        reused_prompt_tokens=stats.reused if stats else 0)
