@@ -180,7 +180,7 @@ def test_causal_blocks_compute_causal_attention(dtype):
         assert torch.equal(attention.causal_blocks(q[start:], k, v, 0.25, start, block), got[:, start:])
     with pytest.raises(ValueError, match="not a multiple"):
         attention.causal_blocks(q[3:], k, v, 0.25, 3, 8)
-    T = attention.CAUSAL_BLOCK + 7
+    T = attention.CAUSAL_BLOCK + attention.PREFILL_ROWS + 7
     q = torch.randn(T, H, D, generator=g).to(dt)
     k, v = (torch.randn(1, KV, T, D, generator=g).to(dt) for _ in range(2))
     mask = attention.SDPA_DYNAMIC.mask(torch.arange(T), T, None)
@@ -191,6 +191,9 @@ def test_causal_blocks_compute_causal_attention(dtype):
                                          0.25)
     assert torch.equal(rest, got[:, start:]) or dt != torch.bfloat16
     torch.testing.assert_close(rest.double(), got[:, start:].double(), rtol=tol, atol=tol)
+    # a verify pass at a block boundary (PREFILL_ROWS rows or fewer) keeps the step's position mask
+    short = attention.SDPA_DYNAMIC.mask(torch.arange(start, start + 4), start + 4, None)
+    assert not isinstance(short[1], attention.Causal)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

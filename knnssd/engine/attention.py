@@ -178,8 +178,10 @@ def _fp32_batch(q, k, v, mask: PositionMask, scale):
 
 class Causal(NamedTuple):
     """A ``_dynamic`` mask: the queries are positions start..end-1, each reading keys 0..itself, with
-    ``start`` 0 (a fresh prefill) or a multiple of ``CAUSAL_BLOCK`` (the rest of a prompt whose first
-    positions' K/V were copied from another sequence's prefill: ``decode.Reused``)."""
+    ``start`` 0 (a fresh prefill) or, for more than ``PREFILL_ROWS`` queries, a multiple of
+    ``CAUSAL_BLOCK`` (the rest of a prompt whose first positions' K/V were copied from another
+    sequence's prefill: ``decode.Reused``; a shorter call there is a verify pass, which must read
+    its keys as the one-token steps do)."""
 
     start: int
     pos: torch.Tensor
@@ -191,7 +193,7 @@ def _dynamic_mask(pos, length, window):
         lo = end - window if window is not None and end > window else 0
         return slice(lo, end), None
     start = end - T
-    if window is None and start % CAUSAL_BLOCK == 0:
+    if window is None and (start == 0 or (T > PREFILL_ROWS and start % CAUSAL_BLOCK == 0)):  # not a verify pass
         return slice(0, end), Causal(start, pos)
     return slice(0, end), _position_mask(pos, end, window)
 
