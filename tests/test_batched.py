@@ -9,7 +9,7 @@ import torch
 from knnssd.engine import batched
 from knnssd.engine.attention import CAUSAL_BLOCK
 from knnssd.engine.batched import BatchPlan, BatchStats, PassCosts, PromptJob, choose_lengths, decode_batch
-from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.decode import GenerationConfig, Reused, generate, prefill, reusable
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.sampling import Warp
 from knnssd.engine.skip import Decoder, SkipMask, make_decoder
@@ -69,16 +69,17 @@ def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_prompts_reuse_the_leading_blocks_of_others_in_the_batch(arch):
-    """Few-shot prompts (one example of two blocks, then their own text) and a lone one: in bf16, where the
-    probe measures reuse exact, those that start while another is in the batch copy its blocks' K/V, and
-    every prompt's tokens still equal its own plain decoding; in fp32 (SDPA's causal prefill rounds rows
-    by the prompt's length) the probe says no and nothing is reused."""
+    """Few-shot prompts (one example of two blocks, then their own text) and a lone one: where the probe
+    measures reuse exact (on the CPU, bf16: blocked prefill attention; not fp32, whose SDPA causal prefill
+    rounds rows by the prompt's length), those that start while another is in the batch copy its blocks'
+    K/V; every prompt's tokens equal its own plain decoding either way."""
     example = prompt_ids(arch, 0, length=2 * CAUSAL_BLOCK + 30)
     prompts = [example + prompt_ids(arch, i, length=20 + 9 * i) for i in range(1, 6)] + [prompt_ids(arch, 9, 300)]
+    shared = []
     for dtype in ("bfloat16", "float32"):
         dec = decoder(arch, dtype)
         plan = batched.plan(dec, slots=3)
-        assert plan.shares == (dtype == "bfloat16" and dec.exactness.exact)
+        assert plan.shares == batched.prefix_exact(dec, plan.pooled)
         cfgs = drafters(dec.n_layers)
         jobs = [PromptJob(ids, build(cfgs[i % 4], dec.n_layers) if cfgs[i % 4] else None,
                           GenerationConfig(max_new_tokens=6 + 3 * i)) for i, ids in enumerate(prompts)]
@@ -90,6 +91,27 @@ def test_prompts_reuse_the_leading_blocks_of_others_in_the_batch(arch):
         # the first three start together (the 2nd and 3rd reuse the 1st's two blocks); each later one while
         # an earlier one still runs
         assert stats.reused == (2 * CAUSAL_BLOCK * 4 if plan.shares else 0), (dtype, stats.reused)
+        shared += [dtype] * plan.shares
+    if not shared:
+        pytest.skip("reuse is measured exact in no dtype here")
+
+
+def test_reuse_takes_whole_blocks_and_leaves_a_prefill_to_compute():
+    dec = decoder("llama", "bfloat16")
+    B = CAUSAL_BLOCK
+    assert [reusable(c, n) for c, n in ((300, 300), (2 * B, 2 * B + 17), (2 * B, 2 * B + 16), (B - 1, 400))] == \
+        [2 * B, 2 * B, B, 0]
+    store = batched.Prefixes()
+    cfg = GenerationConfig(max_new_tokens=1)
+    store.prefill(dec.slot(), prompt_ids("llama", 0, length=B + 40), cfg)
+    short = prompt_ids("llama", 0, length=B + 40)[:B] + [5] * 10  # the lender's block, then too few rows of its own
+    store.prefill(dec.slot(), short, cfg)
+    assert store.reused == 0
+    slot = dec.slot()
+    other = batched.Prefixes()
+    other.prefill(slot, short, cfg)
+    with pytest.raises(ValueError, match="cannot reuse"):  # a reuse that would leave a verify-sized rest
+        prefill(dec.slot(), short, cfg, None, Reused(B, slot.cache, torch.zeros(B, 1), None))
 
 
 def test_at_most_one_prefill_per_step_while_others_run():

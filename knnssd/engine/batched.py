@@ -49,9 +49,10 @@ import torch
 from knnssd.engine import exactness
 from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
 from knnssd.engine.cache import BUCKET, SPAN, KVCache
-from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Reused, Run, add_at, prefill
+from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Reused, Run, add_at, prefill, reusable
 from knnssd.engine.drafters import Drafter
 from knnssd.engine.sampling import Verdict
+from knnssd.engine.sequence import Sequence
 from knnssd.engine.skip import Decoder, forward_slots
 from knnssd.engine.timing import median_ms
 
@@ -121,11 +122,10 @@ class Prefixes:
     """The prompts of the sequences in a batch, for the next prompts' prefills to reuse (vLLM's prefix
     caching, within a batch). ``prefill`` (``decode.prefill``'s signature) finds the sequence in the batch
     whose prompt shares the most leading tokens with the new one, and copies the K/V and states of
-    those positions from its slot (``decode.Reused``) instead of computing them, in whole blocks of
-    ``CAUSAL_BLOCK`` positions (the rest runs the blocks its own prefill would), leaving more than
-    ``PREFILL_ROWS`` to compute (a shorter call would take the one-token step's attention). Few-shot
-    prompts share their examples: in the 64 mixed eval prompts of ``bench-throughput``, each
-    summarization prompt starts with the same 354-token example article.
+    those positions from its slot (``decode.Reused``) instead of computing them, as far as
+    ``decode.reusable`` allows (whole blocks of ``CAUSAL_BLOCK`` positions; the rest runs the blocks its
+    own prefill would). Few-shot prompts share their examples: in the 64 mixed eval prompts of
+    ``bench-throughput``, each summarization prompt starts with the same 354-token example article.
 
     Only sequences still in the batch lend (a finished one is ``drop``-ped as its slot is freed; its
     buffers are another job's next), so what a prompt reuses is in its batch."""
@@ -134,10 +134,13 @@ class Prefixes:
         self._held: dict[int, _Prompt] = {}  # by id(slot)
         self.reused = 0  # prompt positions copied instead of computed
 
-    def prefill(self, slot: Decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None):
+    def prefill(self, decoder: Decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None
+                ) -> tuple[Sequence, torch.Tensor, torch.Tensor]:
         reuse = self._find(prompt_ids, tap)
-        seq, logits, states = prefill(slot, prompt_ids, config, tap, reuse)
-        self._held[id(slot)] = _Prompt(slot, list(prompt_ids), states, tap)
+        seq, logits, states = prefill(decoder, prompt_ids, config, tap, reuse)
+        blocks = len(prompt_ids) // CAUSAL_BLOCK * CAUSAL_BLOCK  # what it can lend
+        if blocks:
+            self._held[id(decoder)] = _Prompt(decoder, list(prompt_ids[:blocks]), states[:blocks].clone(), tap)
         self.reused += reuse.n if reuse is not None else 0
         return seq, logits, states
 
@@ -145,8 +148,7 @@ class Prefixes:
         self._held.pop(id(slot), None)
 
     def _find(self, ids: list[int], tap: int | None) -> Reused | None:
-        B = CAUSAL_BLOCK
-        limit = (len(ids) - PREFILL_ROWS - 1) // B * B
+        B, limit = CAUSAL_BLOCK, reusable(len(ids), len(ids))
         best, lender = 0, None
         for p in self._held.values():
             n = 0
@@ -154,15 +156,13 @@ class Prefixes:
                 n += B
             if n > best:
                 best, lender = n, p
-        if lender is None:
-            return None
-        cache = lender.slot.cache
-        return Reused(best, list(cache.k), list(cache.v), lender.states[:best], tap)
+        return None if lender is None else Reused(best, lender.slot.cache, lender.states[:best], tap)
 
 
 @dataclass(frozen=True)
 class _Prompt:
-    """A sequence's prompt as its slot holds it: the K/V of its positions, and the states its prefill returned."""
+    """A sequence's prompt as far as it can lend it (whole blocks): its slot, which holds the K/V, its
+    tokens and the states its prefill returned."""
 
     slot: Decoder
     ids: list[int]
@@ -173,24 +173,31 @@ class _Prompt:
 @torch.inference_mode()
 def prefix_exact(decoder: Decoder, pooled: bool) -> bool:
     """Does a prompt that reuses another's leading blocks (``Prefixes``) get the K/V, states and logits its
-    own prefill gives? Checked on the real model, bitwise: a random prompt of two blocks and 40 tokens on one
-    slot, then a prompt with the same two blocks and 50 other tokens on a second slot, reusing them, against
-    the second prompt alone on a third (``pooled``: the slots of one ``SlotPool``)."""
+    own prefill gives? Checked on the real model, bitwise, against each prompt prefilled alone on a slot of
+    its own (``pooled``: the slots of one ``SlotPool``): a random prompt of five blocks and 30 tokens lends
+    to one of two of its blocks and the fewest tokens a rest may have (a shorter borrower, mostly reused)
+    and to one of four of its blocks and 100 tokens (past 512 keys: CPU flash attention's key split)."""
+    B = CAUSAL_BLOCK
     slots = decoder.pooled_slots(3)[0] if pooled else [decoder.slot() for _ in range(3)]
     vocab = decoder.stack.embed.shape[0]
     g = torch.Generator().manual_seed(11)
-    n = 2 * CAUSAL_BLOCK
-    first = torch.randint(0, vocab, (n + 40,), generator=g).tolist()
-    second = first[:n] + torch.randint(0, vocab, (50,), generator=g).tolist()
+    rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    lender = rand(5 * B + 30)
     cfg = GenerationConfig(max_new_tokens=1)
     store = Prefixes()
-    store.prefill(slots[0], first, cfg)
-    _, logits, states = store.prefill(slots[1], second, cfg)
-    _, own_logits, own_states = prefill(slots[2], second, cfg)
-    T = len(second)
-    kv = lambda c: [t[:, :, :T] for t in c.k + c.v]  # noqa: E731
-    return (store.reused == n and torch.equal(logits, own_logits) and torch.equal(states, own_states)
-            and all(torch.equal(a, b) for a, b in zip(kv(slots[1].cache), kv(slots[2].cache))))
+    store.prefill(slots[0], lender, cfg)
+    for blocks, rest in ((2, PREFILL_ROWS + 1), (4, 100)):
+        ids = lender[: blocks * B] + rand(rest)
+        before = store.reused
+        _, logits, states = store.prefill(slots[1], ids, cfg)
+        _, own_logits, own_states = prefill(slots[2], ids, cfg)
+        store.drop(slots[1])
+        kv = lambda c: [t[:, :, : len(ids)] for t in c.k + c.v]  # noqa: E731
+        if not (store.reused - before == blocks * B and torch.equal(logits, own_logits)
+                and torch.equal(states, own_states)
+                and all(torch.equal(a, b) for a, b in zip(kv(slots[1].cache), kv(slots[2].cache)))):
+            return False
+    return True
 
 
 @dataclass
@@ -518,9 +525,10 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     pooled = exact and pooled_exact(decoder, slots)
     log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
              "per sequence (no batched form measured exact for this step)")
-    shares = slots > 1 and prefix_exact(decoder, pooled)
+    # rotary tables that depend on the sequence's length (dynamic NTK, longrope) rotate a lender's keys by its length
+    shares = slots > 1 and decoder.stack.rope_static and prefix_exact(decoder, pooled)
     log.info("prompts reuse the leading blocks of others in the batch: %s", "yes" if shares else
-             "no (not measured exact for this prefill)")
+             "no (not measured exact for this prefill, or rotary tables set by the length)")
     costs = measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=pooled)
     if slots > 1:  # and one sequence alone, as at low load: below ``slots`` rows v would be flat at v(slots)
         costs = costs.joined(measure_pass_costs(decoder, 1, (1, max_t), repeats=2, pooled=pooled))
@@ -580,11 +588,12 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
                 return
             t0 = time.perf_counter()
             a = _Active(job, free.pop(), None, t0)
+            reused = prefixes.reused
             a.run = job.start(a.slot, prefixes.prefill if plan.shares else prefill)
             a.run.stats.prefill_s = time.perf_counter() - t0
             stats.prefills += 1
             stats.prefill_s += a.run.stats.prefill_s
-            stats.reused = prefixes.reused
+            stats.reused += prefixes.reused - reused
             if a.run.done:
                 yield finish(a)
             else:

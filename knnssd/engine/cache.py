@@ -106,12 +106,13 @@ class KVCache:
             vc.index_copy_(2, at, v.to(self.dtype))
         return kc, vc
 
-    def copy_from(self, k: list[torch.Tensor], v: list[torch.Tensor], n: int) -> None:
-        """Take positions 0..n-1 of every layer from another cache's buffers (``k``, ``v``: its lists)."""
+    def copy_from(self, other: "KVCache", n: int) -> None:
+        """Take positions 0..n-1 of every layer from another cache."""
+        if other is self:
+            raise ValueError("a cache cannot copy its own positions")
         self.check(n)
-        for dst, src in zip(self.k + self.v, k + v):
-            if dst.data_ptr() != src.data_ptr():
-                dst[:, :, :n] = src[:, :, :n]
+        for dst, src in zip(self.k + self.v, other.k + other.v):
+            dst[:, :, :n] = src[:, :, :n]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

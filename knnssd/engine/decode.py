@@ -20,6 +20,8 @@ from typing import Protocol
 
 import torch
 
+from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
+from knnssd.engine.cache import KVCache
 from knnssd.engine.drafters import Draft, Drafter
 from knnssd.engine.sampling import Verdict, Warp, accept_greedy, accept_sampled, draw, probs
 from knnssd.engine.sequence import Sequence
@@ -119,17 +121,23 @@ class _Stopper:
 
 @dataclass(frozen=True)
 class Reused:
-    """The first ``n`` positions of a prompt, already prefilled on another slot with the same tokens: its
-    K/V buffers (``KVCache.k``, ``v``, taken before this prefill's reservation, which may regrow them) and
-    the states its prefill returned for them (``prefill``'s third value, with the same ``tap``). ``n`` is
-    a multiple of ``attention.CAUSAL_BLOCK``, so the rest of the prompt runs the blocks its own prefill
-    from 0 would (``batched.Prefixes``; ``batched.prefix_exact`` checks the result is the same)."""
+    """The first ``n`` positions of a prompt, already prefilled on another slot with the same tokens: that
+    slot's cache (read after this prefill's reservation, which may regrow a pool's buffers) and the states
+    its prefill returned for them (``prefill``'s third value, with the same ``tap``). ``n`` is what
+    ``reusable`` allows, so the rest of the prompt runs the blocks its own prefill from 0 would
+    (``batched.Prefixes``; ``batched.prefix_exact`` checks the result is the same)."""
 
     n: int
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
+    cache: KVCache
     states: torch.Tensor  # (n, E)
     tap: int | None
+
+
+def reusable(common: int, length: int) -> int:
+    """The most leading positions a prompt of ``length`` tokens may take from another whose first
+    ``common`` tokens are the same: whole blocks of ``CAUSAL_BLOCK`` (where a prefill from 0 starts
+    a block), leaving more than ``PREFILL_ROWS`` to compute (a shorter call is run as a verify pass)."""
+    return max(0, min(common, length - PREFILL_ROWS - 1)) // CAUSAL_BLOCK * CAUSAL_BLOCK
 
 
 class Prefill(Protocol):
@@ -154,11 +162,11 @@ def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int |
     decoder.reserve(len(prompt_ids) + config.max_new_tokens)  # positions: the same for every drafter
     n = 0
     if reuse is not None:
-        if reuse.tap != tap or not 0 < reuse.n < len(prompt_ids):
+        if reuse.tap != tap or not 0 < reuse.n == reusable(reuse.n, len(prompt_ids)):
             raise ValueError(f"cannot reuse {reuse.n} positions (tap {reuse.tap}) for a prompt of "
                              f"{len(prompt_ids)} (tap {tap})")
         n = reuse.n
-        decoder.cache.copy_from(reuse.k, reuse.v, n)
+        decoder.cache.copy_from(reuse.cache, n)
     ids = torch.tensor(prompt_ids[n:], dtype=torch.long, device=device)
     out = decoder.forward(ids, n, last=True, tap=tap)
     states = out.hidden if out.tapped is None else out.tapped
