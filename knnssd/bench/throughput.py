@@ -63,12 +63,14 @@ def mixed_prompts(data: Path, n: int) -> list[prompts.Prompt]:
 
 
 def _row(name: str, slots: int, results: list[tuple[list[int], float]], wall: float, stats: BatchStats | None,
-         ref: list[list[int]] | None) -> dict:
+         ref: list[list[int]] | None, prefill_s: float = 0.0) -> dict:
+    """``prefill_s``: the prefills' seconds of a one-at-a-time setting (a batched one's are in ``stats``)."""
     tokens = sum(len(t) for t, _ in results)
     lat = sorted(s for _, s in results)
     row = {"setting": name, "batch_size": slots, "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
            "latency_p50_s": statistics.median(lat), "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
-           "same_as_b1": (sum(t == r for (t, _), r in zip(results, ref)) / len(ref)) if ref else 1.0}
+           "same_as_b1": (sum(t == r for (t, _), r in zip(results, ref)) / len(ref)) if ref else 1.0,
+           "prefill_s": prefill_s}
     if stats is not None:
         s = stats.summary()
         row.update(rows_per_step=s["rows_per_step"], draft_per_step=s["draft_per_step"], exact=s["exact"],
@@ -103,8 +105,8 @@ def run(cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> di
         t0 = time.perf_counter()
         one = [gen.generate(r.prompt, params) for r in rows]
         ref = [r.tokens for r in one]
-        keep({**_row("routed b=1", 1, [(r.tokens, r.stats.total_s) for r in one], time.perf_counter() - t0, None, None),
-              "prefill_s": sum(r.stats.prefill_s for r in one)})
+        keep(_row("routed b=1", 1, [(r.tokens, r.stats.total_s) for r in one], time.perf_counter() - t0, None, None,
+                  sum(r.stats.prefill_s for r in one)))
         cfg_g = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_ids=gen.eos)
         for n in cfg.sizes:
             stats = BatchStats(n)
@@ -123,7 +125,7 @@ def run(cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> di
                 res = dict(gen.generate_many(enumerate(r.prompt for r in rows), params, plans[n], stats))
             wall = time.perf_counter() - t0
             keep(_row(name, n, [(res[i].tokens, res[i].stats.total_s) for i in range(len(rows))], wall,
-                      stats if n > 1 else None, ref))
+                      stats if n > 1 else None, ref, sum(r.stats.prefill_s for r in res.values())))
     b1 = best["routed b=1"]["tokens_per_s"]
     table = [{**r, "vs_routed_b1": r["tokens_per_s"] / b1} for r in best.values()]
     fixed = max(r["tokens_per_s"] for r in table if r["setting"].startswith("routed b=") and r["batch_size"] > 1)
