@@ -97,6 +97,8 @@ def test_prompts_reuse_the_leading_blocks_of_others_in_the_batch(arch):
 
 
 def test_reuse_takes_whole_blocks_and_leaves_a_prefill_to_compute():
+    """What may be reused is whole blocks leaving more than PREFILL_ROWS rows (a shorter call would run as a
+    verify pass): a borrower with fewer reuses nothing, and prefill refuses such a reuse."""
     dec = decoder("llama", "bfloat16")
     B = CAUSAL_BLOCK
     assert [reusable(c, n) for c, n in ((300, 300), (2 * B, 2 * B + 17), (2 * B, 2 * B + 16), (B - 1, 400))] == \
@@ -108,8 +110,7 @@ def test_reuse_takes_whole_blocks_and_leaves_a_prefill_to_compute():
     store.prefill(dec.slot(), short, cfg)
     assert store.reused == 0
     slot = dec.slot()
-    other = batched.Prefixes()
-    other.prefill(slot, short, cfg)
+    prefill(slot, short, cfg)
     with pytest.raises(ValueError, match="cannot reuse"):  # a reuse that would leave a verify-sized rest
         prefill(dec.slot(), short, cfg, None, Reused(B, slot.cache, torch.zeros(B, 1), None))
 

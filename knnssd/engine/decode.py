@@ -154,18 +154,17 @@ def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int |
     its first positions' K/V and states instead of computing them."""
     if not prompt_ids:
         raise ValueError("empty prompt: at least one token is needed")
+    if reuse is not None and (reuse.tap != tap or not 0 < reuse.n == reusable(reuse.n, len(prompt_ids))):
+        raise ValueError(f"cannot reuse {reuse.n} positions (tap {reuse.tap}) for a prompt of "
+                         f"{len(prompt_ids)} (tap {tap})")
     device = decoder.device
     gen = None
     if not config.warp.greedy:
         gen = torch.Generator(device=device)
         gen.manual_seed(config.seed if config.seed is not None else torch.seed())
     decoder.reserve(len(prompt_ids) + config.max_new_tokens)  # positions: the same for every drafter
-    n = 0
+    n = reuse.n if reuse is not None else 0
     if reuse is not None:
-        if reuse.tap != tap or not 0 < reuse.n == reusable(reuse.n, len(prompt_ids)):
-            raise ValueError(f"cannot reuse {reuse.n} positions (tap {reuse.tap}) for a prompt of "
-                             f"{len(prompt_ids)} (tap {tap})")
-        n = reuse.n
         decoder.cache.copy_from(reuse.cache, n)
     ids = torch.tensor(prompt_ids[n:], dtype=torch.long, device=device)
     out = decoder.forward(ids, n, last=True, tap=tap)
