@@ -151,8 +151,10 @@ class Prefixes:
         B, limit = CAUSAL_BLOCK, reusable(len(ids), len(ids))
         best, lender = 0, None
         for p in self._held.values():
+            if p.tap != tap:  # its states are another layer's
+                continue
             n = 0
-            while n < limit and p.tap == tap and p.ids[n : n + B] == ids[n : n + B]:
+            while n < limit and p.ids[n : n + B] == ids[n : n + B]:
                 n += B
             if n > best:
                 best, lender = n, p
