@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def extract(rev: str, dest: Path) -> None:
     """The revision's engine as the package ``knnssd_rev``: ``knnssd/engine/`` (after the layout change,
-    with its ``knnssd.engine`` imports renamed), or the flat ``knnssd/`` of older revisions."""
+    with its ``knnssd.engine`` imports renamed, and its C source), or the flat ``knnssd/`` of older revisions."""
     pkg = dest / "knnssd_rev"
     pkg.mkdir(parents=True)
 
@@ -39,6 +39,9 @@ def extract(rev: str, dest: Path) -> None:
             src = src.replace("from knnssd.engine import", "from knnssd_rev import").replace("knnssd.engine.",
                                                                                                "knnssd_rev.")
             (pkg / Path(f).name).write_text(src)
+        elif f.endswith(".c"):  # the native kernels' source, built by the revision's native.py
+            (pkg / Path(f).name).write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{f}"],
+                                                             check=True, capture_output=True).stdout)
 
 
 def main() -> None:

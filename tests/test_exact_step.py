@@ -19,7 +19,7 @@ from knnssd.engine.cache import SPAN
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import Decoder, SkipMask, make_decoder
-from knnssd.engine.stack import from_hf
+from knnssd.engine.stack import Linear, NativeLinear, from_hf
 from test_device_step import set_early_stop
 from tiny import ARCHS, prompt_ids, tiny
 
@@ -102,6 +102,24 @@ def test_native_rms_norm_is_row_invariant_and_computes_what_torch_does(dtype):
     qn = native.RMSNorm.of(torch.randn(64, generator=g).to(dt), 1e-6)
     torch.testing.assert_close(qn(heads), F.rms_norm(heads, (64,), qn.weight.to(dt), 1e-6), rtol=1e-5, atol=1e-5)
     assert norm(x.to(torch.float16)) is None  # a dtype the kernels do not take: the caller keeps torch ops
+
+
+def test_native_linear_rows_do_not_depend_on_the_call_and_sum_in_fp32():
+    w = (torch.randn(80, 96, generator=torch.Generator().manual_seed(0)) * 0.1).bfloat16()
+    b = torch.randn(80, generator=torch.Generator().manual_seed(1)).bfloat16()
+    lin = native.Linear.of(w, b)
+    if lin is None:
+        pytest.skip("no native bf16 linear here (no C compiler, no avx512_bf16, or AMX: oneDNN runs the linears)")
+    assert isinstance(Linear(w, b).packed(), NativeLinear)
+    x = torch.randn(2, 20, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    rows = lin(x)
+    assert rows.shape == (2, 20, 80) and rows.dtype == torch.bfloat16
+    flat, want_rows = x.reshape(40, 96), rows.reshape(40, 80)
+    assert all(torch.equal(lin(flat[a:e]), want_rows[a:e]) for a in range(0, 40, 7) for e in (a + 1, 40))
+    assert torch.equal(lin(flat[:, None][5])[0], want_rows[5])  # a row alone, from a strided view
+    want = flat.float() @ w.float().T + b.float()  # summed in fp32, rounded once
+    assert (lin(flat).float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    assert lin(flat.float()) is None and native.Linear.of(w[:72], None) is None  # fp32; N not a multiple of 16
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

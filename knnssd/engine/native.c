@@ -359,3 +359,91 @@ ATTENTION_SIMD(attention_simd_f32, f32, vload_f32, SAME)
 #define FAST_f32 FAST(f32)
 ATTENTION_ENTRY(bf16)
 ATTENTION_ENTRY(f32)
+
+/* y = x W^T (+ b) for bf16 rows x (M, K), each K values contiguous and rows x_stride apart, into out
+   (M, N), with W (N, K) prepacked (``native.Linear``) as N / 16 blocks of 16 output columns, each
+   block K / 2 pairs of 16 columns x 2 inputs: one AVX-512 vector per pair of inputs, which vdpbf16ps
+   multiplies with a row's two inputs (broadcast) and adds into 16 fp32 sums. Each output is summed
+   over its inputs in one fixed order, pair by pair from the first, in one fp32 lane, then the bias
+   (fp32) is added and the sum rounded once to bf16: a row's outputs do not depend on the call's
+   rows, on how they are tiled, nor on which thread computes them. Tiles of up to LIN_MR rows x
+   LIN_NR blocks keep their sums in registers; the threads take equal runs of column blocks (the
+   weights stream from memory once per call). Returns -1, computing nothing, where the library is
+   built without avx512_bf16 or the shapes do not fit (N % 16, K % 2). */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define LIN_MR 6
+#define LIN_NR 4
+static inline __attribute__((always_inline)) void linear_tile(const uint16_t *x, int64_t xs, const uint16_t *wp,
+        int64_t pairs, const float *bias, uint16_t *out, int64_t os, int mr, int nr) {
+    __m512 acc[LIN_MR][LIN_NR];
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) acc[m][n] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh w[LIN_NR];
+        for (int n = 0; n < nr; n++) w[n] = (__m512bh)_mm512_loadu_si512(wp + (n * pairs + p) * 32);
+        for (int m = 0; m < mr; m++) {
+            int32_t two;
+            memcpy(&two, x + m * xs + 2 * p, sizeof two);
+            __m512bh b = (__m512bh)_mm512_set1_epi32(two);
+            for (int n = 0; n < nr; n++) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], b, w[n]);
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) {
+            __m512 s = bias ? _mm512_add_ps(acc[m][n], _mm512_loadu_ps(bias + n * 16)) : acc[m][n];
+            _mm256_storeu_si256((__m256i *)(out + m * os + n * 16), (__m256i)_mm512_cvtneps_pbh(s));
+        }
+}
+
+/* Rows 0..M-1 against blocks of columns (nr of them) in tiles of LIN_MR rows: each case a tile shape the
+   compiler unrolls with its sums in registers. */
+static void linear_blocks(const uint16_t *x, int64_t xs, const uint16_t *wp, int64_t pairs, const float *bias,
+                          uint16_t *out, int64_t os, int64_t M, int nr) {
+    for (int64_t m0 = 0; m0 < M; m0 += LIN_MR) {
+        int mr = M - m0 < LIN_MR ? (int)(M - m0) : LIN_MR;
+        const uint16_t *xm = x + m0 * xs;
+        uint16_t *om = out + m0 * os;
+#define LIN_CASE(a, b) case a * 8 + b: linear_tile(xm, xs, wp, pairs, bias, om, os, a, b); break;
+#define LIN_ROWS(a) LIN_CASE(a, 1) LIN_CASE(a, 2) LIN_CASE(a, 3) LIN_CASE(a, 4)
+        switch (mr * 8 + nr) {
+            LIN_ROWS(1) LIN_ROWS(2) LIN_ROWS(3) LIN_ROWS(4) LIN_ROWS(5) LIN_ROWS(6)
+        }
+    }
+}
+
+int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
+                    int64_t M, int64_t K, int64_t N, int64_t threads) {
+    if (N % 16 || K % 2) return -1;
+    int64_t blocks = N / 16, pairs = K / 2;
+    if (threads > blocks) threads = blocks;
+    if (threads < 1) threads = 1;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+#if defined(_OPENMP)
+        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        int64_t t = 0, T = 1;
+#endif
+        int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
+        for (int64_t b = b0; b < b1; b += LIN_NR) {
+            int nr = b1 - b < LIN_NR ? (int)(b1 - b) : LIN_NR;
+            linear_blocks(x, x_stride, wp + b * pairs * 32, pairs, bias ? bias + b * 16 : 0, out + b * 16, N, M, nr);
+        }
+    }
+    return 0;
+}
+#else
+int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
+                    int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return -1;
+}
+#endif
+
+/* No fp32 form: ``native.Linear`` keeps oneDNN's GEMM there. */
+int64_t linear_f32(const float *x, int64_t x_stride, const float *wp, const float *bias, float *out, int64_t M,
+                   int64_t K, int64_t N, int64_t threads) {
+    return -1;
+}

@@ -39,11 +39,17 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def packed(self, force: bool = False) -> "Linear | PackedLinear":
-        """oneDNN-prepacked copy on CPU for large weights (MKL's small-batch GEMMs were 1.5-4x slower
+    def packed(self, force: bool = False) -> "Linear | PackedLinear | NativeLinear":
+        """The native kernel's form where it applies (``native.Linear``: bf16 on a CPU with avx512_bf16 and no
+        AMX), else a oneDNN-prepacked copy on CPU for large weights (MKL's small-batch GEMMs were 1.5-4x slower
         on the 2-core dev machine), else self (small ones: the packed call's ~30 us overhead wins,
         unless ``force``: MKL's fp32 rows depend on the row count, oneDNN's did not)."""
-        if self.weight.device.type != "cpu" or (self.weight.numel() < PACK_MIN_NUMEL and not force):
+        if self.weight.device.type != "cpu":
+            return self
+        own = native.Linear.of(self.weight, self.bias)
+        if own is not None:
+            return NativeLinear(self.weight, self.bias, own)
+        if self.weight.numel() < PACK_MIN_NUMEL and not force:
             return self
         try:
             return PackedLinear(torch.ops.mkldnn._reorder_linear_weight(self.weight, 16), self.bias)
@@ -67,6 +73,23 @@ class PackedLinear:
 
     def int8(self) -> "Int8Linear":
         return Int8Linear.from_weight(self.packed_weight.to_dense(), self.bias)
+
+
+class NativeLinear:
+    """A Linear run by ``native.Linear`` (its packed copy); the dense weight is kept for shapes and ``int8``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: native.Linear):
+        self.weight, self.bias, self.kernel = weight, bias, kernel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x)
+        return F.linear(x, self.weight, self.bias) if y is None else y  # None: another dtype (never in a step)
+
+    def packed(self, force: bool = False) -> "NativeLinear":
+        return self
+
+    def int8(self) -> "Int8Linear":
+        return Int8Linear.from_weight(self.weight, self.bias)
 
 
 class Int8Linear:
