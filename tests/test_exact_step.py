@@ -19,7 +19,7 @@ from knnssd.engine.cache import SPAN
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import Decoder, SkipMask, make_decoder
-from knnssd.engine.stack import Linear, NativeLinear, from_hf
+from knnssd.engine.stack import Int8Linear, Linear, NativeLinear, from_hf
 from test_device_step import set_early_stop
 from tiny import ARCHS, prompt_ids, tiny
 
@@ -120,6 +120,19 @@ def test_native_linear_rows_do_not_depend_on_the_call_and_sum_in_fp32():
     want = flat.float() @ w.float().T + b.float()  # summed in fp32, rounded once
     assert (lin(flat).float() - want).abs().max() <= 2 ** -7 * want.abs().max()
     assert lin(flat.float()) is None and native.Linear.of(w[:72], None) is None  # fp32; N not a multiple of 16
+
+
+def test_native_int8_linear_computes_the_dequantized_product():
+    w = (torch.randn(80, 96, generator=torch.Generator().manual_seed(0)) * 0.1).bfloat16()
+    lin = Int8Linear.from_weight(w, None)
+    if lin.kernel is None:
+        pytest.skip("no native bf16 linear here: int8 drafts run _weight_int8pack_mm")
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = lin(x)
+    assert all(torch.equal(lin(x[a : a + 1]), got[a : a + 1]) for a in range(20))
+    want = x.float() @ (lin.q.float() * lin.scales.float()[:, None]).T
+    assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    torch.testing.assert_close(lin(x.float()), got.float())  # fp32 rows run as bf16, as _weight_int8pack_mm's do
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

@@ -369,19 +369,33 @@ ATTENTION_ENTRY(f32)
    rows, on how they are tiled, nor on which thread computes them. Tiles of up to LIN_MR rows x
    LIN_NR blocks keep their sums in registers; the threads take equal runs of column blocks (the
    weights stream from memory once per call). Returns -1, computing nothing, where the library is
-   built without avx512_bf16 or the shapes do not fit (N % 16, K % 2). */
+   built without avx512_bf16 or the shapes do not fit (N % 16, K % 2).
+
+   ``linear_int8_bf16``: the same with int8 weights in the same layout (a draft's weight-only int8
+   copy, ``stack.Int8Linear``), each output column's sum multiplied by its fp32 scale before the
+   bias: an int8 weight is a bf16 exactly (|q| <= 127), so a vector of 32 is widened to fp32 and
+   narrowed to bf16 without rounding, and the products are the bf16 kernel's. Half the bytes to read
+   where a one-row draft step is bound by memory. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define LIN_MR 6
 #define LIN_NR 4
-static inline __attribute__((always_inline)) void linear_tile(const uint16_t *x, int64_t xs, const uint16_t *wp,
-        int64_t pairs, const float *bias, uint16_t *out, int64_t os, int mr, int nr) {
+static inline __attribute__((always_inline)) __m512bh linear_weights(const void *wp, int64_t at, int int8) {
+    if (!int8) return (__m512bh)_mm512_loadu_si512((const uint16_t *)wp + at);
+    __m256i q = _mm256_loadu_si256((const __m256i *)((const int8_t *)wp + at));
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static inline __attribute__((always_inline)) void linear_tile(const uint16_t *x, int64_t xs, const void *wp,
+        int64_t pairs, const float *scale, const float *bias, uint16_t *out, int64_t os, int mr, int nr, int int8) {
     __m512 acc[LIN_MR][LIN_NR];
     for (int m = 0; m < mr; m++)
         for (int n = 0; n < nr; n++) acc[m][n] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh w[LIN_NR];
-        for (int n = 0; n < nr; n++) w[n] = (__m512bh)_mm512_loadu_si512(wp + (n * pairs + p) * 32);
+        for (int n = 0; n < nr; n++) w[n] = linear_weights(wp, (n * pairs + p) * 32, int8);
         for (int m = 0; m < mr; m++) {
             int32_t two;
             memcpy(&two, x + m * xs + 2 * p, sizeof two);
@@ -391,29 +405,35 @@ static inline __attribute__((always_inline)) void linear_tile(const uint16_t *x,
     }
     for (int m = 0; m < mr; m++)
         for (int n = 0; n < nr; n++) {
-            __m512 s = bias ? _mm512_add_ps(acc[m][n], _mm512_loadu_ps(bias + n * 16)) : acc[m][n];
+            __m512 s = acc[m][n];
+            if (int8) s = _mm512_mul_ps(s, _mm512_loadu_ps(scale + n * 16));
+            if (bias) s = _mm512_add_ps(s, _mm512_loadu_ps(bias + n * 16));
             _mm256_storeu_si256((__m256i *)(out + m * os + n * 16), (__m256i)_mm512_cvtneps_pbh(s));
         }
 }
 
 /* Rows 0..M-1 against blocks of columns (nr of them) in tiles of LIN_MR rows: each case a tile shape the
    compiler unrolls with its sums in registers. */
-static void linear_blocks(const uint16_t *x, int64_t xs, const uint16_t *wp, int64_t pairs, const float *bias,
-                          uint16_t *out, int64_t os, int64_t M, int nr) {
-    for (int64_t m0 = 0; m0 < M; m0 += LIN_MR) {
-        int mr = M - m0 < LIN_MR ? (int)(M - m0) : LIN_MR;
-        const uint16_t *xm = x + m0 * xs;
-        uint16_t *om = out + m0 * os;
-#define LIN_CASE(a, b) case a * 8 + b: linear_tile(xm, xs, wp, pairs, bias, om, os, a, b); break;
-#define LIN_ROWS(a) LIN_CASE(a, 1) LIN_CASE(a, 2) LIN_CASE(a, 3) LIN_CASE(a, 4)
-        switch (mr * 8 + nr) {
-            LIN_ROWS(1) LIN_ROWS(2) LIN_ROWS(3) LIN_ROWS(4) LIN_ROWS(5) LIN_ROWS(6)
-        }
+#define LIN_BLOCKS(NAME, INT8)                                                                     \
+    static void NAME(const uint16_t *x, int64_t xs, const void *wp, int64_t pairs, const float *scale, \
+                     const float *bias, uint16_t *out, int64_t os, int64_t M, int nr) {            \
+        for (int64_t m0 = 0; m0 < M; m0 += LIN_MR) {                                               \
+            int mr = M - m0 < LIN_MR ? (int)(M - m0) : LIN_MR;                                     \
+            const uint16_t *xm = x + m0 * xs;                                                      \
+            uint16_t *om = out + m0 * os;                                                          \
+            switch (mr * 8 + nr) {                                                                 \
+                LIN_ROWS(1, INT8) LIN_ROWS(2, INT8) LIN_ROWS(3, INT8)                              \
+                LIN_ROWS(4, INT8) LIN_ROWS(5, INT8) LIN_ROWS(6, INT8)                              \
+            }                                                                                      \
+        }                                                                                          \
     }
-}
+#define LIN_CASE(a, b, INT8) case a * 8 + b: linear_tile(xm, xs, wp, pairs, scale, bias, om, os, a, b, INT8); break;
+#define LIN_ROWS(a, Q) LIN_CASE(a, 1, Q) LIN_CASE(a, 2, Q) LIN_CASE(a, 3, Q) LIN_CASE(a, 4, Q)
+LIN_BLOCKS(linear_blocks_bf16, 0)
+LIN_BLOCKS(linear_blocks_int8, 1)
 
-int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
-                    int64_t M, int64_t K, int64_t N, int64_t threads) {
+static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, int int8, const float *scale,
+                          const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
     if (N % 16 || K % 2) return -1;
     int64_t blocks = N / 16, pairs = K / 2;
     if (threads > blocks) threads = blocks;
@@ -430,20 +450,45 @@ int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, con
         int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
         for (int64_t b = b0; b < b1; b += LIN_NR) {
             int nr = b1 - b < LIN_NR ? (int)(b1 - b) : LIN_NR;
-            linear_blocks(x, x_stride, wp + b * pairs * 32, pairs, bias ? bias + b * 16 : 0, out + b * 16, N, M, nr);
+            const void *wb = (const char *)wp + b * pairs * 32 * (int8 ? 1 : 2);
+            const float *bb = bias ? bias + b * 16 : 0;
+            if (int8)
+                linear_blocks_int8(x, x_stride, wb, pairs, scale + b * 16, bb, out + b * 16, N, M, nr);
+            else
+                linear_blocks_bf16(x, x_stride, wb, pairs, 0, bb, out + b * 16, N, M, nr);
         }
     }
     return 0;
+}
+
+int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
+                    int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return linear_run(x, x_stride, wp, 0, 0, bias, out, M, K, N, threads);
+}
+
+int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, const float *scale,
+                         const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return linear_run(x, x_stride, wp, 1, scale, bias, out, M, K, N, threads);
 }
 #else
 int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
                     int64_t M, int64_t K, int64_t N, int64_t threads) {
     return -1;
 }
+
+int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, const float *scale,
+                         const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return -1;
+}
 #endif
 
-/* No fp32 form: ``native.Linear`` keeps oneDNN's GEMM there. */
+/* No fp32 forms: ``native.Linear`` keeps oneDNN's GEMM there, and int8 drafts run on bf16 rows. */
 int64_t linear_f32(const float *x, int64_t x_stride, const float *wp, const float *bias, float *out, int64_t M,
                    int64_t K, int64_t N, int64_t threads) {
+    return -1;
+}
+
+int64_t linear_int8_f32(const float *x, int64_t x_stride, const int8_t *wp, const float *scale, const float *bias,
+                        float *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
     return -1;
 }

@@ -56,8 +56,10 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
     # x, x's row stride, packed weight, bias (fp32, or null), out, M, K, N, threads; returns 0, or -1 (not built
     # for this dtype or processor, or a shape it does not take)
     "linear": ("p", "i", "p", "p", "p", "i", "i", "i", "i"),
+    # the same with int8 weights: x, x's row stride, packed weight, scales (fp32), bias, out, M, K, N, threads
+    "linear_int8": ("p", "i", "p", "p", "p", "p", "i", "i", "i", "i"),
 }
-RESULTS = {"attention": ctypes.c_int64, "linear": ctypes.c_int64}  # the kernels that return something (the others: nothing)
+RESULTS = {"attention": ctypes.c_int64, "linear": ctypes.c_int64, "linear_int8": ctypes.c_int64}  # the kernels that return something (the others: nothing)
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the dtypes the kernels take
 # /proc/cpuinfo lines that say what -march=native may use (x86 "flags"; ARM "Features" and the part)
@@ -135,6 +137,7 @@ class Kernels:
     rope: dict[torch.dtype, Callable]
     attention: dict[torch.dtype, Callable]
     linear: dict[torch.dtype, Callable]
+    linear_int8: dict[torch.dtype, Callable]
 
 
 def _load(path: Path) -> Kernels:
@@ -291,40 +294,63 @@ def linear_preferred() -> bool:
 
 
 class Linear:
-    """``x W^T + b`` by ``native.c``'s ``linear``: bf16 on a CPU with avx512_bf16, W (N, K) prepacked once
-    into its layout (a second copy, as oneDNN's prepacking makes), the bias kept in fp32. Each output is
-    summed in one fixed order and rounded once, so a row's outputs do not depend on the call's rows.
+    """``x W^T + b`` by ``native.c``'s ``linear``: bf16 rows on a CPU with avx512_bf16, W (N, K) prepacked
+    once into its layout (a second copy, as oneDNN's prepacking makes), the bias kept in fp32. Each output
+    is summed in one fixed order and rounded once, so a row's outputs do not depend on the call's rows.
+    ``int8``: the same over a weight-only int8 copy (a draft's, ``stack.Int8Linear``), scaled per output.
 
     On a 2-core Zen 4 (avx512_bf16, no AMX), SmolLM2's 121 projections of one pass (30 layers and the
     head, weights streamed from memory) took 9.5 / 14 / 24 / 43 ms for 1 / 16 / 32 / 64 rows against
-    oneDNN's prepacked 15 / 18 / 29 / 51 ms. ``of`` returns None where it does not apply: no library,
-    another dtype or device, N not a multiple of 16 or K odd, a library built without avx512_bf16, or a
-    CPU with AMX (``linear_preferred``)."""
+    oneDNN's prepacked 15 / 18 / 29 / 51 ms. ``of`` and ``int8`` return None where it does not apply: no
+    library, another dtype or device, N not a multiple of 16 or K odd, a library built without
+    avx512_bf16, or a CPU with AMX (``linear_preferred``)."""
 
-    def __init__(self, kernel: Callable, weight: torch.Tensor, bias: torch.Tensor | None):
-        N, K = weight.shape
-        self.kernel, self.n, self.k = kernel, N, K
-        self.packed = weight.detach().reshape(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+    def __init__(self, kernel: Callable, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None):
+        self.kernel, self.packed, self.scale = kernel, packed, scale
+        self.n, self.k = packed.shape[0] * 16, packed.shape[1] * 2
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.bias_ptr = 0 if self.bias is None else self.bias.data_ptr()
+        pointers = (packed.data_ptr(),) if scale is None else (packed.data_ptr(), scale.data_ptr())
+        self.weights = (*pointers, 0 if self.bias is None else self.bias.data_ptr())  # the kernel's arguments
 
-    @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Linear | None":
-        if (not weight.is_cpu or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 16
+    @staticmethod
+    def _kernel(family: str, weight: torch.Tensor, dtype: torch.dtype) -> Callable | None:
+        if (not weight.is_cpu or weight.dtype != dtype or weight.dim() != 2 or weight.shape[0] % 16
                 or weight.shape[1] % 2 or not linear_preferred()):
             return None
         lib = library()
-        kernel = None if lib is None else lib.linear[torch.bfloat16]
-        if kernel is None or kernel(0, 0, 0, 0, 0, 0, 16, 16, 1) != 0:  # built without avx512_bf16
+        kernel = None if lib is None else getattr(lib, family)[torch.bfloat16]
+        probe = (0,) * (10 if family == "linear_int8" else 9)
+        if kernel is None or kernel(*probe[:-4], 0, 16, 16, 1) != 0:  # no rows: -1 where built without avx512_bf16
             return None
-        return cls(kernel, weight, bias)
+        return kernel
+
+    @staticmethod
+    def _pack(weight: torch.Tensor) -> torch.Tensor:
+        N, K = weight.shape
+        return weight.detach().reshape(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def _dense(self) -> torch.Tensor:
+        return self.packed.permute(0, 2, 1, 3).reshape(self.n, self.k)
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Linear | None":
+        kernel = cls._kernel("linear", weight, torch.bfloat16)
+        return None if kernel is None else cls(kernel, cls._pack(weight), None, bias)
+
+    @classmethod
+    def int8(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> "Linear | None":
+        kernel = cls._kernel("linear_int8", q, torch.int8)
+        if kernel is None:
+            return None
+        return cls(kernel, cls._pack(q), scales.detach().float().contiguous(), bias)
 
     def __reduce__(self):  # as ``RMSNorm``'s: the library is loaded again
-        w = self.packed.permute(0, 2, 1, 3).reshape(self.n, self.k)
-        return Linear.of, (w, self.bias)
+        if self.scale is None:
+            return Linear.of, (self._dense(), self.bias)
+        return Linear.int8, (self._dense(), self.scale, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x (..., K) -> (..., N); None for another dtype, device or width."""
+        """x (..., K) bf16 -> (..., N) bf16; None for another dtype, device or width."""
         if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != self.k:
             return None
         rows = x.reshape(-1, self.k)
@@ -332,7 +358,7 @@ class Linear:
             rows = rows.contiguous()
         M = rows.shape[0]
         out = torch.empty(*x.shape[:-1], self.n, dtype=torch.bfloat16)
-        if M and self.kernel(rows.data_ptr(), rows.stride(0), self.packed.data_ptr(), self.bias_ptr, out.data_ptr(),
-                             M, self.k, self.n, torch.get_num_threads()):
+        if M and self.kernel(rows.data_ptr(), rows.stride(0), *self.weights, out.data_ptr(), M, self.k, self.n,
+                             torch.get_num_threads()):
             return None
         return out
