@@ -233,6 +233,9 @@ def _source(name: str) -> tuple[str, Path | str]:
 
 def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
     """Load model + tokenizer in eval mode on ``device`` in ``dtype``."""
+    # Loading imports torch._dynamo, which makes its cache folder at import: by default
+    # $TMPDIR/torchinductor_<user>, left behind by every run. Ours goes with knnssd's other caches.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     label, src = _source(name)

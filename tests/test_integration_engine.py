@@ -109,12 +109,15 @@ def _waiting_on_locks() -> set[int]:
 
 def test_concurrent_loads_share_one_converted_cache(tmp_path, monkeypatch):
     """Two processes load one GGUF at once: both wait on the conversion lock (held here until they
-    do), then one converts while the other waits; both load the same folder, with no temp leftovers.
-    A tiny GGUF: the race is the point, not the size."""
+    do), then one converts while the other waits; both load the same folder, with no temp leftovers
+    (nor torch's compile cache folder, which loading makes). A tiny GGUF: the race is the point, not the size."""
     from knnssd import models
 
     gguf = tiny_gguf(tmp_path / "tiny.gguf")
     monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     code = f"from knnssd import models; lm = models.load({str(gguf)!r}, dtype='float32'); print(lm.fingerprint)"
     target = models._converted_dir(gguf, gguf.stem)
     with models._locked(target):
@@ -130,6 +133,7 @@ def test_concurrent_loads_share_one_converted_cache(tmp_path, monkeypatch):
     assert outs[0][0].strip() == outs[1][0].strip()
     folders = sorted(p.name for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir())
     assert folders == [target.name], folders
+    assert not list((tmp_path / "tmp").iterdir())
 
 
 @pytest.fixture(scope="module")
