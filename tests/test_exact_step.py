@@ -6,6 +6,7 @@ implementation on this machine; fp32 must be exact everywhere.
 """
 import dataclasses
 import functools
+import pickle
 
 import pytest
 import torch
@@ -116,22 +117,31 @@ def test_native_linear_rows_do_not_depend_on_the_call_and_sum_in_fp32():
     assert rows.shape == (2, 20, 80) and rows.dtype == torch.bfloat16
     flat, want_rows = x.reshape(40, 96), rows.reshape(40, 80)
     assert all(torch.equal(lin(flat[a:e]), want_rows[a:e]) for a in range(0, 40, 7) for e in (a + 1, 40))
-    assert torch.equal(lin(flat[:, None][5])[0], want_rows[5])  # a row alone, from a strided view
+    wide = torch.cat((flat, flat[:, :32]), 1)[:, :96]  # rows 128 values apart
+    assert wide.stride(0) == 128 and torch.equal(lin(wide[3:9]), want_rows[3:9])
+    assert torch.equal(lin(flat[5:6].expand(3, 96)), want_rows[5:6].expand(3, 80))  # one row, stride 0
+    assert torch.equal(pickle.loads(pickle.dumps(lin))(flat), want_rows)  # built again on load
     want = flat.float() @ w.float().T + b.float()  # summed in fp32, rounded once
     assert (lin(flat).float() - want).abs().max() <= 2 ** -7 * want.abs().max()
     assert lin(flat.float()) is None and native.Linear.of(w[:72], None) is None  # fp32; N not a multiple of 16
+    one_core = dataclasses.replace(native.library(), openmp=False)  # a library built without OpenMP: only on one thread
+    assert native.linear_preferred(one_core) == (torch.get_num_threads() == 1)
 
 
 def test_native_int8_linear_computes_the_dequantized_product():
     w = (torch.randn(80, 96, generator=torch.Generator().manual_seed(0)) * 0.1).bfloat16()
-    lin = Int8Linear.from_weight(w, None)
+    b = torch.randn(80, generator=torch.Generator().manual_seed(1)).bfloat16()
+    lin = Int8Linear.from_weight(w, b)
     if lin.kernel is None:
         pytest.skip("no native bf16 linear here: int8 drafts run _weight_int8pack_mm")
     x = torch.randn(20, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
     got = lin(x)
     assert all(torch.equal(lin(x[a : a + 1]), got[a : a + 1]) for a in range(20))
-    want = x.float() @ (lin.q.float() * lin.scales.float()[:, None]).T
+    want = x.float() @ (lin.q.float() * lin.scales.float()[:, None]).T + b.float()  # scaled, then the bias
     assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    scales = (w.float().abs().amax(1) / 127).clamp(min=1e-8)
+    q = torch.round(w.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(lin.q, q)  # the int8 weights, unpacked from the kernel's copy
     torch.testing.assert_close(lin(x.float()), got.float())  # fp32 rows run as bf16, as _weight_int8pack_mm's do
 
 

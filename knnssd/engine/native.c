@@ -435,6 +435,7 @@ LIN_BLOCKS(linear_blocks_int8, 1)
 static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, int int8, const float *scale,
                           const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
     if (N % 16 || K % 2) return -1;
+    if (M <= 0) return 0; /* the probe's call: nothing to do */
     int64_t blocks = N / 16, pairs = K / 2;
     if (threads > blocks) threads = blocks;
     if (threads < 1) threads = 1;
@@ -491,4 +492,14 @@ int64_t linear_f32(const float *x, int64_t x_stride, const float *wp, const floa
 int64_t linear_int8_f32(const float *x, int64_t x_stride, const int8_t *wp, const float *scale, const float *bias,
                         float *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
     return -1;
+}
+
+/* Whether the library runs its kernels on OpenMP threads (``native.Linear`` is used only then, or on one
+   thread: on one core it would lose to oneDNN's threads). */
+int64_t built_with_openmp(void) {
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
 }

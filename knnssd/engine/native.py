@@ -138,6 +138,7 @@ class Kernels:
     attention: dict[torch.dtype, Callable]
     linear: dict[torch.dtype, Callable]
     linear_int8: dict[torch.dtype, Callable]
+    openmp: bool  # built with OpenMP: the kernels share their work among torch's threads
 
 
 def _load(path: Path) -> Kernels:
@@ -149,7 +150,8 @@ def _load(path: Path) -> Kernels:
             f = getattr(lib, f"{family}_{suffix}")  # AttributeError: a library without it
             f.restype, f.argtypes = RESULTS.get(family), [CTYPES[a] for a in args]
             families[family][dtype] = f
-    return Kernels(**families)
+    lib.built_with_openmp.restype = ctypes.c_int64
+    return Kernels(**families, openmp=bool(lib.built_with_openmp()))
 
 
 @functools.cache
@@ -287,10 +289,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, sca
     return out
 
 
-def linear_preferred() -> bool:
+@functools.cache
+def _has_amx() -> bool:
+    return "amx_bf16" in processor()
+
+
+def linear_preferred(lib: Kernels) -> bool:
     """Is ``Linear`` the GEMM to use here? Not on a CPU with AMX, where oneDNN's tile kernels verify 12 rows
-    for about the cost of one (this kernel's 12 rows cost about 1.3x one: it runs on vdpbf16ps)."""
-    return "amx_bf16" not in processor()
+    for about the cost of one (this kernel's 12 rows cost about 1.3x one: it runs on vdpbf16ps; not measured
+    on an AMX machine), nor where the library has no OpenMP and torch more than one thread (the kernel would
+    run on one core against oneDNN's threads)."""
+    return not _has_amx() and (lib.openmp or torch.get_num_threads() == 1)
 
 
 class Linear:
@@ -303,7 +312,7 @@ class Linear:
     head, weights streamed from memory) took 9.5 / 14 / 24 / 43 ms for 1 / 16 / 32 / 64 rows against
     oneDNN's prepacked 15 / 18 / 29 / 51 ms. ``of`` and ``int8`` return None where it does not apply: no
     library, another dtype or device, N not a multiple of 16 or K odd, a library built without
-    avx512_bf16, or a CPU with AMX (``linear_preferred``)."""
+    avx512_bf16, a CPU with AMX, or a library without OpenMP (``linear_preferred``)."""
 
     def __init__(self, kernel: Callable, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None):
         self.kernel, self.packed, self.scale = kernel, packed, scale
@@ -314,13 +323,14 @@ class Linear:
 
     @staticmethod
     def _kernel(family: str, weight: torch.Tensor, dtype: torch.dtype) -> Callable | None:
-        if (not weight.is_cpu or weight.dtype != dtype or weight.dim() != 2 or weight.shape[0] % 16
-                or weight.shape[1] % 2 or not linear_preferred()):
+        if not weight.is_cpu or weight.dtype != dtype or weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 2:
             return None
         lib = library()
-        kernel = None if lib is None else getattr(lib, family)[torch.bfloat16]
-        probe = (0,) * (10 if family == "linear_int8" else 9)
-        if kernel is None or kernel(*probe[:-4], 0, 16, 16, 1) != 0:  # no rows: -1 where built without avx512_bf16
+        if lib is None or not linear_preferred(lib):
+            return None
+        kernel = getattr(lib, family)[torch.bfloat16]
+        pointers = (0,) * (6 if family == "linear_int8" else 5)  # x, its stride, weights[, scales], bias, out
+        if kernel(*pointers, 0, 16, 16, 1) != 0:  # no rows: -1 where built without avx512_bf16
             return None
         return kernel
 
@@ -329,7 +339,8 @@ class Linear:
         N, K = weight.shape
         return weight.detach().reshape(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
 
-    def _dense(self) -> torch.Tensor:
+    def dense(self) -> torch.Tensor:
+        """The weights (N, K) unpacked (a copy)."""
         return self.packed.permute(0, 2, 1, 3).reshape(self.n, self.k)
 
     @classmethod
@@ -346,8 +357,8 @@ class Linear:
 
     def __reduce__(self):  # as ``RMSNorm``'s: the library is loaded again
         if self.scale is None:
-            return Linear.of, (self._dense(), self.bias)
-        return Linear.int8, (self._dense(), self.scale, self.bias)
+            return Linear.of, (self.dense(), self.bias)
+        return Linear.int8, (self.dense(), self.scale, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """x (..., K) bf16 -> (..., N) bf16; None for another dtype, device or width."""

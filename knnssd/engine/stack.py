@@ -82,8 +82,8 @@ class NativeLinear:
         self.weight, self.bias, self.kernel = weight, bias, kernel
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel(x)
-        return F.linear(x, self.weight, self.bias) if y is None else y  # None: another dtype (never in a step)
+        y = None if self.kernel is None else self.kernel(x)  # kernel None: unpickled where it does not apply
+        return F.linear(x, self.weight, self.bias) if y is None else y  # y None: another dtype (never in a step)
 
     def packed(self, force: bool = False) -> "NativeLinear":
         return self
@@ -98,7 +98,7 @@ class Int8Linear:
     ``_weight_int8pack_mm`` with bf16 activations (CPU and CUDA), or, where the native linear kernel
     applies (``native.Linear.int8``), that kernel, which reads the int8 weights directly: on the 2-core
     Zen 4 (avx512_bf16) a one-row pass over SmolLM2's 121 projections took 10.1 ms with
-    ``_weight_int8pack_mm``, more than the native bf16 kernel's 8.8 ms, so an int8 draft step cost more
+    ``_weight_int8pack_mm``, more than the native bf16 kernel's 8.8 ms in the same run, so an int8 draft step cost more
     than the full step it stands in for. On the 2-core dev machine a SmolLM2 draft step costs ~0.6x
     a full fp32 step and agrees with the full model on ~96% of tokens (teacher-forced). Drafts need
     not be exact: the full model verifies every token. (fbgemm's dynamic int8, which also quantizes
@@ -106,8 +106,14 @@ class Int8Linear:
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-        self.q, self.scales, self.bias = q, scales, bias
+        self.scales, self.bias = scales, bias
         self.kernel = native.Linear.int8(q, scales, bias)
+        self._q = q if self.kernel is None else None  # the kernel keeps its own packed copy
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The int8 weights (N, K)."""
+        return self._q if self.kernel is None else self.kernel.dense()
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
