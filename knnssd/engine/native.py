@@ -15,9 +15,9 @@ thread with the same loop, so the threads change no bit. The library is built
 once per source, compiler and processor (``-march=native``) into ``cache_dir()/native``; with no C
 compiler, or ``KNNSSD_NATIVE=0``, ``library()`` is None and callers keep the torch ops.
 
-The linears have a kernel too (``Linear``), in bf16 where the compiler targets avx512_bf16 and the CPU
-has no AMX: its rows are row-invariant by construction as well, and it beat oneDNN's prepacked GEMM at
-every row count measured (see ``Linear``).
+The linears have a kernel too (``Linear``), in bf16 where the compiler targets avx512_bf16, the library
+has OpenMP and the CPU has no AMX: its rows are row-invariant by construction as well, and it beat
+oneDNN's prepacked GEMM at every row count measured (see ``Linear``).
 """
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
     # the same with int8 weights: x, x's row stride, packed weight, scales (fp32), bias, out, M, K, N, threads
     "linear_int8": ("p", "i", "p", "p", "p", "p", "i", "i", "i", "i"),
 }
-RESULTS = {"attention": ctypes.c_int64, "linear": ctypes.c_int64, "linear_int8": ctypes.c_int64}  # the kernels that return something (the others: nothing)
+# the kernels that return something (the others: nothing)
+RESULTS = {"attention": ctypes.c_int64, "linear": ctypes.c_int64, "linear_int8": ctypes.c_int64}
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the dtypes the kernels take
 # /proc/cpuinfo lines that say what -march=native may use (x86 "flags"; ARM "Features" and the part)
@@ -323,7 +324,8 @@ class Linear:
 
     @staticmethod
     def _kernel(family: str, weight: torch.Tensor, dtype: torch.dtype) -> Callable | None:
-        if not weight.is_cpu or weight.dtype != dtype or weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 2:
+        if (not weight.is_cpu or weight.dtype != dtype or weight.dim() != 2 or weight.shape[0] % 16
+                or weight.shape[1] % 2):
             return None
         lib = library()
         if lib is None or not linear_preferred(lib):

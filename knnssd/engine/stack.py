@@ -98,11 +98,12 @@ class Int8Linear:
     ``_weight_int8pack_mm`` with bf16 activations (CPU and CUDA), or, where the native linear kernel
     applies (``native.Linear.int8``), that kernel, which reads the int8 weights directly: on the 2-core
     Zen 4 (avx512_bf16) a one-row pass over SmolLM2's 121 projections took 10.1 ms with
-    ``_weight_int8pack_mm``, more than the native bf16 kernel's 8.8 ms in the same run, so an int8 draft step cost more
-    than the full step it stands in for. On the 2-core dev machine a SmolLM2 draft step costs ~0.6x
-    a full fp32 step and agrees with the full model on ~96% of tokens (teacher-forced). Drafts need
-    not be exact: the full model verifies every token. (fbgemm's dynamic int8, which also quantizes
-    activations, was faster but agreed on <50%.)
+    ``_weight_int8pack_mm``, more than the native bf16 kernel's 8.8 ms in the same run (so an int8
+    draft step cost more than the full step it stands in for), and 6.4-6.9 ms with the native one.
+    On the 2-core dev machine a SmolLM2 draft step costs ~0.6x a full fp32 step and agrees with the
+    full model on ~96% of tokens (teacher-forced). Drafts need not be exact: the full model verifies
+    every token. (fbgemm's dynamic int8, which also quantizes activations, was faster but agreed on
+    <50%.)
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
