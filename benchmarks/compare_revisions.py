@@ -32,16 +32,13 @@ def extract(rev: str, dest: Path) -> None:
                               capture_output=True, text=True).stdout.split()
 
     files = ls("knnssd/engine/") or ls("knnssd/")
-    for f in files:
+    for f in (f for f in files if f.endswith((".py", ".c"))):  # .c: the native kernels' source, built by native.py
+        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{f}"], check=True, capture_output=True,
+                             text=True).stdout
         if f.endswith(".py"):
-            src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{f}"], check=True, capture_output=True,
-                                 text=True).stdout
             src = src.replace("from knnssd.engine import", "from knnssd_rev import").replace("knnssd.engine.",
                                                                                                "knnssd_rev.")
-            (pkg / Path(f).name).write_text(src)
-        elif f.endswith(".c"):  # the native kernels' source, built by the revision's native.py
-            (pkg / Path(f).name).write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{f}"],
-                                                             check=True, capture_output=True).stdout)
+        (pkg / Path(f).name).write_text(src)
 
 
 def main() -> None:

@@ -483,17 +483,6 @@ int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, 
 }
 #endif
 
-/* No fp32 forms: ``native.Linear`` keeps oneDNN's GEMM there, and int8 drafts run on bf16 rows. */
-int64_t linear_f32(const float *x, int64_t x_stride, const float *wp, const float *bias, float *out, int64_t M,
-                   int64_t K, int64_t N, int64_t threads) {
-    return -1;
-}
-
-int64_t linear_int8_f32(const float *x, int64_t x_stride, const int8_t *wp, const float *scale, const float *bias,
-                        float *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return -1;
-}
-
 /* Whether the library runs its kernels on OpenMP threads (``native.Linear`` is used only then, or on one
    thread: on one core it would lose to oneDNN's threads). */
 int64_t built_with_openmp(void) {

@@ -63,6 +63,7 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
 RESULTS = {"attention": ctypes.c_int64, "linear": ctypes.c_int64, "linear_int8": ctypes.c_int64}
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the dtypes the kernels take
+BF16_ONLY = ("linear", "linear_int8")  # the families with no fp32 form (fp32 keeps oneDNN's GEMM)
 # /proc/cpuinfo lines that say what -march=native may use (x86 "flags"; ARM "Features" and the part)
 PROCESSOR_LINES = ("flags", "Features", "model name", "CPU implementer", "CPU part")
 
@@ -148,6 +149,8 @@ def _load(path: Path) -> Kernels:
     for family, args in SIGNATURES.items():
         families[family] = {}
         for dtype, suffix in SUFFIXES.items():
+            if family in BF16_ONLY and dtype != torch.bfloat16:
+                continue
             f = getattr(lib, f"{family}_{suffix}")  # AttributeError: a library without it
             f.restype, f.argtypes = RESULTS.get(family), [CTYPES[a] for a in args]
             families[family][dtype] = f
