@@ -254,6 +254,37 @@ def test_plan_allocates_the_longest_job_within_memory_and_the_pool_never_regrows
     assert grown[0] == (0, 128) and all(cap == 128 and length <= 128 for cap, length in grown[1:])
 
 
+def test_a_batched_runs_pool_is_freed_when_the_run_ends_without_the_cyclic_collector():
+    """A pool and its slots' caches hold no cycle: each run's buffers go with the run, by reference
+    counting (with a cycle, runs in one process piled up gigabytes until the collector ran)."""
+    import gc
+    import weakref
+
+    from knnssd.engine.cache import SlotPool
+
+    dec = decoder("llama", "float32")
+    jobs = [PromptJob(prompt_ids("llama", i, length=20), None, GenerationConfig(max_new_tokens=3)) for i in range(3)]
+    pools = []
+    made = SlotPool.__init__
+
+    def record(self, *a, **kw):
+        made(self, *a, **kw)
+        pools.append(weakref.ref(self))
+
+    gc.collect()
+    gc.disable()
+    SlotPool.__init__ = record
+    try:
+        assert len(list(decode_batch(dec, jobs, BatchPlan(2, FLAT, True, pooled=True, positions=64)))) == 3
+        slots, pool = dec.pooled_slots(2)
+        slots[0].reserve(10)
+        del slots, pool
+        assert len(pools) == 2 and all(r() is None for r in pools)
+    finally:
+        SlotPool.__init__ = made
+        gc.enable()
+
+
 def test_the_batch_thread_sees_what_it_loaded(caplog):
     """``Batcher``'s loop starts on the loaded generator: the constructor does not hand it over later."""
     from knnssd.serving.batcher import Batcher

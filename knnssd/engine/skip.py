@@ -208,7 +208,7 @@ class Decoder:
         """``n`` slots whose caches are the rows of one ``SlotPool`` (for ``forward_slots(..., pool)``)."""
         pool = SlotPool(n, self.n_layers, self.stack.n_kv, self.stack.head_dim, self.cache.dtype, self.device)
         out = []
-        for cache in pool.caches:
+        for cache in pool.caches():
             d = self.slot()
             d.cache, d._tables = cache, {}
             out.append(d)
