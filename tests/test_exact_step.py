@@ -198,6 +198,31 @@ def test_native_attention_reads_each_rows_own_keys_alone(dtype, D):
     assert native.attention(q, k, v, native.Rows(slots, past, None), 0.25) is None
 
 
+def test_native_causal_attention_reads_each_rows_own_keys_alone():
+    """The native prefill attention: each query reads keys 0..its position (GQA, a cache longer than the
+    keys, rows strided as QKV slices), close to fp64's causal attention, and a row's bits do not depend on
+    where the call starts or ends (a prompt prefilled in parts, at any position, gets its one-call rows)."""
+    g = torch.Generator().manual_seed(3)
+    T, KV, H, D, L = 77, 2, 6, 32, 90
+    q = torch.randn(T, H + 2 * KV, D, generator=g).to(torch.bfloat16)[:, :H]
+    k, v = (torch.randn(1, KV, L, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    got = native.causal(q, k, v, 0.25, 0)
+    if got is None:
+        pytest.skip("no native causal attention here (no C compiler, no avx512_bf16, or AMX)")
+    kk, vv = (t[0, :, :T].double().repeat_interleave(H // KV, 0) for t in (k, v))  # (H, T, D)
+    s = torch.einsum("thd,hjd->htj", q.double(), kk) * 0.25
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("htj,hjd->thd", s.softmax(-1), vv).reshape(1, T, H * D)
+    torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2)
+    for start in (1, 16, 33, T - 1):
+        assert torch.equal(native.causal(q[start:], k, v, 0.25, start), got[:, start:])
+        assert torch.equal(native.causal(q[:start], k, v, 0.25, 0), got[:, :start])
+    assert native.causal(q.float(), k.float(), v.float(), 0.25, 0) is None  # bf16 only
+    assert native.causal(q, k[:, :, :T - 1], v[:, :, :T - 1], 0.25, 0) is None  # fewer keys than positions
+    q24, k24, v24 = (t[..., :24].contiguous() for t in (q, k, v))
+    assert native.causal(q24, k24, v24, 0.25, 0) is None  # D not a multiple of 16
+
+
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_causal_blocks_compute_causal_attention(dtype):
     """The prefill's blocked form: each query reads keys 0..t, over blocks that do not divide T, with GQA;
@@ -226,7 +251,8 @@ def test_causal_blocks_compute_causal_attention(dtype):
     k, v = (torch.randn(1, KV, T, D, generator=g).to(dt) for _ in range(2))
     mask = attention.SDPA_DYNAMIC.mask(torch.arange(T), T, None)
     got = attention.SDPA_DYNAMIC.attend(q, k, v, mask, 0.25)
-    assert torch.equal(got, attention.causal_blocks(q, k, v, 0.25)) == (dt == torch.bfloat16)
+    own = native.causal(q, k, v, 0.25, 0)  # where the native linear runs, its causal kernel is the prefill's form
+    assert torch.equal(got, own if own is not None else attention.causal_blocks(q, k, v, 0.25)) == (dt == torch.bfloat16)
     start = attention.CAUSAL_BLOCK  # the step's form of a prefill's rest, from a block boundary
     rest = attention.SDPA_DYNAMIC.attend(q[start:], k, v, attention.SDPA_DYNAMIC.mask(torch.arange(start, T), T, None),
                                          0.25)

@@ -4,6 +4,7 @@
    never depends on how many rows the call has: row-invariant by construction. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define LANES 16 /* partial sums per row: a fixed order, wide enough for the compiler to vectorise */
@@ -388,14 +389,21 @@ static inline __attribute__((always_inline)) __m512bh linear_weights(const void 
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
+/* One tile: up to LIN_MR rows x LIN_NR blocks of 16 columns, summed over the first ``pairs`` pairs of
+   inputs (the blocks ``stride`` pairs apart in ``wp``).
+   ``kind``: LIN_BF16 and LIN_INT8 round each sum (scaled per column for int8, plus the bias) to bf16 into
+   ``out``; LIN_SCORES (``causal_bf16``'s q.k) stores each sum times ``fscale`` in fp32 into ``fout``. */
+enum { LIN_BF16, LIN_INT8, LIN_SCORES };
 static inline __attribute__((always_inline)) void linear_tile(const uint16_t *x, int64_t xs, const void *wp,
-        int64_t pairs, const float *scale, const float *bias, uint16_t *out, int64_t os, int mr, int nr, int int8) {
+        int64_t pairs, int64_t stride, const float *scale, const float *bias, uint16_t *out, float *fout, float fscale, int64_t os,
+        int mr, int nr, int kind) {
+    int int8 = kind == LIN_INT8;
     __m512 acc[LIN_MR][LIN_NR];
     for (int m = 0; m < mr; m++)
         for (int n = 0; n < nr; n++) acc[m][n] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh w[LIN_NR];
-        for (int n = 0; n < nr; n++) w[n] = linear_weights(wp, (n * pairs + p) * 32, int8);
+        for (int n = 0; n < nr; n++) w[n] = linear_weights(wp, (n * stride + p) * 32, int8);
         for (int m = 0; m < mr; m++) {
             int32_t two;
             memcpy(&two, x + m * xs + 2 * p, sizeof two);
@@ -406,6 +414,10 @@ static inline __attribute__((always_inline)) void linear_tile(const uint16_t *x,
     for (int m = 0; m < mr; m++)
         for (int n = 0; n < nr; n++) {
             __m512 s = acc[m][n];
+            if (kind == LIN_SCORES) {
+                _mm512_storeu_ps(fout + m * os + n * 16, _mm512_mul_ps(s, _mm512_set1_ps(fscale)));
+                continue;
+            }
             if (int8) s = _mm512_mul_ps(s, _mm512_loadu_ps(scale + n * 16));
             if (bias) s = _mm512_add_ps(s, _mm512_loadu_ps(bias + n * 16));
             _mm256_storeu_si256((__m256i *)(out + m * os + n * 16), (__m256i)_mm512_cvtneps_pbh(s));
@@ -414,23 +426,26 @@ static inline __attribute__((always_inline)) void linear_tile(const uint16_t *x,
 
 /* Rows 0..M-1 against blocks of columns (nr of them) in tiles of LIN_MR rows: each case a tile shape the
    compiler unrolls with its sums in registers. */
-#define LIN_BLOCKS(NAME, INT8)                                                                     \
-    static void NAME(const uint16_t *x, int64_t xs, const void *wp, int64_t pairs, const float *scale, \
-                     const float *bias, uint16_t *out, int64_t os, int64_t M, int nr) {            \
+#define LIN_BLOCKS(NAME, KIND)                                                                     \
+    static void NAME(const uint16_t *x, int64_t xs, const void *wp, int64_t pairs, int64_t stride, const float *scale, \
+                     const float *bias, uint16_t *out, float *fout, float fscale, int64_t os, int64_t M, int nr) { \
         for (int64_t m0 = 0; m0 < M; m0 += LIN_MR) {                                               \
             int mr = M - m0 < LIN_MR ? (int)(M - m0) : LIN_MR;                                     \
             const uint16_t *xm = x + m0 * xs;                                                      \
-            uint16_t *om = out + m0 * os;                                                          \
+            uint16_t *om = KIND == LIN_SCORES ? 0 : out + m0 * os;                                 \
+            float *fm = KIND == LIN_SCORES ? fout + m0 * os : 0;                                   \
             switch (mr * 8 + nr) {                                                                 \
-                LIN_ROWS(1, INT8) LIN_ROWS(2, INT8) LIN_ROWS(3, INT8)                              \
-                LIN_ROWS(4, INT8) LIN_ROWS(5, INT8) LIN_ROWS(6, INT8)                              \
+                LIN_ROWS(1, KIND) LIN_ROWS(2, KIND) LIN_ROWS(3, KIND)                              \
+                LIN_ROWS(4, KIND) LIN_ROWS(5, KIND) LIN_ROWS(6, KIND)                              \
             }                                                                                      \
         }                                                                                          \
     }
-#define LIN_CASE(a, b, INT8) case a * 8 + b: linear_tile(xm, xs, wp, pairs, scale, bias, om, os, a, b, INT8); break;
-#define LIN_ROWS(a, Q) LIN_CASE(a, 1, Q) LIN_CASE(a, 2, Q) LIN_CASE(a, 3, Q) LIN_CASE(a, 4, Q)
-LIN_BLOCKS(linear_blocks_bf16, 0)
-LIN_BLOCKS(linear_blocks_int8, 1)
+#define LIN_CASE(a, b, KIND) \
+    case a * 8 + b: linear_tile(xm, xs, wp, pairs, stride, scale, bias, om, fm, fscale, os, a, b, KIND); break;
+#define LIN_ROWS(a, K) LIN_CASE(a, 1, K) LIN_CASE(a, 2, K) LIN_CASE(a, 3, K) LIN_CASE(a, 4, K)
+LIN_BLOCKS(linear_blocks_bf16, LIN_BF16)
+LIN_BLOCKS(linear_blocks_int8, LIN_INT8)
+LIN_BLOCKS(linear_blocks_scores, LIN_SCORES)
 
 static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, int int8, const float *scale,
                           const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
@@ -454,9 +469,9 @@ static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, i
             const void *wb = (const char *)wp + b * pairs * 32 * (int8 ? 1 : 2);
             const float *bb = bias ? bias + b * 16 : 0;
             if (int8)
-                linear_blocks_int8(x, x_stride, wb, pairs, scale + b * 16, bb, out + b * 16, N, M, nr);
+                linear_blocks_int8(x, x_stride, wb, pairs, pairs, scale + b * 16, bb, out + b * 16, 0, 0, N, M, nr);
             else
-                linear_blocks_bf16(x, x_stride, wb, pairs, 0, bb, out + b * 16, N, M, nr);
+                linear_blocks_bf16(x, x_stride, wb, pairs, pairs, 0, bb, out + b * 16, 0, 0, N, M, nr);
         }
     }
     return 0;
@@ -471,6 +486,111 @@ int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, 
                          const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
     return linear_run(x, x_stride, wp, 1, scale, bias, out, M, K, N, threads);
 }
+
+/* Causal attention of a prefill in bf16, for one sequence: queries t = 0..T-1 at positions start + t (q's
+   rows q_stride apart, head h at h D), keys and values of KV head g at k + g head_stride + j D; query
+   t reads keys 0..start + t and nothing else. Per row: the scores q.k by the linear kernel's tiles
+   (K packed as its weights, one fixed fp32 order per score) times ``scale``; the softmax over the
+   row's keys (max; exp; the sum in 16 lanes by key index from key 0, added in a fixed tree); the
+   probabilities rounded to bf16 (as HF's eager attention does), 0 past the row's last key; then
+   P @ V by the linear kernel's tiles (V packed as weights, pairs of keys from key 0 in order, the
+   zeros adding nothing), rounded once to bf16 into out (T, H D). A row's result depends on nothing
+   but its query, its position and its keys: not on T, start, the blocks or the threads, so a prompt
+   prefilled in parts (``decode.Reused``) gets the bits of its prefill in one call.
+
+   Work items: a KV head's G query heads for CAUSAL_BQ positions (G CAUSAL_BQ rows), the latest
+   (longest) first, shared out among ``threads`` OpenMP threads. Returns -1 where built without
+   avx512_bf16, for shapes it does not take (D % 16) or when out of memory; 0 for T = 0. */
+#define CAUSAL_BQ 16
+
+static void causal_pack(const uint16_t *k, const uint16_t *v, int64_t D, int64_t end, int64_t kblocks,
+                        int64_t kpairs, uint16_t *kp, uint16_t *vp) {
+    int64_t dp = D / 2; /* K as the weights of kblocks x 16 columns (keys) by D inputs */
+    uint32_t *kp32 = (uint32_t *)kp;
+    for (int64_t j = 0; j < kblocks * 16; j++)
+        for (int64_t p = 0; p < dp; p++) {
+            uint32_t two = 0;
+            if (j < end) memcpy(&two, k + j * D + 2 * p, sizeof two);
+            kp32[((j / 16) * dp + p) * 16 + j % 16] = two;
+        }
+    for (int64_t j = 0; j < 2 * kpairs; j++) /* V as the weights of D columns by 2 kpairs inputs (keys) */
+        for (int64_t d = 0; d < D; d++)
+            vp[(((d / 16) * kpairs + j / 2) * 16 + d % 16) * 2 + j % 2] = j < end ? v[j * D + d] : 0;
+}
+
+static void causal_item(const uint16_t *q, int64_t q_stride, const uint16_t *kp, const uint16_t *vp,
+                        int64_t kpairs_all, int64_t start, int64_t T, int64_t H, int64_t G, int64_t D,
+                        int64_t g, int64_t qb, float scale, uint16_t *out, uint16_t *qbuf, float *sc, uint16_t *pb) {
+    int64_t lo = qb * CAUSAL_BQ, n = T - lo < CAUSAL_BQ ? T - lo : CAUSAL_BQ, rows = G * n;
+    int64_t kend = start + lo + n, kblocks = (kend + 15) / 16, sl = kblocks * 16, kpairs = (kend + 1) / 2;
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t t = 0; t < n; t++)
+            memcpy(qbuf + (h * n + t) * D, q + (lo + t) * q_stride + (g * G + h) * D, D * sizeof *qbuf);
+    for (int64_t b = 0; b < kblocks; b += LIN_NR) {
+        int nr = kblocks - b < LIN_NR ? (int)(kblocks - b) : LIN_NR;
+        linear_blocks_scores(qbuf, D, kp + b * D * 16, D / 2, D / 2, 0, 0, 0, sc + b * 16, scale, sl, rows, nr);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = sc + r * sl;
+        uint16_t *pr = pb + r * sl;
+        int64_t nk = start + lo + r % n + 1; /* the row's keys */
+        __m512 mx = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nk; j += 16) {
+            __mmask16 in = nk - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nk - j)) - 1);
+            mx = _mm512_mask_max_ps(mx, in, mx, _mm512_loadu_ps(s + j));
+        }
+        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        for (int64_t j = 0; j < nk; j += 16) {
+            __mmask16 in = nk - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nk - j)) - 1);
+            __m512 e = _mm512_maskz_mov_ps(in, vexp(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
+            _mm512_storeu_ps(s + j, e);
+            sums = _mm512_add_ps(sums, e);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums));
+        for (int64_t j = 0; j < sl; j += 16) {
+            __mmask16 in = j >= nk ? 0 : nk - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nk - j)) - 1);
+            __m512 p = _mm512_maskz_mov_ps(in, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+            _mm256_storeu_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+    }
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t b = 0; b < D / 16; b += LIN_NR) {
+            int nr = D / 16 - b < LIN_NR ? (int)(D / 16 - b) : LIN_NR;
+            linear_blocks_bf16(pb + h * n * sl, sl, vp + b * kpairs_all * 32, kpairs, kpairs_all, 0, 0,
+                               out + lo * H * D + (g * G + h) * D + b * 16, 0, 0, H * D, n, nr);
+        }
+}
+
+int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t head_stride,
+                    int64_t start, int64_t T, int64_t H, int64_t KV, int64_t D, float scale, uint16_t *out,
+                    int64_t threads) {
+    if (KV <= 0 || H % KV || D <= 0 || D % 16 || start < 0 || threads < 1) return -1;
+    if (T <= 0) return 0; /* the probe's call */
+    int64_t G = H / KV, end = start + T, kblocks = (end + 15) / 16, kpairs = (end + 1) / 2;
+    int64_t kp_n = kblocks * 16 * D, vp_n = 2 * kpairs * D, nqb = (T + CAUSAL_BQ - 1) / CAUSAL_BQ;
+    uint16_t *packed = malloc((kp_n + vp_n) * KV * sizeof *packed);
+    if (!packed) return -1;
+    for (int64_t g = 0; g < KV; g++)
+        causal_pack(k + g * head_stride, v + g * head_stride, D, end, kblocks, kpairs, packed + g * kp_n,
+                    packed + KV * kp_n + g * vp_n);
+    int64_t items = KV * nqb, rows = G * CAUSAL_BQ, sl = kblocks * 16;
+    int64_t per = rows * sl * (sizeof(float) + sizeof(uint16_t)) + rows * D * sizeof(uint16_t); /* bytes a thread */
+    char *scratch = malloc((threads < items ? threads : items) * per);
+    if (!scratch) {
+        free(packed);
+        return -1;
+    }
+    PARALLEL_FOR(threads, items)
+    for (int64_t i = 0; i < items; i++) {
+        float *sc = (float *)(scratch + THREAD * per);
+        uint16_t *pb = (uint16_t *)(sc + rows * sl), *qbuf = pb + rows * sl;
+        causal_item(q, q_stride, packed + (i % KV) * kp_n, packed + KV * kp_n + (i % KV) * vp_n, kpairs, start, T,
+                    H, G, D, i % KV, nqb - 1 - i / KV, scale, out, qbuf, sc, pb);
+    }
+    free(scratch);
+    free(packed);
+    return 0;
+}
 #else
 int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
                     int64_t M, int64_t K, int64_t N, int64_t threads) {
@@ -479,6 +599,11 @@ int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, con
 
 int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, const float *scale,
                          const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return -1;
+}
+int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t head_stride,
+                    int64_t start, int64_t T, int64_t H, int64_t KV, int64_t D, float scale, uint16_t *out,
+                    int64_t threads) {
     return -1;
 }
 #endif
