@@ -252,7 +252,8 @@ def test_causal_blocks_compute_causal_attention(dtype):
     mask = attention.SDPA_DYNAMIC.mask(torch.arange(T), T, None)
     got = attention.SDPA_DYNAMIC.attend(q, k, v, mask, 0.25)
     own = native.causal(q, k, v, 0.25, 0)  # where the native linear runs, its causal kernel is the prefill's form
-    assert torch.equal(got, own if own is not None else attention.causal_blocks(q, k, v, 0.25)) == (dt == torch.bfloat16)
+    form = own if own is not None else attention.causal_blocks(q, k, v, 0.25)
+    assert torch.equal(got, form) == (dt == torch.bfloat16)
     start = attention.CAUSAL_BLOCK  # the step's form of a prefill's rest, from a block boundary
     rest = attention.SDPA_DYNAMIC.attend(q[start:], k, v, attention.SDPA_DYNAMIC.mask(torch.arange(start, T), T, None),
                                          0.25)

@@ -121,7 +121,7 @@ class KVCache:
 
 class SlotPool:
     """The KV buffers of ``n`` sequences in one tensor per layer, (n, KV, capacity, D). Slot ``i``'s
-    cache (``caches[i]``, a ``PooledCache``) reads and writes row ``i`` of it at its own key length,
+    cache (``caches()[i]``, a ``PooledCache``) reads and writes row ``i`` of it at its own key length,
     exactly as a ``KVCache`` of its own would; a packed pass over several slots can then run one
     attention call over a slice of rows (no copy). The capacity grows, for every slot at once, when
     a slot reserves more positions than it holds.

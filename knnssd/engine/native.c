@@ -395,8 +395,8 @@ static inline __attribute__((always_inline)) __m512bh linear_weights(const void 
    ``out``; LIN_SCORES (``causal_bf16``'s q.k) stores each sum times ``fscale`` in fp32 into ``fout``. */
 enum { LIN_BF16, LIN_INT8, LIN_SCORES };
 static inline __attribute__((always_inline)) void linear_tile(const uint16_t *x, int64_t xs, const void *wp,
-        int64_t pairs, int64_t stride, const float *scale, const float *bias, uint16_t *out, float *fout, float fscale, int64_t os,
-        int mr, int nr, int kind) {
+        int64_t pairs, int64_t stride, const float *scale, const float *bias, uint16_t *out, float *fout,
+        float fscale, int64_t os, int mr, int nr, int kind) {
     int int8 = kind == LIN_INT8;
     __m512 acc[LIN_MR][LIN_NR];
     for (int m = 0; m < mr; m++)

@@ -64,7 +64,7 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
     "causal": ("p", "i", "p", "p", "i", "i", "i", "i", "i", "i", "f", "p", "i"),
 }
 # the kernels that return something (the others: nothing)
-RESULTS = {"attention": ctypes.c_int64, "linear": ctypes.c_int64, "linear_int8": ctypes.c_int64, "causal": ctypes.c_int64}
+RESULTS = {family: ctypes.c_int64 for family in ("attention", "linear", "linear_int8", "causal")}
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the dtypes the kernels take
 BF16_ONLY = ("linear", "linear_int8", "causal")  # the families with no fp32 form (fp32 keeps oneDNN's)
