@@ -464,24 +464,30 @@ def max_slots(decoder: Decoder, positions: int, memory: int = DEFAULT_MEMORY) ->
 
 
 AUTO_SLOTS = (1, 2, 4, 8, 16, 32, 64)
-# Doubling the slots must raise plain decoding's tokens/s by this much. At 1.25 a 2-core Zen 4 picked 16 or
-# 32 slots from run to run (measured gain 1.2-1.3 at 64 positions), and 32 was 10-12% faster than 16 in
-# every throughput run; 64 slots were 3-4% faster than 32 over 64 prompts.
-AUTO_GAIN = 1.1
+# More slots must raise plain decoding's tokens/s by this much over the slots chosen so far. At 1.25 a 2-core
+# Zen 4 picked 16 or 32 slots from run to run (measured gain 1.2-1.3 at 64 positions), and 32 was 10-12%
+# faster than 16 in every throughput run; 64 slots were 3-4% faster than 32 over 64 prompts then, and 8-15%
+# after the native linear kernel. At 1.1 the measured gain of 64 over 32 slots (1.11-1.19 in three runs)
+# fell short in one of three picks (32 slots), and a throughput run's pick, which then stopped at the first size
+# that gained too little, was 16 slots.
+AUTO_GAIN = 1.05
 
 
 def auto_slots(decoder: Decoder, positions: int, jobs: int, memory: int = DEFAULT_MEMORY) -> int:
-    """The batch size ``--batch-size auto`` picks: double the slots while plain batched decoding's
-    measured tokens/s (slots / v(slots)) rises by ``AUTO_GAIN`` or more, within the memory budget
-    and the number of jobs."""
+    """The batch size ``--batch-size auto`` picks: of the sizes in ``AUTO_SLOTS`` (within the memory
+    budget and the number of jobs), in increasing order, each whose plain batched decoding's measured
+    tokens/s (slots / v(slots)) is ``AUTO_GAIN`` times the last chosen size's or more. Every size is
+    measured (one that gains too little does not end the search, so one noisy measurement does not stop
+    it short): on a 2-core Zen 4, ``bench-throughput``'s 64 prompts ran 18% faster with 64 slots than
+    with the 16 a run picked."""
     limit = min(max_slots(decoder, positions, memory), max(1, jobs))
     best, best_rate = 1, None
     for n in (x for x in AUTO_SLOTS if x <= limit):
-        rate = n / measure_pass_costs(decoder, n, (1,), repeats=3, pooled=decoder.attention.poolable
+        rate = n / measure_pass_costs(decoder, n, (1,), repeats=5, pooled=decoder.attention.poolable
                                       ).seconds[0]
-        if best_rate is not None and rate < AUTO_GAIN * best_rate:
-            break
-        best, best_rate = n, rate
+        log.debug("batch size auto: %d slots, %.0f tokens/s", n, rate)
+        if best_rate is None or rate >= AUTO_GAIN * best_rate:
+            best, best_rate = n, rate
     log.info("batch size auto: %d slots (of at most %d by memory and jobs)", best, limit)
     return best
 
