@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import statistics
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -240,6 +241,16 @@ def measure_pass_costs(decoder: Decoder, slots: int, per_seq: tuple[int, ...] = 
     """Time packed passes of ``slots`` sequences with t rows each (R = slots * t), after ``context``
     positions, on slots of their own (the decoder's caches are not touched); ``pooled``: with the
     slots' caches in one ``SlotPool`` and attention batched over them."""
+    out = []
+    for t, run in _packed_passes(decoder, slots, per_seq, context, pooled):
+        out.append((slots * t, median_ms(run, decoder.device, repeats) / 1e3))
+    return PassCosts(tuple(r for r, _ in out), tuple(s for _, s in out))
+
+
+def _packed_passes(decoder: Decoder, slots: int, per_seq: tuple[int, ...], context: int, pooled: bool
+                   ) -> list[tuple[int, Callable[[], object]]]:
+    """(t, a packed pass of t rows per slot) for each t in ``per_seq``, over ``slots`` new slots that hold
+    the same ``context`` random tokens."""
     ss, pool = decoder.pooled_slots(slots) if pooled else ([decoder.slot() for _ in range(slots)], None)
     vocab = decoder.stack.embed.shape[0]
     g = torch.Generator().manual_seed(0)
@@ -247,12 +258,11 @@ def measure_pass_costs(decoder: Decoder, slots: int, per_seq: tuple[int, ...] = 
     ids = torch.randint(0, vocab, (context + top,), generator=g).to(decoder.device)
     for s in ss:
         s.reserve(context + top)
-        s.forward(ids[:context], 0)
-    out = []
-    for t in sorted(set(per_seq)):
-        calls = [(ids[context : context + t], context)] * slots
-        out.append((slots * t, median_ms(lambda: forward_slots(ss, calls, pool), decoder.device, repeats) / 1e3))
-    return PassCosts(tuple(r for r, _ in out), tuple(s for _, s in out))
+    ss[0].forward(ids[:context], 0)
+    for s in ss[1:]:  # the same K/V: copied, not computed again
+        s.cache.copy_from(ss[0].cache, context)
+    return [(t, lambda calls=[(ids[context : context + t], context)] * slots: forward_slots(ss, calls, pool))
+            for t in sorted(set(per_seq))]
 
 
 def choose_lengths(caps: list[int], survival: list[list[float]], draft_s: list[float], costs: PassCosts) -> list[int]:
@@ -471,23 +481,32 @@ AUTO_SLOTS = (1, 2, 4, 8, 16, 32, 64)
 # fell short in one of three picks (32 slots), and a throughput run's pick, which then stopped at the first size
 # that gained too little, was 16 slots.
 AUTO_GAIN = 1.05
+AUTO_ROUNDS = 7  # timed passes of each of the two sizes compared (alternately, each after one untimed)
 
 
 def auto_slots(decoder: Decoder, positions: int, jobs: int, memory: int = DEFAULT_MEMORY) -> int:
     """The batch size ``--batch-size auto`` picks: of the sizes in ``AUTO_SLOTS`` (within the memory
-    budget and the number of jobs), in increasing order, each whose plain batched decoding's measured
-    tokens/s (slots / v(slots)) is ``AUTO_GAIN`` times the last chosen size's or more. Every size is
-    measured (one that gains too little does not end the search, so one noisy measurement does not stop
-    it short): on a 2-core Zen 4, ``bench-throughput``'s 64 prompts ran 18% faster with 64 slots than
-    with the 16 a run picked."""
+    budget and the number of jobs), in increasing order, each whose plain batched decoding's tokens/s
+    (slots / v(slots), one-row passes at 64 positions) is ``AUTO_GAIN`` times the last chosen size's or
+    more, the two sizes timed alternately (medians). Every size is measured (one that gains too little
+    does not end the search): on a 2-core Zen 4, ``bench-throughput``'s 64 prompts ran 18% faster with
+    64 slots than with the 16 a run picked when the first such size ended it."""
     limit = min(max_slots(decoder, positions, memory), max(1, jobs))
-    best, best_rate = 1, None
+    pooled = decoder.attention.poolable
+    best, best_pass = 1, None
     for n in (x for x in AUTO_SLOTS if x <= limit):
-        rate = n / measure_pass_costs(decoder, n, (1,), repeats=5, pooled=decoder.attention.poolable
-                                      ).seconds[0]
-        log.debug("batch size auto: %d slots, %.0f tokens/s", n, rate)
-        if best_rate is None or rate >= AUTO_GAIN * best_rate:
-            best, best_rate = n, rate
+        (_, run), = _packed_passes(decoder, n, (1,), 64, pooled)
+        if best_pass is None:
+            best, best_pass = n, run
+            continue
+        ms = {best: [], n: []}
+        for _ in range(AUTO_ROUNDS):  # alternately, so both sizes see the same drift of the machine
+            for size, f in ((best, best_pass), (n, run)):
+                ms[size].append(median_ms(f, decoder.device, repeats=1))
+        gain = n / statistics.median(ms[n]) / (best / statistics.median(ms[best]))
+        log.debug("batch size auto: %d slots against %d: %.2fx the tokens/s", n, best, gain)
+        if gain >= AUTO_GAIN:
+            best, best_pass = n, run
     log.info("batch size auto: %d slots (of at most %d by memory and jobs)", best, limit)
     return best
 
