@@ -447,6 +447,24 @@ LIN_BLOCKS(linear_blocks_bf16, LIN_BF16)
 LIN_BLOCKS(linear_blocks_int8, LIN_INT8)
 LIN_BLOCKS(linear_blocks_scores, LIN_SCORES)
 
+/* Rows 0..M-1 against column blocks b0..b1-1 (``stride`` pairs apart in ``wp``), LIN_NR blocks at a time,
+   by ``kind`` (``linear_tile``); ``scale``, ``bias``, ``out`` and ``fout`` start at block 0. */
+static void linear_columns(const uint16_t *x, int64_t xs, const void *wp, int64_t pairs, int64_t stride,
+                           const float *scale, const float *bias, uint16_t *out, float *fout, float fscale,
+                           int64_t os, int64_t M, int64_t b0, int64_t b1, int kind) {
+    for (int64_t b = b0; b < b1; b += LIN_NR) {
+        int nr = b1 - b < LIN_NR ? (int)(b1 - b) : LIN_NR;
+        const void *wb = (const char *)wp + b * stride * 32 * (kind == LIN_INT8 ? 1 : 2);
+        const float *bb = bias ? bias + b * 16 : 0;
+        if (kind == LIN_INT8)
+            linear_blocks_int8(x, xs, wb, pairs, stride, scale + b * 16, bb, out + b * 16, 0, 0, os, M, nr);
+        else if (kind == LIN_SCORES)
+            linear_blocks_scores(x, xs, wb, pairs, stride, 0, 0, 0, fout + b * 16, fscale, os, M, nr);
+        else
+            linear_blocks_bf16(x, xs, wb, pairs, stride, 0, bb, out + b * 16, 0, 0, os, M, nr);
+    }
+}
+
 static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, int int8, const float *scale,
                           const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
     if (N % 16 || K % 2) return -1;
@@ -463,16 +481,8 @@ static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, i
 #else
         int64_t t = 0, T = 1;
 #endif
-        int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
-        for (int64_t b = b0; b < b1; b += LIN_NR) {
-            int nr = b1 - b < LIN_NR ? (int)(b1 - b) : LIN_NR;
-            const void *wb = (const char *)wp + b * pairs * 32 * (int8 ? 1 : 2);
-            const float *bb = bias ? bias + b * 16 : 0;
-            if (int8)
-                linear_blocks_int8(x, x_stride, wb, pairs, pairs, scale + b * 16, bb, out + b * 16, 0, 0, N, M, nr);
-            else
-                linear_blocks_bf16(x, x_stride, wb, pairs, pairs, 0, bb, out + b * 16, 0, 0, N, M, nr);
-        }
+        linear_columns(x, x_stride, wp, pairs, pairs, scale, bias, out, 0, 0, N, M, blocks * t / T,
+                       blocks * (t + 1) / T, int8 ? LIN_INT8 : LIN_BF16);
     }
     return 0;
 }
@@ -518,6 +528,10 @@ static void causal_pack(const uint16_t *k, const uint16_t *v, int64_t D, int64_t
             vp[(((d / 16) * kpairs + j / 2) * 16 + d % 16) * 2 + j % 2] = j < end ? v[j * D + d] : 0;
 }
 
+static inline __mmask16 lanes_below(int64_t n) { /* the first n of 16 lanes (all past 16, none below 1) */
+    return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
 static void causal_item(const uint16_t *q, int64_t q_stride, const uint16_t *kp, const uint16_t *vp,
                         int64_t kpairs_all, int64_t start, int64_t T, int64_t H, int64_t G, int64_t D,
                         int64_t g, int64_t qb, float scale, uint16_t *out, uint16_t *qbuf, float *sc, uint16_t *pb) {
@@ -526,39 +540,33 @@ static void causal_item(const uint16_t *q, int64_t q_stride, const uint16_t *kp,
     for (int64_t h = 0; h < G; h++)
         for (int64_t t = 0; t < n; t++)
             memcpy(qbuf + (h * n + t) * D, q + (lo + t) * q_stride + (g * G + h) * D, D * sizeof *qbuf);
-    for (int64_t b = 0; b < kblocks; b += LIN_NR) {
-        int nr = kblocks - b < LIN_NR ? (int)(kblocks - b) : LIN_NR;
-        linear_blocks_scores(qbuf, D, kp + b * D * 16, D / 2, D / 2, 0, 0, 0, sc + b * 16, scale, sl, rows, nr);
-    }
+    linear_columns(qbuf, D, kp, D / 2, D / 2, 0, 0, 0, sc, scale, sl, rows, 0, kblocks, LIN_SCORES);
     for (int64_t r = 0; r < rows; r++) {
         float *s = sc + r * sl;
         uint16_t *pr = pb + r * sl;
         int64_t nk = start + lo + r % n + 1; /* the row's keys */
         __m512 mx = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps();
         for (int64_t j = 0; j < nk; j += 16) {
-            __mmask16 in = nk - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nk - j)) - 1);
+            __mmask16 in = lanes_below(nk - j);
             mx = _mm512_mask_max_ps(mx, in, mx, _mm512_loadu_ps(s + j));
         }
         __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         for (int64_t j = 0; j < nk; j += 16) {
-            __mmask16 in = nk - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nk - j)) - 1);
+            __mmask16 in = lanes_below(nk - j);
             __m512 e = _mm512_maskz_mov_ps(in, vexp(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
             _mm512_storeu_ps(s + j, e);
             sums = _mm512_add_ps(sums, e);
         }
         __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums));
         for (int64_t j = 0; j < sl; j += 16) {
-            __mmask16 in = j >= nk ? 0 : nk - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nk - j)) - 1);
+            __mmask16 in = lanes_below(nk - j);
             __m512 p = _mm512_maskz_mov_ps(in, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
             _mm256_storeu_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(p));
         }
     }
     for (int64_t h = 0; h < G; h++)
-        for (int64_t b = 0; b < D / 16; b += LIN_NR) {
-            int nr = D / 16 - b < LIN_NR ? (int)(D / 16 - b) : LIN_NR;
-            linear_blocks_bf16(pb + h * n * sl, sl, vp + b * kpairs_all * 32, kpairs, kpairs_all, 0, 0,
-                               out + lo * H * D + (g * G + h) * D + b * 16, 0, 0, H * D, n, nr);
-        }
+        linear_columns(pb + h * n * sl, sl, vp, kpairs, kpairs_all, 0, 0, out + lo * H * D + (g * G + h) * D, 0, 0,
+                       H * D, n, 0, D / 16, LIN_BF16);
 }
 
 int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t head_stride,
