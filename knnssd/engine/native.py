@@ -67,7 +67,10 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
 RESULTS = {family: ctypes.c_int64 for family in ("attention", "linear", "linear_int8", "causal")}
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the dtypes the kernels take
-BF16_ONLY = ("linear", "linear_int8", "causal")  # the families with no fp32 form (fp32 keeps oneDNN's)
+# The families on the linear's tiles, bf16 only (fp32 keeps oneDNN's), and each one's call with nothing to do: it
+# returns 0 where the library was built with avx512_bf16, else -1
+PROBES = {"linear": (0,) * 5 + (0, 16, 16, 1), "linear_int8": (0,) * 6 + (0, 16, 16, 1),
+          "causal": (0,) * 7 + (1, 1, 16, 1.0, 0, 1)}
 # /proc/cpuinfo lines that say what -march=native may use (x86 "flags"; ARM "Features" and the part)
 PROCESSOR_LINES = ("flags", "Features", "model name", "CPU implementer", "CPU part")
 
@@ -154,7 +157,7 @@ def _load(path: Path) -> Kernels:
     for family, args in SIGNATURES.items():
         families[family] = {}
         for dtype, suffix in SUFFIXES.items():
-            if family in BF16_ONLY and dtype != torch.bfloat16:
+            if family in PROBES and dtype != torch.bfloat16:
                 continue
             f = getattr(lib, f"{family}_{suffix}")  # AttributeError: a library without it
             f.restype, f.argtypes = RESULTS.get(family), [CTYPES[a] for a in args]
@@ -335,14 +338,7 @@ class Linear:
         if (not weight.is_cpu or weight.dtype != dtype or weight.dim() != 2 or weight.shape[0] % 16
                 or weight.shape[1] % 2):
             return None
-        lib = library()
-        if lib is None or not linear_preferred(lib):
-            return None
-        kernel = getattr(lib, family)[torch.bfloat16]
-        pointers = (0,) * (6 if family == "linear_int8" else 5)  # x, its stride, weights[, scales], bias, out
-        if kernel(*pointers, 0, 16, 16, 1) != 0:  # no rows: -1 where built without avx512_bf16
-            return None
-        return kernel
+        return tiled(family)
 
     @staticmethod
     def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -386,12 +382,17 @@ class Linear:
 
 
 @functools.cache
-def _causal_kernel() -> Callable | None:
+def _built(family: str) -> Callable | None:
     lib = library()
-    if lib is None or not linear_preferred(lib):
-        return None
-    kernel = lib.causal[torch.bfloat16]
-    return kernel if kernel(0, 0, 0, 0, 0, 0, 0, 1, 1, 16, 1.0, 0, 1) == 0 else None  # -1: no avx512_bf16
+    kernel = None if lib is None else getattr(lib, family)[torch.bfloat16]
+    return kernel if kernel is not None and kernel(*PROBES[family]) == 0 else None
+
+
+def tiled(family: str) -> Callable | None:
+    """The bf16 kernel of a family on the linear's tiles (``PROBES``) where it is to be used: the library was
+    built with avx512_bf16 and ``linear_preferred`` holds; else None."""
+    lib = library()
+    return _built(family) if lib is not None and linear_preferred(lib) else None
 
 
 def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, start: int) -> torch.Tensor | None:
@@ -407,7 +408,7 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, star
     prompts (4,359 tokens) prefilled in 2.9-3.1 s against 3.4-3.7 s. The last position's logits of the
     24 longest eval prompts (921-982 tokens) moved from an fp32 run by a median KL of 1.03e-4 (mean
     2.1e-4) against causal_blocks' 1.18e-4 (1.7e-4), lower on 12 of the 24, the same top token in all."""
-    kernel = _causal_kernel() if q.is_cpu else None
+    kernel = tiled("causal") if q.is_cpu else None
     if kernel is None or q.dtype != torch.bfloat16 or q.dim() != 3 or k.dim() != 4:
         return None
     T, H, D = q.shape
