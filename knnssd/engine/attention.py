@@ -300,7 +300,8 @@ def _native(q, k, v, rows: native.Rows, scale):
     return _native_pooled(q, k, v, rows, scale)[None]
 
 
-# The C kernel (``native.c``): each query row alone, in fp32 with one rounding, reading keys 0..pos only.
+# The C kernel (``native.c``): each query row alone, reading keys 0..pos only, in fp32 with one rounding; in bf16
+# on avx512_bf16, in the native prefill's arithmetic (``native.causal``), whose row it equals bit for bit.
 NATIVE = Attention("native", _native_mask, _native, cache_fp32=False, static=True,
                    pooled_rows=native.Rows, pooled=_native_pooled)
 

@@ -317,10 +317,11 @@ ATTENTION_SIMD(attention_simd_f32, f32, vload_f32, SAME)
 #define HAVE_SIMD 1
 #endif
 
-/* Exported: the SIMD form where it is compiled and the shapes suit it, else the portable one (one
+/* Exported: in bf16 where the library has avx512_bf16 and D % 32 == 0, the step form (the prefill's
+   arithmetic); else the SIMD form where it is compiled and the shapes suit it; else the portable one (one
    choice per model, never per call), over the call's rows x KV heads work items, shared out among
    ``threads`` OpenMP threads (built with OpenMP: torch's own runtime, so the same thread pool as its
-   ops) with ``per`` floats of ``scratch`` each: (2 G + 1) D + G L + 16. The cache holds ``slots_n``
+   ops) with ``per`` floats of ``scratch`` each (``attention_scratch``). The cache holds ``slots_n``
    slots of L positions; a row outside them returns -1 before anything is computed. */
 #define ATTENTION_ENTRY(NAME)                                                                      \
     int64_t attention_##NAME(const NAME##_t *q, int64_t q_stride, const NAME##_t *k, const NAME##_t *v, \
@@ -350,16 +351,6 @@ ATTENTION_SIMD(attention_simd_f32, f32, vload_f32, SAME)
 #define PARALLEL_FOR(threads, items)
 #define THREAD 0
 #endif
-#if defined(HAVE_SIMD)
-#define FAST(NAME)                                                                                 \
-    if (D % W == 0 && D / W <= MAXC && H / KV <= MAXG) item = attention_simd_##NAME;
-#else
-#define FAST(NAME)
-#endif
-#define FAST_bf16 FAST(bf16)
-#define FAST_f32 FAST(f32)
-ATTENTION_ENTRY(bf16)
-ATTENTION_ENTRY(f32)
 
 /* y = x W^T (+ b) for bf16 rows x (M, K), each K values contiguous and rows x_stride apart, into out
    (M, N), with W (N, K) prepacked (``native.Linear``) as N / 16 blocks of 16 output columns, each
@@ -513,38 +504,100 @@ int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, 
    avx512_bf16, for shapes it does not take (D % 16) or when out of memory; 0 for T = 0. */
 #define CAUSAL_BQ 16
 
-static void causal_pack(const uint16_t *k, const uint16_t *v, int64_t D, int64_t end, int64_t kblocks,
-                        int64_t kpairs, uint16_t *kp, uint16_t *vp) {
-    int64_t dp = D / 2; /* K as the weights of kblocks x 16 columns (keys) by D inputs */
+static inline void transpose16(__m512i r[16]) { /* 16 vectors of 16 32-bit values: rows become columns */
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* Pairs 16 c .. 16 c + 15 of keys 0..15 (D values each, D apart; zeros from key m) as 16 vectors of
+   16 keys, a column of the linear kernel's K layout each. */
+static inline __attribute__((always_inline)) void keys_transposed(const uint16_t *k, int64_t m, int64_t D,
+                                                                  int64_t c, __m512i t[16]) {
+    for (int i = 0; i < 16; i++) t[i] = i < m ? _mm512_loadu_si512(k + i * D + 32 * c) : _mm512_setzero_si512();
+    transpose16(t);
+}
+
+/* Two rows' 32 values a and b as pairs (a_d, b_d) in the linear kernel's input order: d = 0..15 into
+   lo, 16..31 into hi. */
+static const uint16_t PAIRS_LO[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static inline __attribute__((always_inline)) void rows_paired(__m512i a, __m512i b, __m512i *lo, __m512i *hi) {
+    __m512i at = _mm512_loadu_si512(PAIRS_LO);
+    *lo = _mm512_permutex2var_epi16(a, at, b);
+    *hi = _mm512_permutex2var_epi16(a, _mm512_add_epi16(at, _mm512_set1_epi16(16)), b);
+}
+
+/* Keys and values 0..n-1 (D values each, D apart) packed as the linear kernel's weights, zeros past n:
+   K as kblocks blocks of 16 columns (keys) by D inputs (16 keys x 16 pairs at a time by a transpose,
+   a last part of D % 32 one by one); V as D / 16 blocks of 16 columns (values) by 2 kpairs inputs
+   (keys), kpairs >= (n + 1) / 2, the lower key of a pair first (a pair's two rows interleaved). */
+static void pack_kv(const uint16_t *k, const uint16_t *v, int64_t D, int64_t n, int64_t kblocks, int64_t kpairs,
+                    uint16_t *kp, uint16_t *vp) {
+    int64_t dp = D / 2;
     uint32_t *kp32 = (uint32_t *)kp;
-    for (int64_t j = 0; j < kblocks * 16; j++)
-        for (int64_t p = 0; p < dp; p++) {
-            uint32_t two = 0;
-            if (j < end) memcpy(&two, k + j * D + 2 * p, sizeof two);
-            kp32[((j / 16) * dp + p) * 16 + j % 16] = two;
+    for (int64_t b = 0; b < kblocks; b++) {
+        int64_t m = n - 16 * b, p = 0; /* the block's keys below n */
+        for (; p + 16 <= dp; p += 16) {
+            __m512i t[16];
+            keys_transposed(k + 16 * b * D, m, D, p / 16, t);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(kp32 + (b * dp + p + i) * 16, t[i]);
         }
-    for (int64_t j = 0; j < 2 * kpairs; j++) /* V as the weights of D columns by 2 kpairs inputs (keys) */
-        for (int64_t d = 0; d < D; d++)
-            vp[(((d / 16) * kpairs + j / 2) * 16 + d % 16) * 2 + j % 2] = j < end ? v[j * D + d] : 0;
+        for (; p < dp; p++)
+            for (int64_t i = 0; i < 16; i++) {
+                uint32_t two = 0;
+                if (i < m) memcpy(&two, k + (16 * b + i) * D + 2 * p, sizeof two);
+                kp32[(b * dp + p) * 16 + i] = two;
+            }
+    }
+    for (int64_t p = 0; p < kpairs; p++) {
+        const uint16_t *v0 = v + 2 * p * D, *v1 = v0 + D;
+        int in0 = 2 * p < n, in1 = 2 * p + 1 < n;
+        int64_t d = 0;
+        for (; d + 32 <= D; d += 32) {
+            __m512i a = in0 ? _mm512_loadu_si512(v0 + d) : _mm512_setzero_si512();
+            __m512i b = in1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512(), lo, hi;
+            rows_paired(a, b, &lo, &hi);
+            _mm512_storeu_si512(vp + ((d / 16) * kpairs + p) * 32, lo);
+            _mm512_storeu_si512(vp + ((d / 16 + 1) * kpairs + p) * 32, hi);
+        }
+        for (; d < D; d++) {
+            vp[((d / 16) * kpairs + p) * 32 + (d % 16) * 2] = in0 ? v0[d] : 0;
+            vp[((d / 16) * kpairs + p) * 32 + (d % 16) * 2 + 1] = in1 ? v1[d] : 0;
+        }
+    }
 }
 
 static inline __mmask16 lanes_below(int64_t n) { /* the first n of 16 lanes (all past 16, none below 1) */
     return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
 }
 
-static void causal_item(const uint16_t *q, int64_t q_stride, const uint16_t *kp, const uint16_t *vp,
-                        int64_t kpairs_all, int64_t start, int64_t T, int64_t H, int64_t G, int64_t D,
-                        int64_t g, int64_t qb, float scale, uint16_t *out, uint16_t *qbuf, float *sc, uint16_t *pb) {
-    int64_t lo = qb * CAUSAL_BQ, n = T - lo < CAUSAL_BQ ? T - lo : CAUSAL_BQ, rows = G * n;
-    int64_t kend = start + lo + n, kblocks = (kend + 15) / 16, sl = kblocks * 16, kpairs = (kend + 1) / 2;
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t t = 0; t < n; t++)
-            memcpy(qbuf + (h * n + t) * D, q + (lo + t) * q_stride + (g * G + h) * D, D * sizeof *qbuf);
-    linear_columns(qbuf, D, kp, D / 2, D / 2, 0, 0, 0, sc, scale, sl, rows, 0, kblocks, LIN_SCORES);
+/* The softmax of ``rows`` rows of scores (row i at sc + i sl, sl a multiple of 16), row i over its first
+   nk = base + i % per: max; exp; the sum in 16 lanes by key index from key 0, added in a fixed tree;
+   the probabilities rounded to bf16 (as HF's eager attention does) into pb (row i at i sl), 0 past nk. */
+static void softmax_rows(float *sc, int64_t rows, int64_t per, int64_t base, int64_t sl, uint16_t *pb) {
     for (int64_t r = 0; r < rows; r++) {
         float *s = sc + r * sl;
         uint16_t *pr = pb + r * sl;
-        int64_t nk = start + lo + r % n + 1; /* the row's keys */
+        int64_t nk = base + r % per; /* the row's keys */
         __m512 mx = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps();
         for (int64_t j = 0; j < nk; j += 16) {
             __mmask16 in = lanes_below(nk - j);
@@ -564,9 +617,129 @@ static void causal_item(const uint16_t *q, int64_t q_stride, const uint16_t *kp,
             _mm256_storeu_si256((__m256i *)(pr + j), (__m256i)_mm512_cvtneps_pbh(p));
         }
     }
+}
+
+static void causal_item(const uint16_t *q, int64_t q_stride, const uint16_t *kp, const uint16_t *vp,
+                        int64_t kpairs_all, int64_t start, int64_t T, int64_t H, int64_t G, int64_t D,
+                        int64_t g, int64_t qb, float scale, uint16_t *out, uint16_t *qbuf, float *sc, uint16_t *pb) {
+    int64_t lo = qb * CAUSAL_BQ, n = T - lo < CAUSAL_BQ ? T - lo : CAUSAL_BQ, rows = G * n;
+    int64_t kend = start + lo + n, kblocks = (kend + 15) / 16, sl = kblocks * 16, kpairs = (kend + 1) / 2;
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t t = 0; t < n; t++)
+            memcpy(qbuf + (h * n + t) * D, q + (lo + t) * q_stride + (g * G + h) * D, D * sizeof *qbuf);
+    linear_columns(qbuf, D, kp, D / 2, D / 2, 0, 0, 0, sc, scale, sl, rows, 0, kblocks, LIN_SCORES);
+    softmax_rows(sc, rows, n, start + lo + 1, sl, pb);
     for (int64_t h = 0; h < G; h++)
         linear_columns(pb + h * n * sl, sl, vp, kpairs, kpairs_all, 0, 0, out + lo * H * D + (g * G + h) * D, 0, 0,
                        H * D, n, 0, D / 16, LIN_BF16);
+}
+
+/* The step's attention item (``attention_bf16``: row r, KV head g) in the prefill's arithmetic, reading
+   the cache as it is (no packed copy, so its loads stream under the products): the scores of 16 keys
+   at a time, their rows transposed in registers (16 pairs of values at a time) into the linear
+   kernel's K layout and summed as its tiles sum (pair by pair from the first, one fp32 lane per key),
+   times ``scale``; ``softmax_rows``; then P @ V as the tiles sum it (pair of keys by pair from the
+   first, a pair's two value rows interleaved in registers), rounded once to bf16. With no window, a
+   row's bits are those ``causal_bf16`` gives the same query and keys: a step row is a prefill row.
+   Heads in groups of up to STEP_HG, values in groups of 64 (STEP_NB blocks of 16), so the sums stay in
+   registers. The keys STEP_AHEAD ahead, and a block's values while its scores run, are prefetched (a
+   few percent from memory). Needs D % 32 == 0. ``scratch``: ``step_scratch`` floats. */
+#define HAVE_STEP 1
+#define STEP_HG 4
+#define STEP_NB 4
+#define STEP_AHEAD 64 /* keys */
+static int64_t step_scratch(int64_t G, int64_t L) { /* the scores (fp32) and probabilities (bf16) */
+    return G * (L + 16) + (G * (L + 16) + 1) / 2;
+}
+
+static inline __attribute__((always_inline)) void step_scores(const uint16_t *k, const uint16_t *v, int64_t n,
+        int64_t D, const uint16_t *q, float scale, float *sc, int64_t sl, int gh) {
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        int64_t m = n - j0;
+        for (int64_t i = j0 + STEP_AHEAD; i < j0 + STEP_AHEAD + 16 && i < n; i++) /* the keys ahead */
+            for (int64_t c = 0; c < D; c += 32) _mm_prefetch((const char *)(k + i * D + c), _MM_HINT_T0);
+        if (v) /* the block's values, for P @ V */
+            for (int64_t i = j0; i < j0 + 16 && i < n; i++)
+                for (int64_t c = 0; c < D; c += 32) _mm_prefetch((const char *)(v + i * D + c), _MM_HINT_T0);
+        __m512 acc[STEP_HG];
+        for (int h = 0; h < gh; h++) acc[h] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D / 32; c++) {
+            __m512i t[16]; /* t[p]: pair 16 c + p of the 16 keys */
+            keys_transposed(k + j0 * D, m, D, c, t);
+            for (int p = 0; p < 16; p++)
+                for (int h = 0; h < gh; h++) {
+                    int32_t two;
+                    memcpy(&two, q + h * D + 32 * c + 2 * p, sizeof two);
+                    acc[h] = _mm512_dpbf16_ps(acc[h], (__m512bh)_mm512_set1_epi32(two), (__m512bh)t[p]);
+                }
+        }
+        for (int h = 0; h < gh; h++) _mm512_storeu_ps(sc + h * sl + j0, _mm512_mul_ps(acc[h], _mm512_set1_ps(scale)));
+    }
+}
+
+static inline __attribute__((always_inline)) void step_values(const uint16_t *v, int64_t n, int64_t D,
+        const uint16_t *pb, int64_t sl, uint16_t *out, int gh, int nb) {
+    __m512 acc[STEP_HG][STEP_NB];
+    for (int h = 0; h < gh; h++)
+        for (int b = 0; b < nb; b++) acc[h][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; 2 * p < n; p++) {
+        const uint16_t *v0 = v + 2 * p * D, *v1 = v0 + D;
+        __m512i w[STEP_NB];
+        for (int b = 0; b < nb; b += 2) {
+            __m512i a = _mm512_loadu_si512(v0 + 16 * b);
+            __m512i c = 2 * p + 1 < n ? _mm512_loadu_si512(v1 + 16 * b) : _mm512_setzero_si512();
+            rows_paired(a, c, &w[b], &w[b + 1]);
+        }
+        for (int h = 0; h < gh; h++) {
+            int32_t two;
+            memcpy(&two, pb + h * sl + 2 * p, sizeof two);
+            __m512bh pp = (__m512bh)_mm512_set1_epi32(two);
+            for (int b = 0; b < nb; b++) acc[h][b] = _mm512_dpbf16_ps(acc[h][b], pp, (__m512bh)w[b]);
+        }
+    }
+    for (int h = 0; h < gh; h++)
+        for (int b = 0; b < nb; b++)
+            _mm256_storeu_si256((__m256i *)(out + h * D + 16 * b), (__m256i)_mm512_cvtneps_pbh(acc[h][b]));
+}
+
+static void attention_step_bf16(const args_bf16 *a, int64_t r, int64_t g, float *scratch) {
+    int64_t G = a->H / a->KV, D = a->D, L = a->L;
+    int64_t end = a->pos[r] + 1, lo = a->window > 0 && end > a->window ? end - a->window : 0, n = end - lo;
+    int64_t sl = (n + 15) / 16 * 16;
+    float *sc = scratch;
+    uint16_t *pb = (uint16_t *)(sc + G * (L + 16));
+    const uint16_t *k = a->k + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;
+    const uint16_t *v = a->v + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;
+    const uint16_t *q = a->q + r * a->q_stride + g * G * D;
+    uint16_t *out = a->out + r * a->H * D + g * G * D;
+    for (int64_t h = 0; h < G; h += STEP_HG) {
+        int gh = G - h < STEP_HG ? (int)(G - h) : STEP_HG;
+        switch (gh) { /* a constant per case: the sums in registers */
+            case 1: step_scores(k, h ? 0 : v, n, D, q + h * D, a->scale, sc + h * sl, sl, 1); break;
+            case 2: step_scores(k, h ? 0 : v, n, D, q + h * D, a->scale, sc + h * sl, sl, 2); break;
+            case 3: step_scores(k, h ? 0 : v, n, D, q + h * D, a->scale, sc + h * sl, sl, 3); break;
+            default: step_scores(k, h ? 0 : v, n, D, q + h * D, a->scale, sc + h * sl, sl, 4); break;
+        }
+    }
+    softmax_rows(sc, G, 1, n, sl, pb);
+    for (int64_t h = 0; h < G; h += STEP_HG) {
+        int gh = G - h < STEP_HG ? (int)(G - h) : STEP_HG;
+        for (int64_t d = 0; d < D; d += 16 * STEP_NB) {
+            int nb = D - d < 16 * STEP_NB ? 2 : STEP_NB; /* D % 32 == 0: 2 or 4 blocks */
+            const uint16_t *vd = v + d, *ph = pb + h * sl;
+            uint16_t *od = out + h * D + d;
+            switch (gh * 8 + nb) {
+                case 1 * 8 + 2: step_values(vd, n, D, ph, sl, od, 1, 2); break;
+                case 2 * 8 + 2: step_values(vd, n, D, ph, sl, od, 2, 2); break;
+                case 3 * 8 + 2: step_values(vd, n, D, ph, sl, od, 3, 2); break;
+                case 4 * 8 + 2: step_values(vd, n, D, ph, sl, od, 4, 2); break;
+                case 1 * 8 + 4: step_values(vd, n, D, ph, sl, od, 1, 4); break;
+                case 2 * 8 + 4: step_values(vd, n, D, ph, sl, od, 2, 4); break;
+                case 3 * 8 + 4: step_values(vd, n, D, ph, sl, od, 3, 4); break;
+                default: step_values(vd, n, D, ph, sl, od, 4, 4); break;
+            }
+        }
+    }
 }
 
 int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t head_stride,
@@ -579,8 +752,8 @@ int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, cons
     uint16_t *packed = malloc((kp_n + vp_n) * KV * sizeof *packed);
     if (!packed) return -1;
     for (int64_t g = 0; g < KV; g++)
-        causal_pack(k + g * head_stride, v + g * head_stride, D, end, kblocks, kpairs, packed + g * kp_n,
-                    packed + KV * kp_n + g * vp_n);
+        pack_kv(k + g * head_stride, v + g * head_stride, D, end, kblocks, kpairs, packed + g * kp_n,
+                packed + KV * kp_n + g * vp_n);
     int64_t items = KV * nqb, rows = G * CAUSAL_BQ, sl = kblocks * 16;
     int64_t per = rows * sl * (sizeof(float) + sizeof(uint16_t)) + rows * D * sizeof(uint16_t); /* bytes a thread */
     char *scratch = malloc((threads < items ? threads : items) * per);
@@ -615,6 +788,35 @@ int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, cons
     return -1;
 }
 #endif
+
+#if defined(HAVE_SIMD)
+#define FAST(NAME)                                                                                 \
+    if (D % W == 0 && D / W <= MAXC && H / KV <= MAXG) item = attention_simd_##NAME;
+#else
+#define FAST(NAME)
+#endif
+#if defined(HAVE_STEP)
+#define FAST_bf16                                                                                  \
+    FAST(bf16)                                                                                     \
+    if (D % 32 == 0) item = attention_step_bf16;
+#else
+#define FAST_bf16 FAST(bf16)
+#endif
+#define FAST_f32 FAST(f32)
+ATTENTION_ENTRY(bf16)
+ATTENTION_ENTRY(f32)
+
+/* The floats of scratch an ``attention`` call needs per thread, for G query heads per KV head, D values
+   per head and L positions per slot: either item form's. */
+int64_t attention_scratch(int64_t G, int64_t D, int64_t L) {
+    int64_t simd = (2 * G + 1) * D + G * L + 16;
+#if defined(HAVE_STEP)
+    int64_t step = step_scratch(G, L);
+    return step > simd ? step : simd;
+#else
+    return simd;
+#endif
+}
 
 /* Whether the library runs its kernels on OpenMP threads (``native.Linear`` is used only then, or on one
    thread: on one core it would lose to oneDNN's threads). */
