@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from knnssd.engine import batched
-from knnssd.engine.attention import CAUSAL_BLOCK
+from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS, reuse_unit
 from knnssd.engine.batched import BatchPlan, BatchStats, PassCosts, PromptJob, choose_lengths, decode_batch
 from knnssd.engine.decode import GenerationConfig, Reused, generate, prefill, reusable
 from knnssd.engine.drafters import DrafterConfig, build
@@ -68,11 +68,12 @@ def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_prompts_reuse_the_leading_blocks_of_others_in_the_batch(arch):
-    """Few-shot prompts (one example of two blocks, then their own text) and a lone one: where the probe
-    measures reuse exact (on the CPU, bf16: blocked prefill attention; not fp32, whose SDPA causal prefill
-    rounds rows by the prompt's length), those that start while another is in the batch copy its blocks'
-    K/V; every prompt's tokens equal its own plain decoding either way."""
+def test_prompts_reuse_the_leading_positions_of_others_in_the_batch(arch):
+    """Few-shot prompts (one example of two blocks and 30 tokens, then their own text) and a lone one:
+    where the probe measures reuse exact (on the CPU, bf16: native or blocked prefill attention; not
+    fp32, whose SDPA causal prefill rounds rows by the prompt's length), those that start while another
+    is in the batch copy its K/V for the example (all of it where the native kernel runs, else its two
+    blocks); every prompt's tokens equal its own plain decoding either way."""
     example = prompt_ids(arch, 0, length=2 * CAUSAL_BLOCK + 30)
     prompts = [example + prompt_ids(arch, i, length=20 + 9 * i) for i in range(1, 6)] + [prompt_ids(arch, 9, 300)]
     shared = []
@@ -88,27 +89,30 @@ def test_prompts_reuse_the_leading_blocks_of_others_in_the_batch(arch):
         assert len(done) == len(jobs)
         for f in done:
             assert f.tokens == generate(dec, f.job.prompt_ids, None, f.job.config)[0], (arch, dtype)
-        # the first three start together (the 2nd and 3rd reuse the 1st's two blocks); each later one while
+        # the first three start together (the 2nd and 3rd reuse the 1st's example); each later one while
         # an earlier one still runs
-        assert stats.reused == (2 * CAUSAL_BLOCK * 4 if plan.shares else 0), (dtype, stats.reused)
+        unit = reuse_unit(dec.stack.dtype, dec.device)
+        assert stats.reused == (len(example) // unit * unit * 4 if plan.shares else 0), (dtype, stats.reused)
         shared += [dtype] * plan.shares
     if not shared:
         pytest.skip("reuse is measured exact in no dtype here")
 
 
-def test_reuse_takes_whole_blocks_and_leaves_a_prefill_to_compute():
-    """What may be reused is whole blocks leaving more than PREFILL_ROWS rows (a shorter call would run as a
-    verify pass): a borrower with fewer reuses nothing, and prefill refuses such a reuse."""
+def test_reuse_takes_whole_units_and_leaves_a_prefill_to_compute():
+    """What may be reused is whole units (blocks, or single positions where the prefill's attention is the
+    native kernel) leaving more than PREFILL_ROWS rows (a shorter call would run as a verify pass): a
+    borrower with fewer reuses what leaves it that many, and prefill refuses a reuse that leaves fewer."""
     dec = decoder("llama", "bfloat16")
     B = CAUSAL_BLOCK
-    assert [reusable(c, n) for c, n in ((300, 300), (2 * B, 2 * B + 17), (2 * B, 2 * B + 16), (B - 1, 400))] == \
-        [2 * B, 2 * B, B, 0]
+    cases = ((300, 300), (2 * B, 2 * B + 17), (2 * B, 2 * B + 16), (B - 1, 400))
+    assert [reusable(c, n, B) for c, n in cases] == [2 * B, 2 * B, B, 0]
+    assert [reusable(c, n, 1) for c, n in cases] == [300 - PREFILL_ROWS - 1, 2 * B, 2 * B - 1, B - 1]
     store = batched.Prefixes()
     cfg = GenerationConfig(max_new_tokens=1)
     store.prefill(dec.slot(), prompt_ids("llama", 0, length=B + 40), cfg)
     short = prompt_ids("llama", 0, length=B + 40)[:B] + [5] * 10  # the lender's block, then too few rows of its own
     store.prefill(dec.slot(), short, cfg)
-    assert store.reused == 0
+    assert store.reused == reusable(B, len(short), reuse_unit(dec.stack.dtype, dec.device))
     slot = dec.slot()
     prefill(slot, short, cfg)
     with pytest.raises(ValueError, match="cannot reuse"):  # a reuse that would leave a verify-sized rest

@@ -178,10 +178,10 @@ def _fp32_batch(q, k, v, mask: PositionMask, scale):
 
 class Causal(NamedTuple):
     """A ``_dynamic`` mask: the queries are positions start..end-1, each reading keys 0..itself, with
-    ``start`` 0 (a fresh prefill) or, for more than ``PREFILL_ROWS`` queries, a multiple of
-    ``CAUSAL_BLOCK`` (the rest of a prompt whose first positions' K/V were copied from another
-    sequence's prefill: ``decode.Reused``; a shorter call there is a verify pass, which must read
-    its keys as the one-token steps do)."""
+    ``start`` 0 (a fresh prefill) or, for more than ``PREFILL_ROWS`` queries, any position (the rest
+    of a prompt whose first positions' K/V were copied from another sequence's prefill:
+    ``decode.Reused``, at a multiple of ``reuse_unit``; a shorter call there is a verify pass, which
+    must read its keys as the one-token steps do)."""
 
     start: int
     pos: torch.Tensor
@@ -193,7 +193,7 @@ def _dynamic_mask(pos, length, window):
         lo = end - window if window is not None and end > window else 0
         return slice(lo, end), None
     start = end - T
-    if window is None and (start == 0 or (T > PREFILL_ROWS and start % CAUSAL_BLOCK == 0)):  # not a verify pass
+    if window is None and (start == 0 or T > PREFILL_ROWS):  # not a verify pass
         return slice(0, end), Causal(start, pos)
     return slice(0, end), _position_mask(pos, end, window)
 
@@ -215,7 +215,7 @@ def _dynamic(q, k, v, mask, scale):
         o = native.causal(q, k, v, scale, m.start)  # where the native linear runs: its tiles, row by row
         if o is not None:
             return o
-        if _blocked(q, m.start + T):
+        if _blocked(q, m.start + T) and m.start % CAUSAL_BLOCK == 0:
             return causal_blocks(q, k, v, scale, m.start)
         if m.start:
             return _sdpa(q, k, v, _position_mask(m.pos, m.start + T, None), scale)
@@ -226,6 +226,14 @@ def _dynamic(q, k, v, mask, scale):
 
 
 CAUSAL_BLOCK = 128  # query rows per block of ``causal_blocks``
+
+
+def reuse_unit(dtype: torch.dtype, device: torch.device | str) -> int:
+    """The positions a prompt's rest may start at when its first ones are copied (``decode.reusable``):
+    any, where its prefill's attention is ``native.causal`` (each row alone, from any start); else
+    whole blocks of ``CAUSAL_BLOCK`` (``causal_blocks``' rows are the same from a block boundary)."""
+    cpu_bf16 = torch.device(device).type == "cpu" and dtype == torch.bfloat16
+    return 1 if cpu_bf16 and native.tiled("causal") is not None else CAUSAL_BLOCK
 
 
 def causal_blocks(q, k, v, scale, start: int = 0, block: int = CAUSAL_BLOCK):

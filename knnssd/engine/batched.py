@@ -15,7 +15,7 @@ sequence its own pass's rows, bitwise; where not, attention runs per sequence, a
 
 A finished sequence's slot takes the next job at once (its prefill runs on the slot; while other
 sequences are active, at most one prefill per step, so none of them waits longer than one
-prefill). A prompt whose leading blocks equal those of a prompt still in the batch copies their K/V
+prefill). A prompt whose leading tokens equal those of a prompt still in the batch copies their K/V
 instead of computing them (``Prefixes``, where ``prefix_exact`` measures that exact). Where the linears
 are row-invariant up to the packed row count (``rows_exact``), every sequence's tokens equal its own
 plain decoding's, as in the one-sequence loop.
@@ -48,7 +48,7 @@ from typing import Protocol
 import torch
 
 from knnssd.engine import exactness
-from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
+from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS, reuse_unit
 from knnssd.engine.cache import BUCKET, SPAN, KVCache
 from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Reused, Run, add_at, prefill, reusable
 from knnssd.engine.drafters import Drafter
@@ -124,9 +124,11 @@ class Prefixes:
     caching, within a batch). ``prefill`` (``decode.prefill``'s signature) finds the sequence in the batch
     whose prompt shares the most leading tokens with the new one, and copies the K/V and states of
     those positions from its slot (``decode.Reused``) instead of computing them, as far as
-    ``decode.reusable`` allows (whole blocks of ``CAUSAL_BLOCK`` positions; the rest runs the blocks its
+    ``decode.reusable`` allows (any number of positions where the prefill's attention is the native
+    kernel, else whole blocks of ``CAUSAL_BLOCK``: ``attention.reuse_unit``; the rest gets the rows its
     own prefill would). Few-shot prompts share their examples: in the 64 mixed eval prompts of
-    ``bench-throughput``, each summarization prompt starts with the same 354-token example article.
+    ``bench-throughput``, each summarization prompt starts with the same 354-token example article, and
+    every prompt with its chat template's system turn.
 
     Only sequences still in the batch lend (a finished one is ``drop``-ped as its slot is freed; its
     buffers are another job's next), so what a prompt reuses is in its batch."""
@@ -137,26 +139,27 @@ class Prefixes:
 
     def prefill(self, decoder: Decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None
                 ) -> tuple[Sequence, torch.Tensor, torch.Tensor]:
-        reuse = self._find(prompt_ids, tap)
+        unit = reuse_unit(decoder.stack.dtype, decoder.device)
+        reuse = self._find(prompt_ids, tap, unit)
         seq, logits, states = prefill(decoder, prompt_ids, config, tap, reuse)
-        blocks = len(prompt_ids) // CAUSAL_BLOCK * CAUSAL_BLOCK  # what it can lend
-        if blocks:
-            self._held[id(decoder)] = _Prompt(decoder, list(prompt_ids[:blocks]), states[:blocks].clone(), tap)
+        lends = len(prompt_ids) // unit * unit
+        if lends:
+            self._held[id(decoder)] = _Prompt(decoder, list(prompt_ids[:lends]), states[:lends].clone(), tap)
         self.reused += reuse.n if reuse is not None else 0
         return seq, logits, states
 
     def drop(self, slot: Decoder) -> None:
         self._held.pop(id(slot), None)
 
-    def _find(self, ids: list[int], tap: int | None) -> Reused | None:
-        B, limit = CAUSAL_BLOCK, reusable(len(ids), len(ids))
+    def _find(self, ids: list[int], tap: int | None, unit: int) -> Reused | None:
+        limit = reusable(len(ids), len(ids), unit)
         best, lender = 0, None
         for p in self._held.values():
             if p.tap != tap:  # its states are another layer's
                 continue
-            n = 0
-            while n < limit and p.ids[n : n + B] == ids[n : n + B]:
-                n += B
+            common = next((i for i, (a, b) in enumerate(zip(p.ids[:limit], ids[:limit])) if a != b),
+                          min(limit, len(p.ids)))
+            n = common // unit * unit
             if n > best:
                 best, lender = n, p
         return None if lender is None else Reused(best, lender.slot.cache, lender.states[:best], tap)
@@ -164,8 +167,8 @@ class Prefixes:
 
 @dataclass(frozen=True)
 class _Prompt:
-    """A sequence's prompt as far as it can lend it (whole blocks): its slot, which holds the K/V, its
-    tokens and the states its prefill returned."""
+    """A sequence's prompt as far as it can lend it (whole units, ``attention.reuse_unit``): its slot, which
+    holds the K/V, its tokens and the states its prefill returned."""
 
     slot: Decoder
     ids: list[int]
@@ -175,11 +178,13 @@ class _Prompt:
 
 @torch.inference_mode()
 def prefix_exact(decoder: Decoder, pooled: bool) -> bool:
-    """Does a prompt that reuses another's leading blocks (``Prefixes``) get the K/V, states and logits its
+    """Does a prompt that reuses another's leading positions (``Prefixes``) get the K/V, states and logits its
     own prefill gives? Checked on the real model, bitwise, against each prompt prefilled alone on a slot of
     its own (``pooled``: the slots of one ``SlotPool``): a random prompt of five blocks and 30 tokens lends
     to one of two of its blocks and the fewest tokens a rest may have (a shorter borrower, mostly reused)
-    and to one of four of its blocks and 100 tokens (past 512 keys: CPU flash attention's key split)."""
+    and to one of four of its blocks and 100 tokens (past 512 keys: CPU flash attention's key split);
+    where any number of positions may be reused (``attention.reuse_unit``), also to one of its first
+    block and 45 tokens, and 60 more (a shared part that ends inside a block)."""
     B = CAUSAL_BLOCK
     slots = decoder.pooled_slots(3)[0] if pooled else [decoder.slot() for _ in range(3)]
     vocab = decoder.stack.embed.shape[0]
@@ -189,14 +194,17 @@ def prefix_exact(decoder: Decoder, pooled: bool) -> bool:
     cfg = GenerationConfig(max_new_tokens=1)
     store = Prefixes()
     store.prefill(slots[0], lender, cfg)
-    for blocks, rest in ((2, PREFILL_ROWS + 1), (4, 100)):
-        ids = lender[: blocks * B] + rand(rest)
+    cases = [(2 * B, PREFILL_ROWS + 1), (4 * B, 100)]  # (tokens shared, tokens after them)
+    if reuse_unit(decoder.stack.dtype, decoder.device) < B:
+        cases.append((B + 45, 60))
+    for shared, rest in cases:
+        ids = lender[:shared] + [(lender[shared] + 1) % vocab] + rand(rest - 1)  # the rest differs from its first
         before = store.reused
         _, logits, states = store.prefill(slots[1], ids, cfg)
         _, own_logits, own_states = prefill(slots[2], ids, cfg)
         store.drop(slots[1])
         kv = lambda c: [t[:, :, : len(ids)] for t in c.k + c.v]  # noqa: E731
-        if not (store.reused - before == blocks * B and torch.equal(logits, own_logits)
+        if not (store.reused - before == shared and torch.equal(logits, own_logits)
                 and torch.equal(states, own_states)
                 and all(torch.equal(a, b) for a, b in zip(kv(slots[1].cache), kv(slots[2].cache)))):
             return False
@@ -517,7 +525,7 @@ class BatchPlan:
     up to ``slots * max_t`` rows are row-invariant (then outputs are exact), whether attention
     runs batched over the slots (``pooled``: measured exact, ``pooled_exact``) or per sequence, and
     the positions each pooled slot is allocated at the start (``positions``; 0: as jobs reserve them),
-    and whether prompts reuse the leading blocks of others in the batch (``shares``: measured exact,
+    and whether prompts reuse the leading positions of others in the batch (``shares``: measured exact,
     ``prefix_exact``)."""
 
     slots: int
@@ -554,7 +562,7 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
              "per sequence (no batched form measured exact for this step)")
     # rotary tables that depend on the sequence's length (dynamic NTK, longrope) rotate a lender's keys by its length
     shares = slots > 1 and decoder.stack.rope_static and prefix_exact(decoder, pooled)
-    log.info("prompts reuse the leading blocks of others in the batch: %s", "yes" if shares else
+    log.info("prompts reuse the leading positions of others in the batch: %s", "yes" if shares else
              "no (not measured exact for this prefill, or rotary tables set by the length)")
     costs = measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=pooled)
     if slots > 1:  # and one sequence alone, as at low load: below ``slots`` rows v would be flat at v(slots)

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
+from knnssd.engine.attention import PREFILL_ROWS, reuse_unit
 from knnssd.engine.cache import KVCache
 from knnssd.engine.drafters import Draft, Drafter
 from knnssd.engine.sampling import Verdict, Warp, accept_greedy, accept_sampled, draw, probs
@@ -124,7 +124,7 @@ class Reused:
     """The first ``n`` positions of a prompt, already prefilled on another slot with the same tokens: that
     slot's cache (read after this prefill's reservation, which may regrow a pool's buffers) and the states
     its prefill returned for them (``prefill``'s third value, with the same ``tap``). ``n`` is what
-    ``reusable`` allows, so the rest of the prompt runs the blocks its own prefill from 0 would
+    ``reusable`` allows, so the rest of the prompt gets the rows its own prefill from 0 would
     (``batched.Prefixes``; ``batched.prefix_exact`` checks the result is the same)."""
 
     n: int
@@ -133,11 +133,12 @@ class Reused:
     tap: int | None
 
 
-def reusable(common: int, length: int) -> int:
+def reusable(common: int, length: int, unit: int) -> int:
     """The most leading positions a prompt of ``length`` tokens may take from another whose first
-    ``common`` tokens are the same: whole blocks of ``CAUSAL_BLOCK`` (where a prefill from 0 starts
-    a block), leaving more than ``PREFILL_ROWS`` to compute (a shorter call is run as a verify pass)."""
-    return max(0, min(common, length - PREFILL_ROWS - 1)) // CAUSAL_BLOCK * CAUSAL_BLOCK
+    ``common`` tokens are the same: a multiple of ``unit`` (``attention.reuse_unit``: where the rest's
+    rows are those of a prefill from 0), leaving more than ``PREFILL_ROWS`` to compute (a shorter call
+    is run as a verify pass)."""
+    return max(0, min(common, length - PREFILL_ROWS - 1)) // unit * unit
 
 
 class Prefill(Protocol):
@@ -154,7 +155,8 @@ def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int |
     its first positions' K/V and states instead of computing them."""
     if not prompt_ids:
         raise ValueError("empty prompt: at least one token is needed")
-    if reuse is not None and (reuse.tap != tap or not 0 < reuse.n == reusable(reuse.n, len(prompt_ids))):
+    unit = reuse_unit(decoder.stack.dtype, decoder.device)
+    if reuse is not None and (reuse.tap != tap or not 0 < reuse.n == reusable(reuse.n, len(prompt_ids), unit)):
         raise ValueError(f"cannot reuse {reuse.n} positions (tap {reuse.tap}) for a prompt of "
                          f"{len(prompt_ids)} (tap {tap})")
     device = decoder.device

@@ -156,7 +156,7 @@ class RoutedJob:
 
     def start(self, slot, prefill: Prefill = prefill, drafter=None) -> Run:
         """Prefill on ``slot`` (with ``prefill``: a batch's ``Prefixes.prefill`` reuses its other prompts'
-        leading blocks), route, and return the sequence's ``Run`` with its cluster's drafter
+        leading positions), route, and return the sequence's ``Run`` with its cluster's drafter
         (``drafter(cluster_id)``; default a new one, for a sequence of a batch)."""
         g, p = self.gen, self.params
         cfg = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=g.eos)
