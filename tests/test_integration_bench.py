@@ -75,3 +75,23 @@ def test_stream_order_keeps_every_prompt_and_switch_rate():
             assert switches > 0.9
         else:
             assert abs(switches - r) < 0.2
+
+
+def test_the_llama_cpp_peer_decodes_the_same_gguf_with_and_without_lookup():
+    """``bench-throughput``'s peer rows, where the ``peers`` extra is installed: llama.cpp on the embedded
+    model's GGUF, fed knnssd's prompt ids, stops at the token count or an end id (counted), each prompt timed."""
+    from knnssd import models
+    from knnssd.bench import peers
+
+    if not peers.available():
+        pytest.skip("llama-cpp-python (the peers extra) is not installed")
+    lm = models.load("smollm2", dtype="float32")
+    ids = [lm.tokenizer("The capital of France is").input_ids, lm.tokenizer("Count: 1, 2, 3, 4,").input_ids]
+    eos = models.eos_ids(lm)
+    for lookup in (False, True):
+        out = peers.generate(peers.gguf_of("smollm2"), ids, 12, eos, 2, lookup)
+        assert len(out) == 2
+        for tokens, seconds in out:
+            assert 1 <= len(tokens) <= 12 and seconds > 0
+            assert len(tokens) == 12 or tokens[-1] in eos
+            assert all(0 <= t < len(lm.tokenizer) for t in tokens)

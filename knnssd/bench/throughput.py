@@ -7,14 +7,18 @@ one decoder, one dtype and thread count:
 - ``plain b=N``: N sequences decoded together with no drafter (``engine.batched``);
 - ``routed b=N``: N sequences together, each with its routed cluster's drafter, draft lengths from
   goodput;
-- ``routed auto``: the batch size ``--batch-size auto`` picks.
+- ``routed auto``: the batch size ``--batch-size auto`` picks;
+- where ``llama-cpp-python`` is installed (the ``peers`` extra) and the model came from a GGUF file,
+  ``llama.cpp b=1`` and ``llama.cpp b=1 lookup``: the peer a CPU user would pick instead, on that file
+  (``peers``), one prompt after another, without and with prompt-lookup decoding.
 
 Terms: *throughput* = all generated tokens / the setting's wall-clock seconds (prefills included);
 *latency* = one request's seconds from its prefill to its last token (p50, p95 over the prompts;
 waiting for a free slot is not counted); *prefill s* = the seconds its prefills took, one after
 another or between the steps; *reused* = prompt positions whose K/V a batched run copied from another
 prompt in the batch (``batched.Prefixes``) instead of computing them; *same* = the fraction of prompts
-whose tokens equal ``routed b=1``'s (greedy output is exact, so 1.0 wherever the packed passes are exact).
+whose tokens equal ``routed b=1``'s (greedy output is exact, so 1.0 wherever the packed passes are exact;
+llama.cpp multiplies the quantized blocks instead, so its fraction is lower).
 The settings run in turn, in the order listed; ``--repeats`` runs the whole list again and keeps
 each setting's best throughput.
 """
@@ -26,7 +30,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from knnssd import prompts
+from knnssd.bench import peers
 from knnssd.engine import batched
 from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
 from knnssd.engine.decode import GenerationConfig
@@ -63,8 +70,9 @@ def mixed_prompts(data: Path, n: int) -> list[prompts.Prompt]:
 
 
 def _row(name: str, slots: int, results: list[tuple[list[int], float]], wall: float, stats: BatchStats | None,
-         ref: list[list[int]] | None, prefill_s: float = 0.0) -> dict:
-    """``prefill_s``: the prefills' seconds of a one-at-a-time setting (a batched one's are in ``stats``)."""
+         ref: list[list[int]] | None, prefill_s: float | None = 0.0) -> dict:
+    """``prefill_s``: the prefills' seconds of a one-at-a-time setting (a batched one's are in ``stats``;
+    None: not measured, a peer's)."""
     tokens = sum(len(t) for t, _ in results)
     lat = sorted(s for _, s in results)
     row = {"setting": name, "batch_size": slots, "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
@@ -91,6 +99,7 @@ def run(cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> di
     params = GenerateParams(max_new_tokens=cfg.max_new_tokens)
     ids = [gen.tokenize(r.prompt, params.max_prompt_tokens)[0] for r in rows]
     positions = max(len(x) for x in ids) + cfg.max_new_tokens
+    gguf = peers.gguf_of(gen.lm.name) if peers.available() else None
     auto = batched.auto_slots(dec, positions, len(rows))
     plans = {n: gen.plan(n, positions) for n in sorted({*cfg.sizes, auto}) if n > 1}
     best: dict[str, dict] = {}
@@ -107,6 +116,9 @@ def run(cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> di
         ref = [r.tokens for r in one]
         keep(_row("routed b=1", 1, [(r.tokens, r.stats.total_s) for r in one], time.perf_counter() - t0, None, None,
                   sum(r.stats.prefill_s for r in one)))
+        for name, lookup in (("llama.cpp b=1", False), ("llama.cpp b=1 lookup", True)) if gguf else ():
+            res = peers.generate(gguf, ids, cfg.max_new_tokens, gen.eos, torch.get_num_threads(), lookup)
+            keep(_row(name, 1, res, sum(s for _, s in res), None, ref, None))
         cfg_g = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_ids=gen.eos)
         for n in cfg.sizes:
             stats = BatchStats(n)
@@ -140,8 +152,10 @@ def markdown(rep: dict) -> str:
              "| setting | tok/s | vs routed b=1 | p50 s | p95 s | rows/step | draft/step | prefill s | reused | same as b=1 |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["table"]:
+        own = r["prefill_s"] is not None  # knnssd's, not a peer's
+        steps = (f"{r.get('rows_per_step', 1.0):.1f} | {r.get('draft_per_step', 0.0):.1f} | {r['prefill_s']:.1f} | "
+                 f"{r.get('reused', 0)}") if own else "- | - | - | -"
         lines.append(f"| {r['setting']} | {r['tokens_per_s']:.1f} | {r['vs_routed_b1']:.2f}x | {r['latency_p50_s']:.2f} | "
-                     f"{r['latency_p95_s']:.2f} | {r.get('rows_per_step', 1.0):.1f} | {r.get('draft_per_step', 0.0):.1f} | "
-                     f"{r.get('prefill_s', 0.0):.1f} | {r.get('reused', 0)} | {r['same_as_b1']:.2f} |")
+                     f"{r['latency_p95_s']:.2f} | {steps} | {r['same_as_b1']:.2f} |")
     lines.append(f"\nauto / best fixed batch size: {rep['auto_vs_best_fixed']:.2f}")
     return "\n".join(lines)
