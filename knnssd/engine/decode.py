@@ -155,8 +155,8 @@ def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int |
     its first positions' K/V and states instead of computing them."""
     if not prompt_ids:
         raise ValueError("empty prompt: at least one token is needed")
-    unit = reuse_unit(decoder.stack.dtype, decoder.device)
-    if reuse is not None and (reuse.tap != tap or not 0 < reuse.n == reusable(reuse.n, len(prompt_ids), unit)):
+    if reuse is not None and (reuse.tap != tap or not 0 < reuse.n == reusable(
+            reuse.n, len(prompt_ids), reuse_unit(decoder.stack.dtype, decoder.device))):
         raise ValueError(f"cannot reuse {reuse.n} positions (tap {reuse.tap}) for a prompt of "
                          f"{len(prompt_ids)} (tap {tap})")
     device = decoder.device
