@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from knnssd.engine import batched
-from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS, reuse_unit
+from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
 from knnssd.engine.batched import BatchPlan, BatchStats, PassCosts, PromptJob, choose_lengths, decode_batch
-from knnssd.engine.decode import GenerationConfig, Reused, generate, prefill, reusable
+from knnssd.engine.decode import GenerationConfig, Reused, generate, prefill, reusable, reuse_unit_of
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.sampling import Warp
 from knnssd.engine.skip import Decoder, SkipMask, make_decoder
@@ -91,7 +91,7 @@ def test_prompts_reuse_the_leading_positions_of_others_in_the_batch(arch):
             assert f.tokens == generate(dec, f.job.prompt_ids, None, f.job.config)[0], (arch, dtype)
         # the first three start together (the 2nd and 3rd reuse the 1st's example); each later one while
         # an earlier one still runs
-        unit = reuse_unit(dec.stack.dtype, dec.device)
+        unit = reuse_unit_of(dec)
         assert stats.reused == (len(example) // unit * unit * 4 if plan.shares else 0), (dtype, stats.reused)
         shared += [dtype] * plan.shares
     if not shared:
@@ -112,7 +112,7 @@ def test_reuse_takes_whole_units_and_leaves_a_prefill_to_compute():
     store.prefill(dec.slot(), prompt_ids("llama", 0, length=B + 40), cfg)
     short = prompt_ids("llama", 0, length=B + 40)[:B] + [5] * 10  # the lender's block, then too few rows of its own
     store.prefill(dec.slot(), short, cfg)
-    assert store.reused == reusable(B, len(short), reuse_unit(dec.stack.dtype, dec.device))
+    assert store.reused == reusable(B, len(short), reuse_unit_of(dec))
     slot = dec.slot()
     prefill(slot, short, cfg)
     with pytest.raises(ValueError, match="cannot reuse"):  # a reuse that would leave a verify-sized rest

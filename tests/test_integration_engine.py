@@ -80,9 +80,8 @@ def test_smollm2_bf16_few_shot_prompts_reuse_their_example_in_a_batch(data_dir):
     still equal its own plain decoding."""
     from knnssd import models
     from knnssd.engine import batched
-    from knnssd.engine.attention import reuse_unit
     from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
-    from knnssd.engine.decode import reusable
+    from knnssd.engine.decode import reusable, reuse_unit_of
 
     lm = models.load("smollm2", dtype="bfloat16")
     dec = lm.decoder
@@ -97,7 +96,7 @@ def test_smollm2_bf16_few_shot_prompts_reuse_their_example_in_a_batch(data_dir):
     done = {id(f.job): f for f in decode_batch(dec, jobs, plan, stats)}
     for row, job in zip(rows, jobs):
         assert done[id(job)].tokens == generate(dec, job.prompt_ids, None, job.config)[0], row.id
-    unit = reuse_unit(dec.stack.dtype, dec.device)
+    unit = reuse_unit_of(dec)
     assert stats.reused == sum(reusable(354, len(x), unit) for x in ids[1:3])  # the 2nd and 3rd summarization prompts
 
 

@@ -21,7 +21,14 @@ LOOKUP_TOKENS = 10  # tokens per lookup draft: llama-cpp-python's default
 
 
 def available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
+    """llama-cpp-python is installed and its library loads."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return False
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
 
 
 def gguf_of(model: str) -> Path | None:
@@ -35,7 +42,8 @@ def gguf_of(model: str) -> Path | None:
 
 def generate(gguf: Path, prompt_ids: list[list[int]], max_new_tokens: int, eos: tuple[int, ...], threads: int,
              lookup: bool) -> list[tuple[list[int], float]]:
-    """(tokens, seconds) of each prompt, one after another, on one llama.cpp context of ``threads`` threads."""
+    """(tokens, seconds) of each prompt, one after another, each from an empty cache, on one llama.cpp
+    context of ``threads`` threads (the seconds of its loading and of an untimed first call excluded)."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -49,6 +57,7 @@ def generate(gguf: Path, prompt_ids: list[list[int]], max_new_tokens: int, eos: 
     try:
         next(llm.generate(prompt_ids[0], temp=0.0, top_k=1, reset=True))  # untimed: a first call took seconds
         for ids in prompt_ids:
+            llm.reset()  # no prefix kept from the last prompt (``generate`` reuses a matching one): each cold
             t0 = time.perf_counter()
             tokens: list[int] = []
             for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):

@@ -17,11 +17,13 @@ device, the dtype and the model's shapes (``exactness.py`` measures it at load):
                   the cache is kept in fp32 so nothing is converted per call)
     sdpa_dynamic  the pre-static step: SDPA over keys 0..pos[-1] only, no mask for T = 1
                   (shapes change with the position; needs the position on the host); a fresh
-                  prefill runs it causal, in blocks of matrix products on the CPU in bf16
-                  (``causal_blocks``), as does the rest of a prompt whose first blocks' K/V
-                  were copied from another sequence (``decode.Reused``)
+                  prefill runs it causal (``native.causal`` where the native linear runs, else
+                  in blocks of matrix products on the CPU in bf16, ``causal_blocks``), as does
+                  the rest of a prompt whose first positions' K/V were copied from another
+                  sequence (``decode.Reused``)
     native        the C kernel of ``native.py`` (CPU, where it is built): each query row alone,
-                  reading its keys 0..pos only, in fp32 with one rounding, so invariant to the
+                  reading its keys 0..pos only, in fp32 with one rounding (in bf16 on avx512_bf16,
+                  in ``native.causal``'s arithmetic instead), so invariant to the
                   call's rows and to the key length by construction; a packed pass over a
                   ``SlotPool`` is one call per layer (``Attention.pooled``), whatever the key lengths
 
@@ -228,12 +230,14 @@ def _dynamic(q, k, v, mask, scale):
 CAUSAL_BLOCK = 128  # query rows per block of ``causal_blocks``
 
 
-def reuse_unit(dtype: torch.dtype, device: torch.device | str) -> int:
+def reuse_unit(dtype: torch.dtype, device: torch.device | str, head_dim: int, step: "Attention") -> int:
     """The positions a prompt's rest may start at when its first ones are copied (``decode.reusable``):
-    any, where its prefill's attention is ``native.causal`` (each row alone, from any start); else
-    whole blocks of ``CAUSAL_BLOCK`` (``causal_blocks``' rows are the same from a block boundary)."""
-    cpu_bf16 = torch.device(device).type == "cpu" and dtype == torch.bfloat16
-    return 1 if cpu_bf16 and native.tiled("causal") is not None else CAUSAL_BLOCK
+    any, where its prefill's attention is ``native.causal`` (each row alone, from any start: bf16 on
+    the CPU, a bf16 cache, D % 16 == 0, the native linear in use); else whole blocks of
+    ``CAUSAL_BLOCK`` (``causal_blocks``' rows are the same from a block boundary)."""
+    native_rows = (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and head_dim % 16 == 0
+                   and not step.cache_fp32 and native.tiled("causal") is not None)
+    return 1 if native_rows else CAUSAL_BLOCK
 
 
 def causal_blocks(q, k, v, scale, start: int = 0, block: int = CAUSAL_BLOCK):

@@ -48,9 +48,10 @@ from typing import Protocol
 import torch
 
 from knnssd.engine import exactness
-from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS, reuse_unit
+from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
 from knnssd.engine.cache import BUCKET, SPAN, KVCache
-from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Reused, Run, add_at, prefill, reusable
+from knnssd.engine.decode import (DecodeStats, GenerationConfig, Prefill, Reused, Run, add_at, prefill, reusable,
+                                  reuse_unit_of)
 from knnssd.engine.drafters import Drafter
 from knnssd.engine.sampling import Verdict
 from knnssd.engine.sequence import Sequence
@@ -139,7 +140,7 @@ class Prefixes:
 
     def prefill(self, decoder: Decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None
                 ) -> tuple[Sequence, torch.Tensor, torch.Tensor]:
-        unit = reuse_unit(decoder.stack.dtype, decoder.device)
+        unit = reuse_unit_of(decoder)
         reuse = self._find(prompt_ids, tap, unit)
         seq, logits, states = prefill(decoder, prompt_ids, config, tap, reuse)
         lends = len(prompt_ids) // unit * unit
@@ -195,7 +196,7 @@ def prefix_exact(decoder: Decoder, pooled: bool) -> bool:
     store = Prefixes()
     store.prefill(slots[0], lender, cfg)
     cases = [(2 * B, PREFILL_ROWS + 1), (4 * B, 100)]  # (tokens shared, tokens after them)
-    if reuse_unit(decoder.stack.dtype, decoder.device) < B:
+    if reuse_unit_of(decoder) < B:
         cases.append((B + 45, 60))
     for shared, rest in cases:
         ids = lender[:shared] + [(lender[shared] + 1) % vocab] + rand(rest - 1)  # the rest differs from its first

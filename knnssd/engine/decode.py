@@ -133,6 +133,11 @@ class Reused:
     tap: int | None
 
 
+def reuse_unit_of(decoder) -> int:
+    """``attention.reuse_unit`` for a decoder (its dtype, device, head size and step attention)."""
+    return reuse_unit(decoder.stack.dtype, decoder.device, decoder.stack.head_dim, decoder.attention)
+
+
 def reusable(common: int, length: int, unit: int) -> int:
     """The most leading positions a prompt of ``length`` tokens may take from another whose first
     ``common`` tokens are the same: a multiple of ``unit`` (``attention.reuse_unit``: where the rest's
@@ -155,8 +160,8 @@ def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int |
     its first positions' K/V and states instead of computing them."""
     if not prompt_ids:
         raise ValueError("empty prompt: at least one token is needed")
-    if reuse is not None and (reuse.tap != tap or not 0 < reuse.n == reusable(
-            reuse.n, len(prompt_ids), reuse_unit(decoder.stack.dtype, decoder.device))):
+    if reuse is not None and (reuse.tap != tap or not 0 < reuse.n == reusable(reuse.n, len(prompt_ids),
+                                                                                 reuse_unit_of(decoder))):
         raise ValueError(f"cannot reuse {reuse.n} positions (tap {reuse.tap}) for a prompt of "
                          f"{len(prompt_ids)} (tap {tap})")
     device = decoder.device

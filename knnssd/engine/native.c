@@ -640,7 +640,8 @@ static void causal_item(const uint16_t *q, int64_t q_stride, const uint16_t *kp,
    kernel's K layout and summed as its tiles sum (pair by pair from the first, one fp32 lane per key),
    times ``scale``; ``softmax_rows``; then P @ V as the tiles sum it (pair of keys by pair from the
    first, a pair's two value rows interleaved in registers), rounded once to bf16. With no window, a
-   row's bits are those ``causal_bf16`` gives the same query and keys: a step row is a prefill row.
+   row's bits are those ``causal_bf16`` gives the same query and keys: where a prefill runs that kernel
+   (``native.causal``), a step row is a prefill row.
    Heads in groups of up to STEP_HG, values in groups of 64 (STEP_NB blocks of 16), so the sums stay in
    registers. The keys STEP_AHEAD ahead, and a block's values while its scores run, are prefetched (a
    few percent from memory). Needs D % 32 == 0. ``scratch``: ``step_scratch`` floats. */
