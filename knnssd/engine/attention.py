@@ -232,12 +232,10 @@ CAUSAL_BLOCK = 128  # query rows per block of ``causal_blocks``
 
 def reuse_unit(dtype: torch.dtype, device: torch.device | str, head_dim: int, step: "Attention") -> int:
     """The positions a prompt's rest may start at when its first ones are copied (``decode.reusable``):
-    any, where its prefill's attention is ``native.causal`` (each row alone, from any start: bf16 on
-    the CPU, a bf16 cache, D % 16 == 0, the native linear in use); else whole blocks of
-    ``CAUSAL_BLOCK`` (``causal_blocks``' rows are the same from a block boundary)."""
-    native_rows = (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and head_dim % 16 == 0
-                   and not step.cache_fp32 and native.tiled("causal") is not None)
-    return 1 if native_rows else CAUSAL_BLOCK
+    any, where its prefill's attention is ``native.causal`` (each row alone, from any start:
+    ``native.causal_runs``, with a bf16 cache, which a ``step`` that keeps fp32 K/V has not); else whole
+    blocks of ``CAUSAL_BLOCK`` (``causal_blocks``' rows are the same from a block boundary)."""
+    return 1 if not step.cache_fp32 and native.causal_runs(dtype, device, head_dim) else CAUSAL_BLOCK
 
 
 def causal_blocks(q, k, v, scale, start: int = 0, block: int = CAUSAL_BLOCK):

@@ -488,22 +488,6 @@ int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, 
     return linear_run(x, x_stride, wp, 1, scale, bias, out, M, K, N, threads);
 }
 
-/* Causal attention of a prefill in bf16, for one sequence: queries t = 0..T-1 at positions start + t (q's
-   rows q_stride apart, head h at h D), keys and values of KV head g at k + g head_stride + j D; query
-   t reads keys 0..start + t and nothing else. Per row: the scores q.k by the linear kernel's tiles
-   (K packed as its weights, one fixed fp32 order per score) times ``scale``; the softmax over the
-   row's keys (max; exp; the sum in 16 lanes by key index from key 0, added in a fixed tree); the
-   probabilities rounded to bf16 (as HF's eager attention does), 0 past the row's last key; then
-   P @ V by the linear kernel's tiles (V packed as weights, pairs of keys from key 0 in order, the
-   zeros adding nothing), rounded once to bf16 into out (T, H D). A row's result depends on nothing
-   but its query, its position and its keys: not on T, start, the blocks or the threads, so a prompt
-   prefilled in parts (``decode.Reused``) gets the bits of its prefill in one call.
-
-   Work items: a KV head's G query heads for CAUSAL_BQ positions (G CAUSAL_BQ rows), the latest
-   (longest) first, shared out among ``threads`` OpenMP threads. Returns -1 where built without
-   avx512_bf16, for shapes it does not take (D % 16) or when out of memory; 0 for T = 0. */
-#define CAUSAL_BQ 16
-
 static inline void transpose16(__m512i r[16]) { /* 16 vectors of 16 32-bit values: rows become columns */
     __m512i t[16];
     for (int i = 0; i < 16; i += 2) {
@@ -549,7 +533,7 @@ static inline __attribute__((always_inline)) void rows_paired(__m512i a, __m512i
 /* Keys and values 0..n-1 (D values each, D apart) packed as the linear kernel's weights, zeros past n:
    K as kblocks blocks of 16 columns (keys) by D inputs (16 keys x 16 pairs at a time by a transpose,
    a last part of D % 32 one by one); V as D / 16 blocks of 16 columns (values) by 2 kpairs inputs
-   (keys), kpairs >= (n + 1) / 2, the lower key of a pair first (a pair's two rows interleaved). */
+   (keys), kpairs = (n + 1) / 2, the lower key of a pair first (a pair's two rows interleaved). */
 static void pack_kv(const uint16_t *k, const uint16_t *v, int64_t D, int64_t n, int64_t kblocks, int64_t kpairs,
                     uint16_t *kp, uint16_t *vp) {
     int64_t dp = D / 2;
@@ -570,17 +554,17 @@ static void pack_kv(const uint16_t *k, const uint16_t *v, int64_t D, int64_t n, 
     }
     for (int64_t p = 0; p < kpairs; p++) {
         const uint16_t *v0 = v + 2 * p * D, *v1 = v0 + D;
-        int in0 = 2 * p < n, in1 = 2 * p + 1 < n;
+        int in1 = 2 * p + 1 < n;
         int64_t d = 0;
         for (; d + 32 <= D; d += 32) {
-            __m512i a = in0 ? _mm512_loadu_si512(v0 + d) : _mm512_setzero_si512();
+            __m512i a = _mm512_loadu_si512(v0 + d);
             __m512i b = in1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512(), lo, hi;
             rows_paired(a, b, &lo, &hi);
             _mm512_storeu_si512(vp + ((d / 16) * kpairs + p) * 32, lo);
             _mm512_storeu_si512(vp + ((d / 16 + 1) * kpairs + p) * 32, hi);
         }
         for (; d < D; d++) {
-            vp[((d / 16) * kpairs + p) * 32 + (d % 16) * 2] = in0 ? v0[d] : 0;
+            vp[((d / 16) * kpairs + p) * 32 + (d % 16) * 2] = v0[d];
             vp[((d / 16) * kpairs + p) * 32 + (d % 16) * 2 + 1] = in1 ? v1[d] : 0;
         }
     }
@@ -618,6 +602,22 @@ static void softmax_rows(float *sc, int64_t rows, int64_t per, int64_t base, int
         }
     }
 }
+
+/* Causal attention of a prefill in bf16, for one sequence: queries t = 0..T-1 at positions start + t (q's
+   rows q_stride apart, head h at h D), keys and values of KV head g at k + g head_stride + j D; query
+   t reads keys 0..start + t and nothing else. Per row: the scores q.k by the linear kernel's tiles
+   (K packed as its weights, one fixed fp32 order per score) times ``scale``; the softmax over the
+   row's keys (max; exp; the sum in 16 lanes by key index from key 0, added in a fixed tree); the
+   probabilities rounded to bf16 (as HF's eager attention does), 0 past the row's last key; then
+   P @ V by the linear kernel's tiles (V packed as weights, pairs of keys from key 0 in order, the
+   zeros adding nothing), rounded once to bf16 into out (T, H D). A row's result depends on nothing
+   but its query, its position and its keys: not on T, start, the blocks or the threads, so a prompt
+   prefilled in parts (``decode.Reused``) gets the bits of its prefill in one call.
+
+   Work items: a KV head's G query heads for CAUSAL_BQ positions (G CAUSAL_BQ rows), the latest
+   (longest) first, shared out among ``threads`` OpenMP threads. Returns -1 where built without
+   avx512_bf16, for shapes it does not take (D % 16) or when out of memory; 0 for T = 0. */
+#define CAUSAL_BQ 16
 
 static void causal_item(const uint16_t *q, int64_t q_stride, const uint16_t *kp, const uint16_t *vp,
                         int64_t kpairs_all, int64_t start, int64_t T, int64_t H, int64_t G, int64_t D,

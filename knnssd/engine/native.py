@@ -405,6 +405,13 @@ def tiled(family: str) -> Callable | None:
     return _built(family) if lib is not None and linear_preferred(lib) else None
 
 
+def causal_runs(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
+    """Does ``causal`` take prefills of this dtype, device and head size (laid out as a cache is)? bf16 on
+    the CPU, D % 16 == 0, where ``Linear`` is used (``tiled``)."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and head_dim % 16 == 0
+            and tiled("causal") is not None)
+
+
 def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, start: int) -> torch.Tensor | None:
     """Causal attention of a prefill (``native.c``'s ``causal``): q (T, H, D) bf16 at positions start..start+T-1
     (each head's D values contiguous, heads D apart, rows any stride apart), k and v (1, KV, L, D) of one
@@ -418,17 +425,16 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, star
     prompts (4,359 tokens) prefilled in 2.9-3.1 s against 3.4-3.7 s. The last position's logits of the
     24 longest eval prompts (921-982 tokens) moved from an fp32 run by a median KL of 1.03e-4 (mean
     2.1e-4) against causal_blocks' 1.18e-4 (1.7e-4), lower on 12 of the 24, the same top token in all."""
-    kernel = tiled("causal") if q.is_cpu else None
-    if kernel is None or q.dtype != torch.bfloat16 or q.dim() != 3 or k.dim() != 4:
+    if q.dim() != 3 or k.dim() != 4 or not causal_runs(q.dtype, q.device, q.shape[2]):
         return None
     T, H, D = q.shape
     _, KV, L, _ = k.shape
     if (k.dtype != q.dtype or v.dtype != q.dtype or not k.is_cpu or k.shape != v.shape or k.stride() != v.stride()
             or k.shape[0] != 1 or k.shape[3] != D or k.stride(3) != 1 or k.stride(2) != D or q.stride(2) != 1
-            or q.stride(1) != D or L < start + T or H % KV or D % 16):
+            or q.stride(1) != D or L < start + T or H % KV):
         return None
     out = torch.empty(1, T, H * D, dtype=q.dtype)
-    if kernel(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(1), start, T, H, KV, D, scale,
+    if tiled("causal")(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(1), start, T, H, KV, D, scale,
               out.data_ptr(), torch.get_num_threads()):
         return None
     return out
