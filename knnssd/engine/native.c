@@ -186,9 +186,15 @@ ATTENTION(attention_any_f32, f32, SAME, SAME)
 /* The same attention in SIMD registers of W lanes (AVX-512: 16, AVX2 with FMA: 8), where the compiler
    targets them and D is a multiple of W: a key's D values as D / W vectors, its G dot products by
    fused multiply-adds, each summed across lanes in a fixed order; the softmax W scores at a time (the
-   last n % W one by one); p_j v_j by fused multiply-adds into G D / W vectors. A fixed sequence of
-   operations per row, so as row-invariant as the portable form, which it does not match bit for bit.
-   ``scratch``: G L + 16 floats. */
+   last n % W one by one); p_j v_j by fused multiply-adds into G D / W vectors, over the keys in order.
+   A fixed sequence of operations per row, so as row-invariant as the portable form, which it does not
+   match bit for bit. ``scratch``: G L + 16 floats.
+
+   Each score and each output vector is one chain of fused multiply-adds, and a chain waits for the one
+   before it (4-5 cycles): the loops run QK_KEYS keys' chains side by side for one query head, and
+   P @ V up to PV_CHUNKS output vectors' chains of one head side by side over the keys, so that the
+   chains keep the FMA units busy and stay in registers. Which chains run together changes no
+   operation of any chain: the bits are those of one key, one head, one vector at a time. */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #if defined(__AVX512F__)
@@ -258,6 +264,35 @@ static inline vf vexp(vf x) { /* softmax_exp on W lanes */
 
 #define MAXG 16
 #define MAXC (256 / W)
+#define QK_KEYS 8
+#define PV_CHUNKS 8
+/* ``qk_T``: the scores of query head qh (nc vectors) against ``keys`` (a constant where inlined) keys
+   from k (D apart) into p: each key's product with the head's first vector, then a fused
+   multiply-add per further vector, summed across lanes (``vsum``) and scaled.
+   ``pv_T``: ``chunks`` output vectors c0.. of one head: sum over the n keys, in order, of p_j times
+   value j's vector (fused multiply-adds from 0), stored to dst rounded to T. */
+#define SIMD_PRODUCTS(T, LOADV, STORE)                                                             \
+    static inline __attribute__((always_inline)) void qk_##T(const vf *qh, const T##_t *k, int64_t D, \
+                                                             int64_t nc, int keys, float scale, float *p) { \
+        vf acc[QK_KEYS];                                                                           \
+        for (int i = 0; i < keys; i++) acc[i] = vmul(qh[0], LOADV(k + i * D));                     \
+        for (int64_t c = 1; c < nc; c++)                                                           \
+            for (int i = 0; i < keys; i++) acc[i] = vfma(qh[c], LOADV(k + i * D + W * c), acc[i]); \
+        for (int i = 0; i < keys; i++) p[i] = vsum(acc[i]) * scale;                                \
+    }                                                                                              \
+    static inline __attribute__((always_inline)) void pv_##T(const float *ph, const T##_t *v, int64_t D, \
+                                                             int64_t n, int chunks, float *o, T##_t *dst) { \
+        vf acc[PV_CHUNKS];                                                                         \
+        for (int i = 0; i < chunks; i++) acc[i] = vzero();                                         \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            vf pj = vset1(ph[j]);                                                                  \
+            for (int i = 0; i < chunks; i++) acc[i] = vfma(pj, LOADV(v + j * D + W * i), acc[i]);  \
+        }                                                                                          \
+        for (int i = 0; i < chunks; i++) {                                                         \
+            vstore(o, acc[i]);                                                                     \
+            for (int l = 0; l < W; l++) dst[W * i + l] = STORE(o[l]);                              \
+        }                                                                                          \
+    }
 #define ATTENTION_SIMD(NAME, T, LOADV, STORE)                                                      \
     static void NAME(const args_##T *a, int64_t r, int64_t g, float *scratch) {                    \
         int64_t G = a->H / a->KV, D = a->D, L = a->L, nc = D / W;                                  \
@@ -267,15 +302,13 @@ static inline vf vexp(vf x) { /* softmax_exp on W lanes */
         const T##_t *kg = a->k + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;       \
         const T##_t *vg = a->v + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;       \
         const T##_t *qg = a->q + r * a->q_stride + g * G * D;                                      \
-        vf qv[MAXG * MAXC], kv[MAXC];                                                              \
+        vf qv[MAXG * MAXC];                                                                        \
         for (int64_t i = 0; i < G * nc; i++) qv[i] = LOADV(qg + W * i);                            \
-        for (int64_t j = 0; j < n; j++) {                                                          \
-            for (int64_t c = 0; c < nc; c++) kv[c] = LOADV(kg + j * D + W * c);                    \
-            for (int64_t h = 0; h < G; h++) {                                                      \
-                vf acc = vmul(qv[h * nc], kv[0]);                                                  \
-                for (int64_t c = 1; c < nc; c++) acc = vfma(qv[h * nc + c], kv[c], acc);           \
-                p[h * L + j] = vsum(acc) * a->scale;                                               \
-            }                                                                                      \
+        for (int64_t h = 0; h < G; h++) {                                                          \
+            int64_t j = 0;                                                                         \
+            for (; j + QK_KEYS <= n; j += QK_KEYS)                                                 \
+                qk_##T(qv + h * nc, kg + j * D, D, nc, QK_KEYS, a->scale, p + h * L + j);          \
+            for (; j < n; j++) qk_##T(qv + h * nc, kg + j * D, D, nc, 1, a->scale, p + h * L + j); \
         }                                                                                          \
         for (int64_t h = 0; h < G; h++) {                                                          \
             float *ph = p + h * L, m = -INFINITY, tail = 0.0f;                                     \
@@ -296,22 +329,18 @@ static inline vf vexp(vf x) { /* softmax_exp on W lanes */
             for (int64_t j = 0; j < body; j += W) vstore(ph + j, vmul(vload_f32(ph + j), vset1(inv))); \
             for (int64_t j = body; j < n; j++) ph[j] *= inv;                                       \
         }                                                                                          \
-        vf ov[MAXG * MAXC];                                                                        \
-        for (int64_t i = 0; i < G * nc; i++) ov[i] = vzero();                                      \
-        for (int64_t j = 0; j < n; j++) {                                                          \
-            for (int64_t c = 0; c < nc; c++) kv[c] = LOADV(vg + j * D + W * c);                    \
-            for (int64_t h = 0; h < G; h++) {                                                      \
-                vf pj = vset1(p[h * L + j]);                                                       \
-                for (int64_t c = 0; c < nc; c++) ov[h * nc + c] = vfma(pj, kv[c], ov[h * nc + c]); \
-            }                                                                                      \
-        }                                                                                          \
         T##_t *dst = a->out + r * a->H * D + g * G * D;                                            \
-        for (int64_t i = 0; i < G * nc; i++) {                                                     \
-            vstore(o, ov[i]);                                                                      \
-            for (int l = 0; l < W; l++) dst[W * i + l] = STORE(o[l]);                              \
+        for (int64_t h = 0; h < G; h++) {                                                          \
+            int64_t c = 0;                                                                         \
+            for (; c + PV_CHUNKS <= nc; c += PV_CHUNKS)                                            \
+                pv_##T(p + h * L, vg + W * c, D, n, PV_CHUNKS, o, dst + h * D + W * c);            \
+            for (; c + 4 <= nc; c += 4) pv_##T(p + h * L, vg + W * c, D, n, 4, o, dst + h * D + W * c); \
+            for (; c < nc; c++) pv_##T(p + h * L, vg + W * c, D, n, 1, o, dst + h * D + W * c);    \
         }                                                                                          \
     }
 
+SIMD_PRODUCTS(bf16, vload_bf16, f32_to_bf16)
+SIMD_PRODUCTS(f32, vload_f32, SAME)
 ATTENTION_SIMD(attention_simd_bf16, bf16, vload_bf16, f32_to_bf16)
 ATTENTION_SIMD(attention_simd_f32, f32, vload_f32, SAME)
 #define HAVE_SIMD 1
