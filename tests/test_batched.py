@@ -70,10 +70,10 @@ def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_prompts_reuse_the_leading_positions_of_others_in_the_batch(arch):
     """Few-shot prompts (one example of two blocks and 30 tokens, then their own text) and a lone one:
-    where the probe measures reuse exact (on the CPU, bf16: native or blocked prefill attention; not
-    fp32, whose SDPA causal prefill rounds rows by the prompt's length), those that start while another
-    is in the batch copy its K/V for the example (all of it where the native kernel runs, else its two
-    blocks); every prompt's tokens equal its own plain decoding either way."""
+    where the probe measures reuse exact (on the CPU: bf16 with native or blocked prefill attention, fp32
+    where the prefill runs the native step's kernel), those that start while another is in the batch
+    copy its K/V for the example (all of it where a native kernel computes each prefill row alone, else
+    its two blocks); every prompt's tokens equal its own plain decoding either way."""
     example = prompt_ids(arch, 0, length=2 * CAUSAL_BLOCK + 30)
     prompts = [example + prompt_ids(arch, i, length=20 + 9 * i) for i in range(1, 6)] + [prompt_ids(arch, 9, 300)]
     shared = []

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from knnssd.engine import native
-from knnssd.engine.attention import PREFILL_ROWS, SDPA, SDPA_DYNAMIC, Attention, PositionMask, allowed
+from knnssd.engine.attention import PREFILL_ROWS, SDPA, Attention, PositionMask, allowed, prefill_form
 from knnssd.engine.cache import KVCache, SlotPool, Span
 from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf
 
@@ -277,9 +277,10 @@ class Decoder:
         return self.cache.spans(start, rows)
 
     def _attention_for(self, rows: int) -> Attention:
-        """The probed step; a prefill's rows are never compared with one-token steps (plain and speculative
-        runs share it), so it takes the fastest form: causal SDPA over the keys written so far."""
-        return SDPA_DYNAMIC if rows > PREFILL_ROWS and not self.attention.cache_fp32 else self.attention
+        """The probed step; for a prefill, ``attention.prefill_form``."""
+        if rows > PREFILL_ROWS:
+            return prefill_form(self.attention, self.stack.dtype, self.device)
+        return self.attention
 
     @staticmethod
     def _embed(s: Stack, ids: torch.Tensor) -> torch.Tensor:
