@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from knnssd import reachable
 
 TIMEOUT_S = 5
+STARTUP_S = 90  # the least a temporary server gets to answer: a fresh PREFECT_HOME's database is created and
+# migrated first, which took longer than Prefect's default 20 s on a loaded 2-core AVX2 Zen 1
 _PR_SET_PDEATHSIG = 1
 
 
@@ -73,7 +75,7 @@ def local_api() -> Iterator[str]:
     """Yield the API URL flows will use: ``PREFECT_API_URL`` once it answers, else a temporary server
     of this process's own (call it from the main thread: the parent-death signal follows the thread
     that started the server)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
     url = PREFECT_API_URL.value()
     if url:
@@ -82,7 +84,7 @@ def local_api() -> Iterator[str]:
         return
     server = _server_class()(_free_port())  # its own port: never an instance Prefect made without the signal
     try:
-        server.start()
+        server.start(timeout=max(STARTUP_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
     except Exception as e:  # noqa: BLE001 - a start timeout, a port race: one line, and nothing left running
         server.stop()
         raise PrefectUnavailable(f"the temporary Prefect server did not start ({str(e).splitlines()[0][:200]})") from None
