@@ -269,8 +269,8 @@ static inline vf vexp(vf x) { /* softmax_exp on W lanes */
 /* ``qk_T``: the scores of query head qh (nc vectors) against ``keys`` (a constant where inlined) keys
    from k (D apart) into p: each key's product with the head's first vector, then a fused
    multiply-add per further vector, summed across lanes (``vsum``) and scaled.
-   ``pv_T``: ``chunks`` output vectors c0.. of one head: sum over the n keys, in order, of p_j times
-   value j's vector (fused multiply-adds from 0), stored to dst rounded to T. */
+   ``pv_T``: ``chunks`` output vectors of one head (v and dst start at the first of them): the sum over
+   the n keys, in order, of p_j times value j's vector (fused multiply-adds from 0), rounded to T. */
 #define SIMD_PRODUCTS(T, LOADV, STORE)                                                             \
     static inline __attribute__((always_inline)) void qk_##T(const vf *qh, const T##_t *k, int64_t D, \
                                                              int64_t nc, int keys, float scale, float *p) { \
