@@ -328,14 +328,16 @@ SDPA_DYNAMIC = Attention("sdpa_dynamic", _dynamic_mask, _dynamic, cache_fp32=Fal
 def prefill_form(step: Attention, dtype: torch.dtype, device: torch.device | str) -> Attention:
     """The attention a prefill (a call of more than ``PREFILL_ROWS`` rows) runs, given the decoder's ``step``.
     A prefill's rows are never compared with one-token steps (plain and speculative runs share it), so it
-    takes the fastest form for the cache the step keeps:
+    may run another form than the step, for the cache the step keeps:
 
     - the step itself where it keeps fp32 K/V (the cache's dtype);
-    - the step itself where it is ``native`` in fp32 on the CPU: each row alone, over its own keys, so a
-      prefill row is a step row and the same from any start (``reuse_unit``). On a 2-core AVX2 Zen 1 the
+    - the step itself where it is ``native`` in fp32 on the CPU, for reuse rather than speed: each row
+      alone, over its own keys, so a prefill row is a step row and the same from any start (``reuse_unit``),
+      where causal SDPA rounds a row by the prompt's length. On a 2-core AVX2 Zen 1 the
       16 serving prompts (4,359 tokens) of SmolLM2 prefilled in 17.4 s against causal SDPA's 17.8 (best
       of three, interleaved in one process: the linears take most of it);
-    - else ``SDPA_DYNAMIC`` (``native.causal`` where it runs, causal blocks in bf16, causal SDPA)."""
+    - else the fastest causal form, ``SDPA_DYNAMIC`` (``native.causal`` where it runs, causal blocks in
+      bf16, causal SDPA)."""
     if step.cache_fp32 or (step.pooled is not None and dtype == torch.float32 and torch.device(device).type == "cpu"):
         return step
     return SDPA_DYNAMIC
