@@ -13,6 +13,7 @@ from knnssd.search.calibration import ModelSpec
 from knnssd.settings import work_dir
 from knnssd.tasks.calibration import embed_prompts, register_bank, search_cluster, study_prefix
 from knnssd.tasks.extend import fetch_bank, merge_bank, new_clusters, new_domain_rows, warm_starts
+from knnssd.tasks.fanout import run_all
 
 
 class AddDomainParams(SearchParams):
@@ -35,9 +36,8 @@ def add_domain(params: AddDomainParams) -> dict:
     budget = params.budget()
     prefix = f"{study_prefix(spec, vectors, clusters, budget)}-{'warm' if params.warm else 'cold'}"
     storage = params.storage_url()
-    futures = [search_cluster.submit(spec, c, calib, budget, storage, prefix, warm_starts(base["dir"], c, params.warm))
-               for c in clusters]
-    results = [f.result() for f in futures]
+    results = run_all(search_cluster, [
+        (spec, c, calib, budget, storage, prefix, warm_starts(base["dir"], c, params.warm)) for c in clusters])
     out = merge_bank(base["dir"], clusters, results, vectors, str(work_dir() / "banks" / prefix),
                      f"{base_uri} (version {base['version']})")
     return register_bank(out, {**params.model_dump(), "base_version": base["version"]}, params.tracking_uri)

@@ -11,6 +11,7 @@ from knnssd.search.calibration import ModelSpec
 from knnssd.settings import work_dir
 from knnssd.tasks.calibration import (build_bank, cluster_prompts, embed_prompts, load_prompts, register_bank,
                                search_cluster, study_prefix)
+from knnssd.tasks.fanout import run_all
 
 
 class CalibrateParams(SearchParams):
@@ -39,8 +40,7 @@ def prepare(params: CalibrateParams):
 def calibrate(params: CalibrateParams = CalibrateParams()) -> dict:
     spec, rows, vectors, clusters, prefix = prepare(params)
     storage = params.storage_url()
-    futures = [search_cluster.submit(spec, c, rows, params.budget(), storage, prefix) for c in clusters]
-    results = [f.result() for f in futures]
+    results = run_all(search_cluster, [(spec, c, rows, params.budget(), storage, prefix) for c in clusters])
     bank_dir = build_bank(spec, clusters, results, vectors, router.Pooling(params.pooling, params.layer),
                           str(work_dir() / "banks" / prefix),
                           {"inputs": params.paths(), "study_prefix": prefix, "storage": storage})

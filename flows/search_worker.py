@@ -12,6 +12,7 @@ from prefect import flow
 
 from knnssd.flows.calibrate import CalibrateParams, prepare
 from knnssd.tasks.calibration import proxy_trials
+from knnssd.tasks.fanout import run_all
 
 
 class WorkerParams(CalibrateParams):
@@ -23,6 +24,5 @@ class WorkerParams(CalibrateParams):
 def search_worker(params: WorkerParams) -> list[dict]:
     spec, rows, _, clusters, prefix = prepare(params)
     chosen = [c for c in clusters if not params.clusters or c.label in params.clusters]
-    futures = [proxy_trials.submit(spec, c, rows, params.budget(), params.storage_url(), prefix, params.trials)
-               for c in chosen]
-    return [f.result() for f in futures]
+    return run_all(proxy_trials, [(spec, c, rows, params.budget(), params.storage_url(), prefix, params.trials)
+                                  for c in chosen])

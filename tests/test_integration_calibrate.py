@@ -64,9 +64,13 @@ def _journal_trials(storage: str) -> int:
                (optuna.load_study(study_name=x.study_name, storage=st) for x in optuna.get_all_study_summaries(st)))
 
 
+STOP_S = 30  # from SIGTERM to exit; before searches stopped on it, the queued searches ran to their end first
+
+
 def test_calibration_killed_mid_search_resumes_then_its_deployment_adds_a_version(isolated, data_dir, prefect_api):
     """One calibration three ways, in turn, on the session's Prefect server and one MLflow (sqlite):
-    1. ``knnssd calibrate`` SIGKILLed mid-search registers nothing;
+    1. ``knnssd calibrate`` sent SIGTERM mid-search stops within ``STOP_S`` (its searches, the one running
+       and those queued on the machine lock, stop after the trial in progress) and registers nothing;
     2. the same command again resumes the studies and registers version 1 (candidate and champion);
     3. the calibrate deployment from prefect.yaml, on a process worker, with the same settings: the
        studies' budget is met, so it adds no trial, and its version 2 becomes the candidate while the
@@ -93,10 +97,15 @@ def test_calibration_killed_mid_search_resumes_then_its_deployment_adds_a_versio
             before = _journal_trials(storage)
             if before >= 3:
                 break
-    assert proc.poll() is None, "calibration ended before it could be killed: " + proc.stdout.read().decode()[-2000:]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert tracking.versions("smollm2", uri) == []  # nothing registered by the killed run
+    assert proc.poll() is None, "calibration ended before it could be stopped: " + proc.stdout.read().decode()[-2000:]
+    os.kill(proc.pid, signal.SIGTERM)  # as `kill PID`, a scheduler or a Prefect worker's cancellation would
+    try:
+        proc.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"calibrate still ran {STOP_S} s after SIGTERM: its searches did not stop")
+    assert tracking.versions("smollm2", uri) == []  # nothing registered by the stopped run
     before = _journal_trials(storage)
 
     t0 = time.time()

@@ -14,6 +14,7 @@ import functools
 import logging
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import torch
 from knnssd import models, prompts, tracking
 from knnssd.routing import bank as banks
 from knnssd.routing import pictures, router
-from knnssd.search import optimize
+from knnssd.search import cancel, optimize
 from knnssd.search.budget import Budget
 from knnssd.search.costs import Costs, measure_costs
 from knnssd.search.study import storage_for
@@ -129,11 +130,18 @@ def make_clusters(vectors: Path, k_per_domain: int = 10, n_clusters: int | None 
 
 @contextlib.contextmanager
 def machine_lock(name: str = "timing"):
-    """Serialise timed work on one machine (concurrent searches would disturb each other's clocks)."""
+    """Serialise timed work on one machine (concurrent searches would disturb each other's clocks). A
+    search waiting here stops when its flow is interrupted (``cancel``)."""
     path = cache_dir() / f"{name}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        while True:
+            cancel.check()
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(0.2)
         try:
             yield
         finally:

@@ -31,6 +31,7 @@ from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, me
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.skip import Decoder, SkipMask
 from knnssd.routing.bank import ClusterResult
+from knnssd.search import cancel
 from knnssd.search.budget import Budget
 from knnssd.search.costs import Costs
 from knnssd.search.proxy import (MAX_LENS, NGRAM_SIZES, Policy, Sample, best_policy, influence, influence_masks,
@@ -131,7 +132,8 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     remaining = budget.proxy_trials - len(finished(proxy)) if n_trials is None else n_trials
     if remaining > 0:
         timeout = None if deadline is None else max(1.0, 0.6 * (deadline - time.perf_counter()))
-        proxy.optimize(objective, n_trials=remaining, timeout=timeout, callbacks=[progress] if progress else None)
+        proxy.optimize(objective, n_trials=remaining, timeout=timeout,
+                       callbacks=[lambda study, trial: cancel.check(), *([progress] if progress else [])])
     return Proxy(proxy, samples, proposals, kinds, costs)
 
 
@@ -172,6 +174,7 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
     prompt_ids = [m.tokenizer(x).input_ids for x in job.texts[: budget.real_prompts]]
     gen = GenerationConfig(max_new_tokens=budget.max_new_tokens, eos_ids=m.eos)
     for cfg, proxy_sp in cands:
+        cancel.check()
         key = json.dumps(cfg.to_dict(), sort_keys=True)
         if key in measured or (deadline is not None and time.perf_counter() > deadline):
             continue
@@ -183,6 +186,7 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
         tokens = drafted = acc = steps = 0
         pruned = False
         for i, ids in enumerate(prompt_ids):
+            cancel.check()  # the trial stays open in the study (never told): a rerun measures the candidate again
             order = (None, drafter) if i % 2 == 0 else (drafter, None)
             for d in order:
                 out, st = generate(dec, ids, d, gen)

@@ -20,6 +20,7 @@ import torch
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import DrafterConfig, NGram, adapt_length
 from knnssd.engine.skip import Decoder, SkipMask
+from knnssd.search import cancel
 from knnssd.search.costs import Costs
 
 THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.9)
@@ -45,6 +46,7 @@ def teacher_samples(dec, tokenizer, texts: list[str], max_new_tokens: int, eos: 
     """Each text's prompt ids and plain AR continuation (the sequences every trace teacher-forces)."""
     out = []
     for text in texts:
+        cancel.check()
         ids = tokenizer(text).input_ids
         cont, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=max_new_tokens, eos_ids=eos))
         out.append(Sample(ids, cont))
