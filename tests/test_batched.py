@@ -98,6 +98,34 @@ def test_prompts_reuse_the_leading_positions_of_others_in_the_batch(arch):
         pytest.skip("reuse is measured exact in no dtype here")
 
 
+def test_a_prompt_reuses_one_that_finished_while_its_slot_stays_free():
+    """A server's requests one after another, on a running batch of 3 slots: each few-shot prompt starts
+    only after the one before it finished, and still copies the example from that one's free slot (the
+    slot it takes is another: the one free longest); its tokens equal its own plain decoding."""
+    from knnssd.engine.batched import JobQueue
+
+    example = prompt_ids("llama", 0, length=2 * CAUSAL_BLOCK + 30)
+    prompts = [example + prompt_ids("llama", i, length=20 + 9 * i) for i in range(1, 5)]
+    shared = []
+    for dtype in ("bfloat16", "float32"):
+        dec = decoder("llama", dtype)
+        plan = batched.plan(dec, slots=3)
+        queue, stats = JobQueue(), BatchStats(plan.slots)
+        batch = decode_batch(dec, queue, plan, stats)
+        for ids in prompts:
+            job = PromptJob(ids, None, GenerationConfig(max_new_tokens=5))
+            queue.put(job)
+            f = next(batch)  # the batch holds this job alone, and yields it once it has finished
+            assert f.job is job and f.tokens == generate(dec, ids, None, job.config)[0], dtype
+        queue.close()
+        assert list(batch) == [] and max(stats.active) == 1
+        unit = reuse_unit_of(dec)
+        assert stats.reused == (len(example) // unit * unit * 3 if plan.shares else 0), (dtype, stats.reused)
+        shared += [dtype] * plan.shares
+    if not shared:
+        pytest.skip("reuse is measured exact in no dtype here")
+
+
 def test_reuse_takes_whole_units_and_leaves_a_prefill_to_compute():
     """What may be reused is whole units (blocks, or single positions where the prefill's attention is the
     native kernel) leaving more than PREFILL_ROWS rows (a shorter call would run as a verify pass): a

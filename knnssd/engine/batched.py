@@ -15,8 +15,9 @@ sequence its own pass's rows, bitwise; where not, attention runs per sequence, a
 
 A finished sequence's slot takes the next job at once (its prefill runs on the slot; while other
 sequences are active, at most one prefill per step, so none of them waits longer than one
-prefill). A prompt whose leading tokens equal those of a prompt still in the batch copies their K/V
-instead of computing them (``Prefixes``, where ``prefix_exact`` measures that exact). Where the linears
+prefill). A prompt whose leading tokens equal those of a prompt in the batch, or of one whose slot
+has taken no other job since it finished, copies their K/V instead of computing them (``Prefixes``,
+where ``prefix_exact`` measures that exact). Where the linears
 are row-invariant up to the packed row count (``rows_exact``), every sequence's tokens equal its own
 plain decoding's, as in the one-sequence loop.
 
@@ -121,18 +122,19 @@ class JobQueue:
 
 
 class Prefixes:
-    """The prompts of the sequences in a batch, for the next prompts' prefills to reuse (vLLM's prefix
-    caching, within a batch). ``prefill`` (``decode.prefill``'s signature) finds the sequence in the batch
-    whose prompt shares the most leading tokens with the new one, and copies the K/V and states of
-    those positions from its slot (``decode.Reused``) instead of computing them, as far as
-    ``decode.reusable`` allows (any number of positions where the prefill's attention is the native
-    kernel, else whole blocks of ``CAUSAL_BLOCK``: ``attention.reuse_unit``; the rest gets the rows its
-    own prefill would). Few-shot prompts share their examples: in the 64 mixed eval prompts of
+    """The prompts of the sequences in a batch, and of finished ones whose slots are free, for the next
+    prompts' prefills to reuse (vLLM's prefix caching, over a batch's slots). ``prefill``
+    (``decode.prefill``'s signature) finds the one whose prompt shares the most leading tokens with the
+    new one, and copies the K/V and states of those positions from its slot (``decode.Reused``) instead
+    of computing them, as far as ``decode.reusable`` allows (any number of positions where the prefill's
+    attention is the native kernel, else whole blocks of ``CAUSAL_BLOCK``: ``attention.reuse_unit``; the
+    rest gets the rows its own prefill would). Few-shot prompts share their examples: in the 64 mixed eval prompts of
     ``bench-throughput``, each summarization prompt starts with the same 354-token example article, and
     every prompt with its chat template's system turn.
 
-    Only sequences still in the batch lend (a finished one is ``drop``-ped as its slot is freed; its
-    buffers are another job's next), so what a prompt reuses is in its batch."""
+    A finished sequence's prompt lends until its slot takes another job (``drop``: its buffers are that
+    job's), so a prompt also reuses one that finished before it started: in a server, the request
+    before it (vLLM's automatic prefix caching keeps freed blocks the same way, until it evicts them)."""
 
     def __init__(self):
         self._held: dict[int, _Prompt] = {}  # by id(slot)
@@ -609,8 +611,7 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
     debug = log.isEnabledFor(logging.DEBUG)
 
     def finish(a: _Active) -> Finished:
-        prefixes.drop(a.slot)
-        free.append(a.slot)
+        free.append(a.slot)  # its prompt lends (``Prefixes``) until the slot takes another job
         model.finished(a.run)
         tokens, st = a.run.finish()
         st.exact = st.exact and plan.exact
@@ -623,7 +624,9 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
             if job is None:
                 return
             t0 = time.perf_counter()
-            a = _Active(job, free.pop(), None, t0)
+            slot = free.pop(0)  # the slot free longest: the prompts that finished last lend longer
+            prefixes.drop(slot)  # its buffers are this job's now
+            a = _Active(job, slot, None, t0)
             reused = prefixes.reused
             a.run = job.start(a.slot, prefixes.prefill if plan.shares else prefill)
             a.run.stats.prefill_s = time.perf_counter() - t0
