@@ -3,15 +3,16 @@
     .venv/bin/python benchmarks/serve_concurrency.py --model-uri models:/knnssd-smollm2@champion \
         --tracking-uri sqlite:///artifacts/mlflow.db --requests 16 --max-new-tokens 64
 
-Starts the server on 127.0.0.1 (the venv's bin on PATH), waits for /ping, sends each request (one
-prompt: a mixed eval prompt of the five domains, round-robin) once sequentially and once from 16
-threads at the same moment, and prints both wall times, their ratio and whether every answer's
-tokens are identical (``--repeats``: that many of each, alternately; the medians and every run). The
-server is stopped at the end, however the script ends.
+Sends each request (one prompt: a mixed eval prompt of the five domains, round-robin) once
+sequentially and once from 16 threads at the same moment, each run on a fresh server on 127.0.0.1
+(the venv's bin on PATH) that answers /ping and has served one other prompt, and prints both wall
+times, their ratio and whether every answer's tokens are identical (``--repeats``: that many of each,
+alternately; the medians and every run). Each server is stopped after its run, however the script ends.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -22,10 +23,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from knnssd import prompts
+
+WARM_UP = "Say hello."
 
 
 def free_port() -> int:
@@ -56,12 +60,38 @@ def main() -> None:
     for r in rows:
         by.setdefault(r.domain, []).append(r.prompt)
     texts = [by[d][i // len(by)] for i, d in zip(range(a.requests), [*by] * a.requests)]
-    port = free_port()
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "MLFLOW_TRACKING_URI": a.tracking_uri, "KNNSSD_DTYPE": a.dtype,
            "KNNSSD_BATCH_SIZE": a.batch_size, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    seq, conc, answers = [], [], []
+    for _ in range(a.repeats):  # alternately, so both see the same drift of the machine
+        for runs in (seq, conc):
+            with serving(a.model_uri, env) as port:
+                t0 = time.perf_counter()
+                if runs is seq:
+                    answers.append([ask(port, t, a.max_new_tokens) for t in texts])
+                else:
+                    with ThreadPoolExecutor(len(texts)) as pool:
+                        answers.append(list(pool.map(lambda t: ask(port, t, a.max_new_tokens), texts)))
+                runs.append(time.perf_counter() - t0)
+    seq_s, conc_s = statistics.median(seq), statistics.median(conc)
+    print(json.dumps({"requests": len(texts), "max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size,
+                      "sequential_s": round(seq_s, 2), "concurrent_s": round(conc_s, 2),
+                      "concurrent_over_sequential": round(conc_s / seq_s, 3),
+                      "sequential_runs": [round(x, 2) for x in seq], "concurrent_runs": [round(x, 2) for x in conc],
+                      "identical": all(x == answers[0] for x in answers), "tokens": sum(map(len, answers[0]))}))
+
+
+@contextlib.contextmanager
+def serving(model_uri: str, env: dict) -> Iterator[int]:
+    """A fresh server on a free port, answering and warmed up by one request that is none of the timed
+    prompts; stopped at the end, however the block ends. Each run gets its own: a server's free slots
+    keep the prompts they last held for the next prompts to reuse (``batched.Prefixes``), so a run
+    after another on one server would reuse that run's prompts, its very own among them."""
+    port = free_port()
+    bin_dir = Path(sys.executable).parent
     log = tempfile.TemporaryFile()
-    server = subprocess.Popen([str(Path(bin_dir) / "mlflow"), "models", "serve", "-m", a.model_uri, "--env-manager",
+    server = subprocess.Popen([str(bin_dir / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager",
                                "local", "-h", "127.0.0.1", "-p", str(port)], env=env, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -75,28 +105,12 @@ def main() -> None:
                     log.seek(0)
                     sys.exit("server exited:\n" + log.read().decode()[-3000:])
                 time.sleep(0.5)
-        ask(port, texts[0], 4)  # warm up
-        seq, conc, identical = [], [], True
-        for _ in range(a.repeats):  # alternately, so both see the same drift of the machine
-            t0 = time.perf_counter()
-            one = [ask(port, t, a.max_new_tokens) for t in texts]
-            seq.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(len(texts)) as pool:
-                many = list(pool.map(lambda t: ask(port, t, a.max_new_tokens), texts))
-            conc.append(time.perf_counter() - t0)
-            identical = identical and one == many
-        seq_s, conc_s = statistics.median(seq), statistics.median(conc)
-        print(json.dumps({"requests": len(texts), "max_new_tokens": a.max_new_tokens, "batch_size": a.batch_size,
-                          "sequential_s": round(seq_s, 2), "concurrent_s": round(conc_s, 2),
-                          "concurrent_over_sequential": round(conc_s / seq_s, 3),
-                          "sequential_runs": [round(x, 2) for x in seq], "concurrent_runs": [round(x, 2) for x in conc],
-                          "identical": identical, "tokens": sum(map(len, one))}))
+        ask(port, WARM_UP, 4)
+        yield port
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
         log.close()
-
 
 if __name__ == "__main__":
     main()
