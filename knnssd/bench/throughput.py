@@ -17,9 +17,9 @@ Terms: *throughput* = all generated tokens / the setting's wall-clock seconds (p
 waiting for a free slot is not counted); *prefill s* = the seconds its prefills took, one after
 another or between the steps; *reused* = prompt positions whose K/V a batched run copied from another
 prompt in the batch, or from one that finished in a slot still free (``batched.Prefixes``), instead of
-computing them; *same* = the fraction of prompts
-whose tokens equal ``routed b=1``'s (greedy output is exact, so 1.0 wherever the packed passes are exact;
-llama.cpp multiplies the quantized blocks instead, so its fraction is lower).
+computing them; *same* = the fraction of prompts whose tokens equal ``routed b=1``'s (greedy output is
+exact, so 1.0 wherever the packed passes are exact; llama.cpp multiplies the quantized blocks instead,
+so its fraction is lower).
 The settings run in turn, in the order listed; ``--repeats`` runs the whole list again and keeps
 each setting's best throughput.
 """

@@ -17,9 +17,9 @@ A finished sequence's slot takes the next job at once (its prefill runs on the s
 sequences are active, at most one prefill per step, so none of them waits longer than one
 prefill). A prompt whose leading tokens equal those of a prompt in the batch, or of one whose slot
 has taken no other job since it finished, copies their K/V instead of computing them (``Prefixes``,
-where ``prefix_exact`` measures that exact). Where the linears
-are row-invariant up to the packed row count (``rows_exact``), every sequence's tokens equal its own
-plain decoding's, as in the one-sequence loop.
+where ``prefix_exact`` measures that exact). Where the linears are row-invariant up to the packed row
+count (``rows_exact``), every sequence's tokens equal its own plain decoding's, as in the one-sequence
+loop.
 
 Terms:
     s_b(j)     sequence b's chance that the first j tokens of a draft are all accepted, given that it
@@ -128,9 +128,9 @@ class Prefixes:
     new one, and copies the K/V and states of those positions from its slot (``decode.Reused``) instead
     of computing them, as far as ``decode.reusable`` allows (any number of positions where the prefill's
     attention is the native kernel, else whole blocks of ``CAUSAL_BLOCK``: ``attention.reuse_unit``; the
-    rest gets the rows its own prefill would). Few-shot prompts share their examples: in the 64 mixed eval prompts of
-    ``bench-throughput``, each summarization prompt starts with the same 354-token example article, and
-    every prompt with its chat template's system turn.
+    rest gets the rows its own prefill would). Few-shot prompts share their examples: in the 64 mixed
+    eval prompts of ``bench-throughput``, each summarization prompt starts with the same 354-token
+    example article, and every prompt with its chat template's system turn.
 
     A finished sequence's prompt lends until its slot takes another job (``drop``: its buffers are that
     job's), so a prompt also reuses one that finished before it started: in a server, the request

@@ -3,7 +3,7 @@
 A flow's searches run in Prefect's thread pool. When the flow is interrupted (SIGTERM, which Prefect
 turns into ``TerminationSignal`` in the main thread, or Ctrl-C), Prefect shuts the pool down and
 waits for the threads it already started: a running search, and every search queued on the machine
-lock behind it, would run to its end before the process exits. ``request()`` (``tasks.futures``
+lock behind it, would run to its end before the process exits. ``request()`` (``tasks.fanout``
 calls it when a flow's wait is interrupted) makes each search stop at its next ``check()``: after
 the trial or the timed prompt in progress, or while it waits for the machine lock. What the
 studies hold stays in their storage, and a rerun resumes from it.
@@ -27,10 +27,6 @@ def request() -> None:
 def reset() -> None:
     """Allow searches again (a flow that starts clears a request a previous one left behind)."""
     _requested.clear()
-
-
-def requested() -> bool:
-    return _requested.is_set()
 
 
 def check() -> None:
