@@ -386,7 +386,7 @@ def test_bf16_speculative_greedy_equals_own_plain_decoding(arch, prompt, data):
 
 # SmolLM2 in bf16: real prompts, 64 tokens; 24 on a CPU without avx512_bf16 or AMX, where bf16 runs
 # several times slower than fp32 (--dtype auto picks fp32 there): on a 2-core Zen 1, these tests
-# took 125 s with 64.
+# took 124 s with 64 (97 s with 24).
 
 SMOL_NEW = 64 if cpu_has_fast_bf16() else 24
 
