@@ -112,5 +112,6 @@ def serving(model_uri: str, env: dict) -> Iterator[int]:
         server.wait(30)
         log.close()
 
+
 if __name__ == "__main__":
     main()

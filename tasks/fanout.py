@@ -15,8 +15,8 @@ def run_all(task, calls: Sequence[tuple[Any, ...]]) -> list:
     the process exits within a trial instead of after every search already started. A failed run
     stops nothing: the others finish, and their results are cached for the rerun."""
     cancel.reset()
-    futures = [task.submit(*args) for args in calls]
     try:
+        futures = [task.submit(*args) for args in calls]
         return [f.result() for f in futures]
     except BaseException as e:
         if not isinstance(e, Exception):

@@ -88,7 +88,9 @@ def test_calibration_killed_mid_search_resumes_then_its_deployment_adds_a_versio
     for p in inputs:
         args += ["--input", p]
     env = {**os.environ, **prefect_api}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    log = tmp / "calibrate.log"  # a file, not a pipe nobody reads: a full pipe would block the run's shutdown
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 400
     before = 0
     while time.time() < deadline and proc.poll() is None:
@@ -97,7 +99,7 @@ def test_calibration_killed_mid_search_resumes_then_its_deployment_adds_a_versio
             before = _journal_trials(storage)
             if before >= 3:
                 break
-    assert proc.poll() is None, "calibration ended before it could be stopped: " + proc.stdout.read().decode()[-2000:]
+    assert proc.poll() is None, "calibration ended before it could be stopped: " + log.read_text()[-2000:]
     os.kill(proc.pid, signal.SIGTERM)  # as `kill PID`, a scheduler or a Prefect worker's cancellation would
     try:
         proc.wait(STOP_S)
@@ -105,6 +107,7 @@ def test_calibration_killed_mid_search_resumes_then_its_deployment_adds_a_versio
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         pytest.fail(f"calibrate still ran {STOP_S} s after SIGTERM: its searches did not stop")
+    assert proc.returncode != 0, log.read_text()[-2000:]
     assert tracking.versions("smollm2", uri) == []  # nothing registered by the stopped run
     before = _journal_trials(storage)
 

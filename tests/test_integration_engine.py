@@ -1,4 +1,5 @@
-"""The engine on the real embedded model (SmolLM2-135M, fp32, and bf16 for prompts reusing others' blocks) and the CLI."""
+"""The engine on the real embedded model (SmolLM2-135M: fp32, and the dtype --dtype auto takes for prompts reusing
+others' positions) and the CLI."""
 import json
 import subprocess
 import sys

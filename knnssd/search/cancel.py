@@ -29,6 +29,10 @@ def reset() -> None:
     _requested.clear()
 
 
+def requested() -> bool:
+    return _requested.is_set()
+
+
 def check() -> None:
     if _requested.is_set():
         raise Cancelled("the search was stopped: its flow was interrupted")

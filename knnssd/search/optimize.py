@@ -186,7 +186,9 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
         tokens = drafted = acc = steps = 0
         pruned = False
         for i, ids in enumerate(prompt_ids):
-            cancel.check()  # the trial stays open in the study (never told): a rerun measures the candidate again
+            if cancel.requested():  # told failed: a rerun measures the candidate again
+                real.tell(trial, state=optuna.trial.TrialState.FAIL)
+                cancel.check()
             order = (None, drafter) if i % 2 == 0 else (drafter, None)
             for d in order:
                 out, st = generate(dec, ids, d, gen)
