@@ -30,6 +30,7 @@ from pathlib import Path
 from knnssd import prompts
 
 WARM_UP = "Say hello."
+BIN = Path(sys.executable).parent  # the venv's bin: mlflow, and the server's PATH
 
 
 def free_port() -> int:
@@ -60,9 +61,8 @@ def main() -> None:
     for r in rows:
         by.setdefault(r.domain, []).append(r.prompt)
     texts = [by[d][i // len(by)] for i, d in zip(range(a.requests), [*by] * a.requests)]
-    bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "MLFLOW_TRACKING_URI": a.tracking_uri, "KNNSSD_DTYPE": a.dtype,
-           "KNNSSD_BATCH_SIZE": a.batch_size, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+           "KNNSSD_BATCH_SIZE": a.batch_size, "PATH": str(BIN) + os.pathsep + os.environ.get("PATH", "")}
     seq, conc, answers = [], [], []
     for _ in range(a.repeats):  # alternately, so both see the same drift of the machine
         for runs in (seq, conc):
@@ -89,9 +89,8 @@ def serving(model_uri: str, env: dict) -> Iterator[int]:
     keep the prompts they last held for the next prompts to reuse (``batched.Prefixes``), so a run
     after another on one server would reuse that run's prompts, its very own among them."""
     port = free_port()
-    bin_dir = Path(sys.executable).parent
     log = tempfile.TemporaryFile()
-    server = subprocess.Popen([str(bin_dir / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager",
+    server = subprocess.Popen([str(BIN / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager",
                                "local", "-h", "127.0.0.1", "-p", str(port)], env=env, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
     try:
