@@ -78,8 +78,17 @@ class LoadedModel:
         """The decoder over this model, built on first use and shared by everything that runs it (its
         weights are packed and its verify pass probed once; the probe's choice is remembered under
         ``cache_dir()/exactness`` for later loads on this machine)."""
+        return make_decoder(self.model, record=self._record("json"))
+
+    @property
+    def batch_record(self) -> Path:
+        """Where ``engine.batched.plan`` keeps what its checks found for this model on this machine key (as
+        it is now: a plan may run on other threads than the load)."""
+        return self._record("batched.json")
+
+    def _record(self, suffix: str) -> Path:
         key = f"{self.fingerprint}-{self.dtype_name}-{self.device.type}-{exactness.machine_key(self.device)}"
-        return make_decoder(self.model, record=cache_dir() / "exactness" / f"{key}.json")
+        return cache_dir() / "exactness" / f"{key}.{suffix}"
 
     @property
     def dtype(self) -> torch.dtype:

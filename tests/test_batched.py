@@ -2,6 +2,7 @@
 decoding, sampling keeps each sequence's distribution, slots are refilled, and draft lengths come
 from goodput."""
 import functools
+import json
 
 import pytest
 import torch
@@ -284,6 +285,31 @@ def test_plan_allocates_the_longest_job_within_memory_and_the_pool_never_regrows
     finally:
         del dec.pooled_slots
     assert grown[0] == (0, 128) and all(cap == 128 and length <= 128 for cap, length in grown[1:])
+
+
+def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_path, monkeypatch):
+    """The first plan of 3 slots measures the batched-attention and prefix-reuse checks and keeps them
+    in its record (no temp file left); the next of 3 takes them from it without running them, one of 2
+    slots measures its own; a record of other code, or unreadable, is measured again."""
+    dec = decoder("llama", "float32")
+    record = tmp_path / "records" / "tiny.batched.json"
+    ran = []
+    for name in ("pooled_exact", "prefix_exact"):
+        check = getattr(batched, name)
+        monkeypatch.setattr(batched, name, lambda *a, _c=check, _n=name: (ran.append(_n), _c(*a))[1])
+    first = batched.plan(dec, 3, record=record)
+    assert ran == ["pooled_exact", "prefix_exact"] and not first.recalled and first.exact
+    assert [p.name for p in record.parent.iterdir()] == [record.name]
+    again = batched.plan(dec, 3, record=record)
+    assert again.recalled and (again.pooled, again.shares) == (first.pooled, first.shares) and len(ran) == 2
+    assert not batched.plan(dec, 2, record=record).recalled and len(ran) == 4
+    assert batched.plan(dec, 2, record=record).recalled and batched.plan(dec, 3, record=record).recalled
+    kept = json.loads(record.read_text())
+    record.write_text(json.dumps({**kept, "code": "other"}))
+    assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 6
+    record.write_text("{not json")
+    assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 8
+    assert batched.plan(dec, 3, record=record).recalled
 
 
 def test_a_batched_runs_pool_is_freed_when_the_run_ends_without_the_cyclic_collector():

@@ -61,7 +61,7 @@ def test_smollm2_batched_equals_each_prompts_own_plain_decoding(smollm2, data_di
     rows = [rows[3 * d + j] for j in range(3) for d in range(5)][:12]  # round-robin over the domains
     assert len({r.domain for r in rows}) == 5 and len({len(smollm2.tokenizer(r.prompt).input_ids) for r in rows}) > 8
     ids = [smollm2.tokenizer(r.prompt).input_ids for r in rows]
-    plan = batched.plan(dec, 4)
+    plan = batched.plan(dec, 4, record=smollm2.batch_record)
     assert plan.exact
     jobs = [PromptJob(x, build(cfgs[i % 4], n) if cfgs[i % 4] else None,
                       GenerationConfig(max_new_tokens=12 - 4 * (i % 2), eos_ids=(2,))) for i, x in enumerate(ids)]
@@ -88,7 +88,7 @@ def test_smollm2_few_shot_prompts_reuse_their_example_in_a_batch(smollm2, data_d
     dtype = models.resolve_dtype("auto", smollm2.device)
     lm = smollm2 if dtype == torch.float32 else models.load("smollm2", dtype="bfloat16")
     dec = lm.decoder
-    plan = batched.plan(dec, 3)
+    plan = batched.plan(dec, 3, record=lm.batch_record)
     if not plan.shares:
         pytest.skip(f"reusing a prompt's leading positions is not measured exact in {dtype} here")
     rows = prompts.load_domains(data_dir, ("summarization", "reasoning"), "eval", 3)[:4]  # 3 summarization, 1 other

@@ -38,12 +38,14 @@ Terms:
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -529,7 +531,7 @@ class BatchPlan:
     runs batched over the slots (``pooled``: measured exact, ``pooled_exact``) or per sequence, and
     the positions each pooled slot is allocated at the start (``positions``; 0: as jobs reserve them),
     and whether prompts reuse the leading positions of others in the batch (``shares``: measured exact,
-    ``prefix_exact``)."""
+    ``prefix_exact``); ``recalled``: ``pooled`` and ``shares`` were taken from a record (``plan``)."""
 
     slots: int
     costs: PassCosts
@@ -537,9 +539,23 @@ class BatchPlan:
     pooled: bool = False
     positions: int = 0
     shares: bool = False
+    recalled: bool = False
 
 
-def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT_MEMORY) -> BatchPlan:
+# The engine code the checks run besides the forward pass (the record's name, from
+# ``models.LoadedModel.batch_record``, carries the forward pass's code through ``exactness.machine_key``).
+CHECK_CODE = tuple(Path(__file__).parent / f for f in ("batched.py", "decode.py", "sequence.py"))
+
+
+def _check_code() -> str:
+    h = hashlib.sha256()
+    for f in CHECK_CODE:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT_MEMORY,
+         record: Path | None = None) -> BatchPlan:
     """Measure what a batched run of ``slots`` sequences needs. Where a projection is not row-invariant
     up to ``slots * max_t`` rows, its form is chosen again over that range (``exactness.pad_linears``:
     the decoder's own passes stay exact, as the new forms are invariant over a wider range). Attention
@@ -548,10 +564,51 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     ``positions``: the most a job of the run reserves (prompt + new tokens), when known. The pooled
     slots are then allocated that long at the start, as far as ``memory`` allows, instead of growing
     as longer prompts arrive: a growth copies every slot's cache (on a 2-core Zen 4, 0.8 s for 16
-    bf16 SmolLM2 slots of 1,200 positions), and a run of mixed prompts grew several times."""
+    bf16 SmolLM2 slots of 1,200 positions), and a run of mixed prompts grew several times.
+
+    ``record``: a file under the same name as the decoder's probe record (``exactness``: the same
+    model, dtype, device and machine key). Where the linears were row-invariant as they are (no form
+    changed), what the two slow checks found (``pooled_exact``, ``prefix_exact``) is kept there per slot
+    count, with the hash of the code they ran, and the next plan of as many slots takes it instead of
+    measuring again: on a 2-core Zen 1 in fp32, they took 12 s of SmolLM2's 16 s plan for 4 slots and
+    20 s of 30 for 16. Row-invariance (which may change the linears' forms) and the pass costs are
+    always measured."""
     ex = decoder.exactness
     max_t = ex.max_t if ex is not None else 12
+    exact, changed = _rows(decoder, slots, max_t)
+    known = exactness.read_record(record)
+    code = f"{_check_code()}-{decoder.attention.name}"  # the probe may choose another step when measured again
+    kept = known.get("slots", {}).get(str(slots)) if known.get("code") == code else None
+    recalled = exact and isinstance(kept, dict)
+    if recalled:
+        pooled, shares = bool(kept.get("pooled")), bool(kept.get("shares"))
+        log.info("batched checks for %d slots taken from %s", slots, record)
+    else:
+        pooled = exact and pooled_exact(decoder, slots)
+        # rotary tables that depend on the sequence's length (dynamic NTK, longrope) rotate a lender's keys by its length
+        shares = slots > 1 and decoder.stack.rope_static and prefix_exact(decoder, pooled)
+        if record is not None and exact and not changed:
+            others = known.get("slots", {}) if known.get("code") == code else {}
+            exactness.write_record(record, {"code": code, "slots": {**others, str(slots): {"pooled": pooled,
+                                                                                             "shares": shares}}})
+    log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
+             "per sequence (no batched form measured exact for this step)")
+    log.info("prompts reuse the leading positions of others in the batch: %s", "yes" if shares else
+             "no (not measured exact for this prefill, or rotary tables set by the length)")
+    costs = measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=pooled)
+    if slots > 1:  # and one sequence alone, as at low load: below ``slots`` rows v would be flat at v(slots)
+        costs = costs.joined(measure_pass_costs(decoder, 1, (1, max_t), repeats=2, pooled=pooled))
+    fits = memory // (slots * slot_bytes(decoder, BUCKET) // BUCKET) // BUCKET * BUCKET  # positions within memory
+    return BatchPlan(slots, costs, exact, pooled, min(KVCache.bucket(positions), fits) if positions else 0, shares,
+                     recalled)
+
+
+def _rows(decoder: Decoder, slots: int, max_t: int) -> tuple[bool, bool]:
+    """Are packed passes of ``slots`` sequences row-invariant (``rows_exact``), after changing the linears'
+    forms where needed; and were they changed?"""
+    ex = decoder.exactness
     exact = rows_exact(decoder, slots * max_t)
+    changed = False
     if ex is not None and ex.exact and not exact:
         stack, changed = exactness.pad_linears(decoder.stack, max_t, max_rows=slots * max_t)
         if changed:
@@ -560,18 +617,7 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     if ex is not None and ex.exact and not exact:
         log.warning("packed passes of %d sequences are not row-invariant here: batched output may differ from "
                     "plain decoding where two tokens nearly tie (use fewer slots, or --dtype float32)", slots)
-    pooled = exact and pooled_exact(decoder, slots)
-    log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
-             "per sequence (no batched form measured exact for this step)")
-    # rotary tables that depend on the sequence's length (dynamic NTK, longrope) rotate a lender's keys by its length
-    shares = slots > 1 and decoder.stack.rope_static and prefix_exact(decoder, pooled)
-    log.info("prompts reuse the leading positions of others in the batch: %s", "yes" if shares else
-             "no (not measured exact for this prefill, or rotary tables set by the length)")
-    costs = measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=pooled)
-    if slots > 1:  # and one sequence alone, as at low load: below ``slots`` rows v would be flat at v(slots)
-        costs = costs.joined(measure_pass_costs(decoder, 1, (1, max_t), repeats=2, pooled=pooled))
-    fits = memory // (slots * slot_bytes(decoder, BUCKET) // BUCKET) // BUCKET * BUCKET  # positions within memory
-    return BatchPlan(slots, costs, exact, pooled, min(KVCache.bucket(positions), fits) if positions else 0, shares)
+    return exact, bool(changed)
 
 
 def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPlan,

@@ -285,12 +285,30 @@ def _names(candidates: tuple[Attention, ...], max_t: int) -> list[str]:
     return [*(c.name for c in candidates), f"max_t={max_t}"]
 
 
-def _recall(record: Path | None, candidates: tuple[Attention, ...], max_t: int) -> Attention | None:
+def read_record(record: Path | None) -> dict:
+    """A record's contents; {} where there is none or it cannot be read (it is then measured again)."""
     try:
-        d = json.loads(record.read_text()) if record is not None else None
+        d = json.loads(record.read_text()) if record is not None else {}
     except (OSError, ValueError):
-        return None
-    if not isinstance(d, dict) or d.get("candidates") != _names(candidates, max_t):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def write_record(record: Path, data: dict) -> None:
+    """Replace ``record`` with ``data`` at once (a reader never sees half of it); a read-only cache only
+    costs the next load the measurement again."""
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        part = record.with_name(f".{record.name}.{os.getpid()}")
+        part.write_text(json.dumps(data))
+        os.replace(part, record)
+    except OSError as e:
+        log.info("cannot remember what was measured in %s: %s", record, e)
+
+
+def _recall(record: Path | None, candidates: tuple[Attention, ...], max_t: int) -> Attention | None:
+    d = read_record(record)
+    if d.get("candidates") != _names(candidates, max_t):
         return None
     return next((c for c in candidates if c.name == d.get("step")), None)
 
@@ -301,13 +319,7 @@ def remember(record: Path, result: Exactness, candidates: tuple[Attention, ...] 
     if not result.exact or result.recalled:
         return
     candidates = candidates or implementations(result.max_t, result.device)
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        part = record.with_name(f".{record.name}.{os.getpid()}")
-        part.write_text(json.dumps({"step": result.step, "candidates": _names(candidates, result.max_t)}))
-        os.replace(part, record)
-    except OSError as e:  # a read-only cache only costs the next load a full probe
-        log.info("cannot remember the probe's choice in %s: %s", record, e)
+    write_record(record, {"step": result.step, "candidates": _names(candidates, result.max_t)})
 
 
 def probe_fixed(dec, step: str, max_t: int = MAX_T) -> "Exactness":

@@ -127,7 +127,7 @@ class RoutedGenerator:
     def plan(self, slots: int, positions: int = 0) -> BatchPlan:
         """A batched run's measured plan for this generator's decoder (``engine.batched.plan``; ``positions``:
         the most a job reserves, prompt and new tokens, when known)."""
-        plan = batched.plan(self.decoder, slots, positions)
+        plan = batched.plan(self.decoder, slots, positions, record=self.lm.batch_record)
         self._int8_weights()  # again, where the plan gave the decoder other forms of its linears
         return plan
 
