@@ -32,17 +32,17 @@ def test_smollm2_speculative_equals_hf_generate(smollm2, data_dir):
     ]
     rows = prompts.load_domains(data_dir, prompts.DOMAINS, "eval", 1)
     assert len(rows) == 5
-    for row in rows:
+    for i, row in enumerate(rows):  # each prompt: plain decoding and one drafter (each drafter on 1-2 prompts)
         ids = smollm2.tokenizer(row.prompt).input_ids
         x = torch.tensor([ids])
         ref = smollm2.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
                                      pad_token_id=2)[0, len(ids):].tolist()
         cfg = GenerationConfig(max_new_tokens=MAX_NEW, eos_ids=(2,))
         assert generate(dec, ids, None, cfg)[0] == ref, row.id
-        for c in configs:
-            out, stats = generate(dec, ids, build(c, n), cfg)
-            assert out == ref, (row.id, c.describe())
-            assert stats.drafted > 0 or c.kind == "ngram"
+        c = configs[i % len(configs)]
+        out, stats = generate(dec, ids, build(c, n), cfg)
+        assert out == ref, (row.id, c.describe())
+        assert stats.drafted > 0 or c.kind == "ngram"
 
 
 def test_smollm2_batched_equals_each_prompts_own_plain_decoding(smollm2, data_dir):
