@@ -567,17 +567,18 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     bf16 SmolLM2 slots of 1,200 positions), and a run of mixed prompts grew several times.
 
     ``record``: a file under the same name as the decoder's probe record (``exactness``: the same
-    model, dtype, device and machine key). Where the linears were row-invariant as they are (no form
-    changed), what the two slow checks found (``pooled_exact``, ``prefix_exact``) is kept there per slot
-    count, with the hash of the code they ran, and the next plan of as many slots takes it instead of
-    measuring again: on a 2-core Zen 1 in fp32, they took 12 s of SmolLM2's 16 s plan for 4 slots and
+    model, dtype, device and machine key). Where packed passes are row-invariant, what the two slow
+    checks found (``pooled_exact``, ``prefix_exact``) is kept there per slot count, with the hash of the
+    code they ran, the attention step and the linears' forms, and the next plan of as many slots on the
+    same takes it instead of measuring again: on a 2-core Zen 1 in fp32, they took 12 s of SmolLM2's 16 s plan for 4 slots and
     20 s of 30 for 16. Row-invariance (which may change the linears' forms) and the pass costs are
     always measured."""
     ex = decoder.exactness
     max_t = ex.max_t if ex is not None else 12
-    exact, changed = _rows(decoder, slots, max_t)
+    exact = _rows(decoder, slots, max_t)
     known = exactness.read_record(record)
-    code = f"{_check_code()}-{decoder.attention.name}"  # the probe may choose another step when measured again
+    # the probe may choose another step when measured again, and a plan may change the linears' forms
+    code = f"{_check_code()}-{decoder.attention.name}-{_forms(decoder)}"
     kept = known.get("slots", {}).get(str(slots)) if known.get("code") == code else None
     recalled = exact and isinstance(kept, dict)
     if recalled:
@@ -587,7 +588,7 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
         pooled = exact and pooled_exact(decoder, slots)
         # rotary tables that depend on the sequence's length (dynamic NTK, longrope) rotate a lender's keys by its length
         shares = slots > 1 and decoder.stack.rope_static and prefix_exact(decoder, pooled)
-        if record is not None and exact and not changed:
+        if record is not None and exact:
             others = known.get("slots", {}) if known.get("code") == code else {}
             exactness.write_record(record, {"code": code, "slots": {**others, str(slots): {"pooled": pooled,
                                                                                              "shares": shares}}})
@@ -603,12 +604,18 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
                      recalled)
 
 
-def _rows(decoder: Decoder, slots: int, max_t: int) -> tuple[bool, bool]:
+def _forms(decoder: Decoder) -> str:
+    """The kinds of the decoder's linears (``RowPadded``, packed, ...): what the checks ran on."""
+    kinds: set[str] = set()
+    decoder.stack.map_linears(lambda lin: kinds.add(type(lin).__name__) or lin)
+    return "+".join(sorted(kinds))
+
+
+def _rows(decoder: Decoder, slots: int, max_t: int) -> bool:
     """Are packed passes of ``slots`` sequences row-invariant (``rows_exact``), after changing the linears'
-    forms where needed; and were they changed?"""
+    forms where needed?"""
     ex = decoder.exactness
     exact = rows_exact(decoder, slots * max_t)
-    changed = False
     if ex is not None and ex.exact and not exact:
         stack, changed = exactness.pad_linears(decoder.stack, max_t, max_rows=slots * max_t)
         if changed:
@@ -617,7 +624,7 @@ def _rows(decoder: Decoder, slots: int, max_t: int) -> tuple[bool, bool]:
     if ex is not None and ex.exact and not exact:
         log.warning("packed passes of %d sequences are not row-invariant here: batched output may differ from "
                     "plain decoding where two tokens nearly tie (use fewer slots, or --dtype float32)", slots)
-    return exact, bool(changed)
+    return exact
 
 
 def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPlan,
