@@ -309,6 +309,8 @@ def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_pat
     assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 6
     record.write_text("{not json")
     assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 8
+    record.write_text(json.dumps({**kept, "slots": []}))
+    assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 10
     assert batched.plan(dec, 3, record=record).recalled
 
 

@@ -579,7 +579,9 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     known = exactness.read_record(record)
     # the probe may choose another step when measured again, and a plan may change the linears' forms
     code = f"{_check_code()}-{decoder.attention.name}-{_forms(decoder)}"
-    kept = known.get("slots", {}).get(str(slots)) if known.get("code") == code else None
+    by_slots = known.get("slots") if known.get("code") == code else None
+    by_slots = by_slots if isinstance(by_slots, dict) else {}
+    kept = by_slots.get(str(slots))
     recalled = exact and isinstance(kept, dict)
     if recalled:
         pooled, shares = bool(kept.get("pooled")), bool(kept.get("shares"))
@@ -589,9 +591,8 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
         # rotary tables that depend on the sequence's length (dynamic NTK, longrope) rotate a lender's keys by its length
         shares = slots > 1 and decoder.stack.rope_static and prefix_exact(decoder, pooled)
         if record is not None and exact:
-            others = known.get("slots", {}) if known.get("code") == code else {}
-            exactness.write_record(record, {"code": code, "slots": {**others, str(slots): {"pooled": pooled,
-                                                                                             "shares": shares}}})
+            exactness.write_record(record, {"code": code, "slots": {**by_slots, str(slots): {"pooled": pooled,
+                                                                                               "shares": shares}}})
     log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
              "per sequence (no batched form measured exact for this step)")
     log.info("prompts reuse the leading positions of others in the batch: %s", "yes" if shares else
