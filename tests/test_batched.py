@@ -290,8 +290,13 @@ def test_plan_allocates_the_longest_job_within_memory_and_the_pool_never_regrows
 def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_path, monkeypatch):
     """The first plan of 3 slots measures the batched-attention and prefix-reuse checks and keeps them
     in its record (no temp file left); the next of 3 takes them from it without running them, one of 2
-    slots measures its own; a record of other code, or unreadable, is measured again."""
-    dec = decoder("llama", "float32")
+    slots measures its own; a record of other code, or unreadable, or for other forms of the linears, is
+    measured again."""
+    import dataclasses
+
+    from knnssd.engine.stack import RowPadded
+
+    dec = make_decoder(tiny("llama"))  # its own: the end changes its head's form
     record = tmp_path / "records" / "tiny.batched.json"
     ran = []
     for name in ("pooled_exact", "prefix_exact"):
@@ -312,6 +317,8 @@ def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_pat
     record.write_text(json.dumps({**kept, "slots": []}))
     assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 10
     assert batched.plan(dec, 3, record=record).recalled
+    dec.use_stack(dataclasses.replace(dec.stack, lm_head=RowPadded(dec.stack.lm_head)))
+    assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 12
 
 
 def test_a_batched_runs_pool_is_freed_when_the_run_ends_without_the_cyclic_collector():

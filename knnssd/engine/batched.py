@@ -568,31 +568,31 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
 
     ``record``: a file under the same name as the decoder's probe record (``exactness``: the same
     model, dtype, device and machine key). Where packed passes are row-invariant, what the two slow
-    checks found (``pooled_exact``, ``prefix_exact``) is kept there per slot count, with the hash of the
-    code they ran, the attention step and the linears' forms, and the next plan of as many slots on the
-    same takes it instead of measuring again: on a 2-core Zen 1 in fp32, they took 12 s of SmolLM2's 16 s plan for 4 slots and
-    20 s of 30 for 16. Row-invariance (which may change the linears' forms) and the pass costs are
-    always measured."""
+    checks found (``pooled_exact``, ``prefix_exact``) is kept there per slot count, with a hash of the
+    code they ran, the attention step, ``max_t`` and each linear's form, and the next plan of as many
+    slots under the same key takes it instead of measuring again: on a 2-core Zen 1 in fp32, they took
+    12 s of SmolLM2's 16 s plan for 4 slots and 20 s of 30 for 16. Row-invariance (which may change the
+    linears' forms) and the pass costs are always measured."""
     ex = decoder.exactness
     max_t = ex.max_t if ex is not None else 12
     exact = _rows(decoder, slots, max_t)
     known = exactness.read_record(record)
     # the probe may choose another step when measured again, and a plan may change the linears' forms
-    code = f"{_check_code()}-{decoder.attention.name}-{_forms(decoder)}"
+    code = f"{_check_code()}-{decoder.attention.name}-{max_t}-{_forms(decoder)}"
     by_slots = known.get("slots") if known.get("code") == code else None
     by_slots = by_slots if isinstance(by_slots, dict) else {}
     kept = by_slots.get(str(slots))
     recalled = exact and isinstance(kept, dict)
     if recalled:
-        pooled, shares = bool(kept.get("pooled")), bool(kept.get("shares"))
+        pooled, shares = kept.get("pooled") is True, kept.get("shares") is True  # a wrong True costs exactness
         log.info("batched checks for %d slots taken from %s", slots, record)
     else:
         pooled = exact and pooled_exact(decoder, slots)
-        # rotary tables that depend on the sequence's length (dynamic NTK, longrope) rotate a lender's keys by its length
+        # rotary tables that depend on the sequence's length (dynamic NTK, longrope) rotate a lender's keys
         shares = slots > 1 and decoder.stack.rope_static and prefix_exact(decoder, pooled)
         if record is not None and exact:
-            exactness.write_record(record, {"code": code, "slots": {**by_slots, str(slots): {"pooled": pooled,
-                                                                                               "shares": shares}}})
+            entry = {"pooled": bool(pooled), "shares": bool(shares)}
+            exactness.write_record(record, {"code": code, "slots": {**by_slots, str(slots): entry}})
     log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
              "per sequence (no batched form measured exact for this step)")
     log.info("prompts reuse the leading positions of others in the batch: %s", "yes" if shares else
@@ -606,10 +606,15 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
 
 
 def _forms(decoder: Decoder) -> str:
-    """The kinds of the decoder's linears (``RowPadded``, packed, ...): what the checks ran on."""
-    kinds: set[str] = set()
-    decoder.stack.map_linears(lambda lin: kinds.add(type(lin).__name__) or lin)
-    return "+".join(sorted(kinds))
+    """A hash of each projection's and the head's form (``RowPadded`` over a packed one, ...), in order:
+    the checks' prefills run far more rows than ``rows_exact`` covers, so their answer depends on it."""
+    def form(lin) -> str:
+        inner = getattr(lin, "inner", None)
+        return type(lin).__name__ + (f"({type(inner).__name__})" if inner is not None else "")
+
+    s = decoder.stack
+    forms = [form(lin) for layer in s.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return hashlib.sha256("|".join([*forms, form(s.lm_head)]).encode()).hexdigest()[:12]
 
 
 def _rows(decoder: Decoder, slots: int, max_t: int) -> bool:

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import platform
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -296,14 +297,18 @@ def read_record(record: Path | None) -> dict:
 
 def write_record(record: Path, data: dict) -> None:
     """Replace ``record`` with ``data`` at once (a reader never sees half of it); a read-only cache only
-    costs the next load the measurement again."""
+    costs the next reader the measurement again."""
+    part = None
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        part = record.with_name(f".{record.name}.{os.getpid()}")
-        part.write_text(json.dumps(data))
+        fd, part = tempfile.mkstemp(prefix=f".{record.name}.", dir=record.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data))
         os.replace(part, record)
     except OSError as e:
         log.info("cannot remember what was measured in %s: %s", record, e)
+        if part is not None:
+            Path(part).unlink(missing_ok=True)
 
 
 def _recall(record: Path | None, candidates: tuple[Attention, ...], max_t: int) -> Attention | None:
