@@ -212,7 +212,7 @@ def _dynamic(q, k, v, mask, scale):
     KV = k.shape[1]
     if m is None:  # one query: the G query heads of each KV head become rows (no repeated K/V, no mask)
         o = F.scaled_dot_product_attention(q[0].view(1, KV, H // KV, D), k, v, scale=scale)
-        return o.view(1, 1, H * D)
+        return o.reshape(1, 1, H * D)  # CUDA fp32 SDPA may return it strided
     if isinstance(m, Causal):
         o = native.causal(q, k, v, scale, m.start)  # where the native linear runs: its tiles, row by row
         if o is not None:
