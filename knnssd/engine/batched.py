@@ -547,13 +547,6 @@ class BatchPlan:
 CHECK_CODE = tuple(Path(__file__).parent / f for f in ("batched.py", "decode.py", "sequence.py"))
 
 
-def _check_code() -> str:
-    h = hashlib.sha256()
-    for f in CHECK_CODE:
-        h.update(f.read_bytes())
-    return h.hexdigest()[:12]
-
-
 def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT_MEMORY,
          record: Path | None = None) -> BatchPlan:
     """Measure what a batched run of ``slots`` sequences needs. Where a projection is not row-invariant
@@ -577,8 +570,7 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     max_t = ex.max_t if ex is not None else 12
     exact = _rows(decoder, slots, max_t)
     known = exactness.read_record(record)
-    # the probe may choose another step when measured again, and a plan may change the linears' forms
-    code = f"{_check_code()}-{decoder.attention.name}-{max_t}-{_forms(decoder)}"
+    code = _record_code(decoder, max_t) if record is not None else None
     by_slots = known.get("slots") if known.get("code") == code else None
     by_slots = by_slots if isinstance(by_slots, dict) else {}
     kept = by_slots.get(str(slots))
@@ -605,16 +597,18 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
                      recalled)
 
 
-def _forms(decoder: Decoder) -> str:
-    """A hash of each projection's and the head's form (``RowPadded`` over a packed one, ...), in order:
-    the checks' prefills run far more rows than ``rows_exact`` covers, so their answer depends on it."""
+def _record_code(decoder: Decoder, max_t: int) -> str:
+    """What the plan record's checks depend on besides the machine key: the code they ran (``CHECK_CODE``),
+    the attention step (the probe may choose another when measured again), ``max_t``, and a hash of each
+    projection's and the head's form (``RowPadded`` over a packed one, ...), in order: a plan may change
+    the forms, and the checks' prefills run far more rows than ``rows_exact`` covers."""
     def form(lin) -> str:
         inner = getattr(lin, "inner", None)
         return type(lin).__name__ + (f"({type(inner).__name__})" if inner is not None else "")
 
     s = decoder.stack
-    forms = [form(lin) for layer in s.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    return hashlib.sha256("|".join([*forms, form(s.lm_head)]).encode()).hexdigest()[:12]
+    forms = hashlib.sha256("|".join(form(lin) for lin in (*s.projections(), s.lm_head)).encode()).hexdigest()
+    return f"{exactness.source_digest(CHECK_CODE)[:12]}-{decoder.attention.name}-{max_t}-{forms[:12]}"
 
 
 def _rows(decoder: Decoder, slots: int, max_t: int) -> bool:

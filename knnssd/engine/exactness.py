@@ -35,6 +35,7 @@ import logging
 import os
 import platform
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -148,9 +149,8 @@ def _linear_invariant(lin, counts: tuple[int, ...], dtype: torch.dtype, device: 
 
 def _distinct_linears(stack: Stack) -> dict[tuple, object]:
     out: dict[tuple, object] = {}
-    for layer in stack.layers:
-        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            out.setdefault((type(lin).__name__, tuple(lin.weight.shape)), lin)
+    for lin in stack.projections():
+        out.setdefault((type(lin).__name__, tuple(lin.weight.shape)), lin)
     out[("lm_head",)] = stack.lm_head
     return out
 
@@ -276,10 +276,17 @@ def machine_key(device: torch.device) -> str:
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(KERNEL_ENV))
     h = hashlib.sha256(f"{torch.__version__}|{torch.get_num_threads()}|{chip}|{env}|"
                        f"{torch.get_float32_matmul_precision()}|{torch.backends.mkldnn.is_available()}|"
-                       f"{device.type == 'cpu' and native.available()}".encode())
-    for f in FORWARD_CODE:
-        h.update(f.read_bytes())
+                       f"{device.type == 'cpu' and native.available()}|{source_digest(FORWARD_CODE)}".encode())
     return h.hexdigest()[:12]
+
+
+def source_digest(files: Iterable[Path]) -> str:
+    """A hash of these source files' bytes, in order: the code a measurement or search ran, for the records
+    and caches that keep what it found (``machine_key``, the batched plan's record, the search cache)."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def _names(candidates: tuple[Attention, ...], max_t: int) -> list[str]:

@@ -183,6 +183,9 @@ class Norm:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's linears (``Layer``), in the order they run
+
+
 @dataclass
 class Layer:
     attn_norm: Norm
@@ -228,9 +231,14 @@ class Stack:
     def device(self) -> torch.device:
         return self.embed.device
 
+    def projections(self) -> list:
+        """Every layer's linears, layer by layer in ``PROJECTIONS`` order (the head is ``lm_head``)."""
+        return [getattr(layer, name) for layer in self.layers for name in PROJECTIONS]
+
     def map_linears(self, fn) -> "Stack":
         """A copy with ``fn`` applied to every projection and the head (other tensors shared)."""
-        layers = [dataclasses.replace(l, qkv=fn(l.qkv), o=fn(l.o), gate_up=fn(l.gate_up), down=fn(l.down)) for l in self.layers]
+        layers = [dataclasses.replace(layer, **{name: fn(getattr(layer, name)) for name in PROJECTIONS})
+                  for layer in self.layers]
         return dataclasses.replace(self, layers=layers, lm_head=fn(self.lm_head))
 
     def packed(self) -> "Stack":

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from knnssd import models, prompts, tracking
+from knnssd.engine.exactness import source_digest
 from knnssd.routing import bank as banks
 from knnssd.routing import pictures, router
 from knnssd.search import cancel, optimize
@@ -73,13 +74,8 @@ eos_ids = models.eos_ids
 def code_version() -> str:
     """A hash of the sources a search result depends on (the engine, the search, this module):
     cached results from older code are not reused."""
-    import hashlib
-
     package = Path(__file__).parents[1]
-    h = hashlib.sha256()
-    for path in sorted([*(package / "engine").glob("*.py"), *(package / "search").glob("*.py")]):
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
+    return source_digest(sorted([*(package / "engine").glob("*.py"), *(package / "search").glob("*.py")]))[:16]
 
 
 def load_prompts(paths: list[str], split: str | None = "calib", fields: prompts.Fields = prompts.Fields(),
