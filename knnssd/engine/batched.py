@@ -571,7 +571,7 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     exact = _rows(decoder, slots, max_t)
     known = exactness.read_record(record)
     code = _record_code(decoder, max_t) if record is not None else None
-    by_slots = known.get("slots") if known.get("code") == code else None
+    by_slots = known.get("slots") if code is not None and known.get("code") == code else None
     by_slots = by_slots if isinstance(by_slots, dict) else {}
     kept = by_slots.get(str(slots))
     recalled = exact and isinstance(kept, dict)
@@ -623,7 +623,8 @@ def _rows(decoder: Decoder, slots: int, max_t: int) -> bool:
             exact = rows_exact(decoder, slots * max_t)
     if ex is not None and ex.exact and not exact:
         log.warning("packed passes of %d sequences are not row-invariant here: batched output may differ from "
-                    "plain decoding where two tokens nearly tie (use fewer slots, or --dtype float32)", slots)
+                    "plain decoding where two tokens nearly tie (use fewer slots, or --dtype %s)", slots,
+                    "float32" if decoder.device.type == "cpu" else "bfloat16")  # on an H200, fp32 was not
     return exact
 
 

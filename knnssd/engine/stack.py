@@ -231,7 +231,7 @@ class Stack:
     def device(self) -> torch.device:
         return self.embed.device
 
-    def projections(self) -> list:
+    def projections(self) -> list[Linear]:
         """Every layer's linears, layer by layer in ``PROJECTIONS`` order (the head is ``lm_head``)."""
         return [getattr(layer, name) for layer in self.layers for name in PROJECTIONS]
 
