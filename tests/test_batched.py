@@ -321,6 +321,30 @@ def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_pat
     assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 12
 
 
+def test_records_updated_by_two_writers_at_once_keep_both_writers_entries(tmp_path):
+    """Two plans of other slot counts that finish together each add their entry to the same record
+    (``exactness.update_record``: read, change and write under a lock on the folder); neither loses the
+    other's, and no lock or temp file is left."""
+    import threading
+    import time
+
+    from knnssd.engine import exactness
+
+    record = tmp_path / "tiny.batched.json"
+
+    def add(name: str) -> None:
+        for i in range(20):  # the sleep between read and write loses entries without the lock
+            exactness.update_record(record, lambda now, key=f"{name}{i}": (time.sleep(0.002), {**now, key: i})[1])
+
+    writers = [threading.Thread(target=add, args=(n,)) for n in "ab"]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    assert len(json.loads(record.read_text())) == 40
+    assert [p.name for p in tmp_path.iterdir()] == [record.name]
+
+
 def test_a_batched_runs_pool_is_freed_when_the_run_ends_without_the_cyclic_collector():
     """A pool and its slots' caches hold no cycle: each run's buffers go with the run, by reference
     counting (with a cycle, runs in one process piled up gigabytes until the collector ran)."""

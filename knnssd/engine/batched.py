@@ -569,11 +569,8 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     ex = decoder.exactness
     max_t = ex.max_t if ex is not None else 12
     exact = _rows(decoder, slots, max_t)
-    known = exactness.read_record(record)
     code = _record_code(decoder, max_t) if record is not None else None
-    by_slots = known.get("slots") if code is not None and known.get("code") == code else None
-    by_slots = by_slots if isinstance(by_slots, dict) else {}
-    kept = by_slots.get(str(slots))
+    kept = _entries(exactness.read_record(record), code).get(str(slots))
     recalled = exact and isinstance(kept, dict)
     if recalled:
         pooled, shares = kept.get("pooled") is True, kept.get("shares") is True  # a wrong True costs exactness
@@ -584,7 +581,8 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
         shares = slots > 1 and decoder.stack.rope_static and prefix_exact(decoder, pooled)
         if record is not None and exact:
             entry = {"pooled": bool(pooled), "shares": bool(shares)}
-            exactness.write_record(record, {"code": code, "slots": {**by_slots, str(slots): entry}})
+            exactness.update_record(record, lambda now: {"code": code,
+                                                         "slots": {**_entries(now, code), str(slots): entry}})
     log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
              "per sequence (no batched form measured exact for this step)")
     log.info("prompts reuse the leading positions of others in the batch: %s", "yes" if shares else
@@ -595,6 +593,12 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     fits = memory // (slots * slot_bytes(decoder, BUCKET) // BUCKET) // BUCKET * BUCKET  # positions within memory
     return BatchPlan(slots, costs, exact, pooled, min(KVCache.bucket(positions), fits) if positions else 0, shares,
                      recalled)
+
+
+def _entries(known: dict, code: str | None) -> dict:
+    """A plan record's checks by slot count, where it was written by the same ``code`` (else none)."""
+    by_slots = known.get("slots") if code is not None and known.get("code") == code else None
+    return by_slots if isinstance(by_slots, dict) else {}
 
 
 def _record_code(decoder: Decoder, max_t: int) -> str:

@@ -29,13 +29,14 @@ The result (``Exactness``) goes into ``DecodeStats``, the bench report and bank 
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import platform
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -316,6 +317,24 @@ def write_record(record: Path, data: dict) -> None:
         log.info("cannot remember what was measured in %s: %s", record, e)
         if part is not None:
             Path(part).unlink(missing_ok=True)
+
+
+def update_record(record: Path, change: Callable[[dict], dict]) -> None:
+    """Replace ``record`` with ``change`` of what it holds now, read and written under a lock on its folder
+    (no lock file is left): two processes that each add an entry keep both, as each read-modify-write
+    sees the other's. Where the lock cannot be taken, the change is written without it."""
+    fd = None
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(record.parent, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes
+    except OSError as e:
+        log.info("cannot lock %s: %s", record.parent, e)
+    try:
+        write_record(record, change(read_record(record)))
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _recall(record: Path | None, candidates: tuple[Attention, ...], max_t: int) -> Attention | None:
