@@ -12,10 +12,11 @@ from knnssd.tasks.generation import generate_batch, log_summary, read_prompts
 @flow(name="generate", log_prints=True)
 def generate(model_uri: str, input: str, output: str, params: GenerateParams = GenerateParams(), split: str | None = None,
              dtype: str = "auto", overwrite: bool = False, tracking_uri: str | None = None,
-             batch_size: int | None = None) -> dict:
-    """``batch_size``: sequences decoded together (None: auto; 1: one at a time)."""
+             batch_size: int | None = None, device: str = "auto") -> dict:
+    """``batch_size``: sequences decoded together (None: auto; 1: one at a time); ``device``: auto (the GPU
+    where CUDA has one), cpu or cuda[:N]."""
     rows = read_prompts(input, split)
-    summary = generate_batch(model_uri, rows, output, params, dtype, overwrite, tracking_uri, batch_size)
+    summary = generate_batch(model_uri, rows, output, params, dtype, overwrite, tracking_uri, batch_size, device)
     run_id = log_summary(summary, model_uri, input, params, tracking_uri)
     return {**asdict(summary), "mlflow_run_id": run_id}
 

@@ -18,7 +18,18 @@ for _key, _value in {"HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 | gemma3-270m | local folder | .gguf | hub id")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    p.add_argument("--device", default="auto")
+    _device_arg(p)
+
+
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (the GPU where CUDA has one, else the CPU) | cpu | cuda[:N]")
+
+
+def _check_device(spec: str) -> None:
+    """An unknown device, or CUDA where there is none, fails here, before any server starts or model loads."""
+    from knnssd.models import resolve_device
+
+    resolve_device(spec)
 
 
 def batch_size(text: str) -> int | None:
@@ -174,8 +185,9 @@ def cmd_bench(a) -> int:
         domains=tuple(a.domains.split(",")), ood=tuple(x for x in a.ood.split(",") if x), prompts=a.prompts,
         ood_prompts=a.ood_prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
         ratios=tuple(float(x) for x in a.ratios.split(",")), hf=not a.no_hf, seed=a.seed, out=Path(a.out),
-        tracking_uri=a.tracking_uri,
+        tracking_uri=a.tracking_uri, device=a.device,
     )
+    _check_device(a.device)
     if a.flow:
         from knnssd.flows.bench import bench
 
@@ -191,8 +203,9 @@ def cmd_bench_throughput(a) -> int:
     sizes = tuple(int(x) for x in a.sizes.split(",") if x)
     if a.prompts < 1 or a.max_new_tokens < 1 or a.repeats < 1:
         raise ValueError("--prompts, --max-new-tokens and --repeats must be >= 1")
+    _check_device(a.device)
     cfg = throughput.ThroughputBench(bank=a.bank, dtype=a.dtype, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
-                                     sizes=sizes, repeats=a.repeats, tracking_uri=a.tracking_uri,
+                                     sizes=sizes, repeats=a.repeats, tracking_uri=a.tracking_uri, device=a.device,
                                      data=Path(a.data) if a.data else throughput.prompts.default_data_dir())
     rep = throughput.run(cfg)
     print(json.dumps(rep) if a.json else throughput.markdown(rep))
@@ -236,6 +249,7 @@ def cmd_generate(a) -> int:
     params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                            top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
     slots = batch_size(a.batch_size)
+    _check_device(a.device)
     rows = load(a.input, split=a.split)
     if not rows:
         raise ValueError("no prompts")
@@ -246,7 +260,7 @@ def cmd_generate(a) -> int:
         _check_tracking(a.tracking_uri)
         banks.load(tracking.bank_folder(a.model_uri, a.tracking_uri))  # a fetched bank is reused by the flow
         summary = _flow(generate, a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri,
-                        slots)
+                        slots, a.device)
     print(json.dumps(summary))
     return 0
 
@@ -402,6 +416,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true", help="start the output over instead of resuming it")
     g.add_argument("--split", default=None, help="only rows of this split (e.g. eval)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    _device_arg(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--max-prompt-tokens", type=int, default=4096, help="longer prompts keep their last tokens (warned)")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -428,6 +443,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--static-bank", default=None, help="single-cluster bank (calibrate --unlabelled --clusters 1)")
     e.add_argument("--model", default=None, help="default: the bank's model")
     e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    _device_arg(e)
     e.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
     e.add_argument("--domains", default=",".join(DOMAINS))
     e.add_argument("--ood", default=",".join(OOD), help="out-of-domain sets (empty: none)")
@@ -446,6 +462,7 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("bench-throughput", help="batch tokens/s: routed b=1, batched plain and routed, auto")
     t.add_argument("--bank", required=True, help="routed-drafters bank: models:/... URI or bank folder")
     t.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    _device_arg(t)
     t.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
     t.add_argument("--prompts", type=int, default=64, help="mixed eval prompts, round-robin over the domains")
     t.add_argument("--max-new-tokens", type=int, default=128)

@@ -247,9 +247,9 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    label, src = _source(name)
-    dev = resolve_device(device)
+    dev = resolve_device(device)  # before a GGUF's conversion: a bad device or dtype fails in a second
     dt = resolve_dtype(dtype, dev)
+    label, src = _source(name)
     try:
         config = AutoConfig.from_pretrained(src)
     except Exception as e:  # noqa: BLE001 - turned into one line for the user

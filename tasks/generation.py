@@ -14,8 +14,8 @@ from knnssd.tasks.retry import transient
 
 
 @functools.lru_cache(maxsize=2)
-def _generator(model_uri: str, dtype: str, tracking_uri: str | None) -> RoutedGenerator:
-    return RoutedGenerator.from_model_uri(model_uri, dtype=dtype, tracking_uri=tracking_uri)
+def _generator(model_uri: str, dtype: str, tracking_uri: str | None, device: str) -> RoutedGenerator:
+    return RoutedGenerator.from_model_uri(model_uri, dtype=dtype, device=device, tracking_uri=tracking_uri)
 
 
 @task(retries=2, retry_condition_fn=transient, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -27,9 +27,10 @@ def read_prompts(path: str, split: str | None) -> list[prompts.Prompt]:
 
 @task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def generate_batch(model_uri: str, rows: list[prompts.Prompt], output: str, params: GenerateParams, dtype: str,
-                   overwrite: bool, tracking_uri: str | None, batch_size: int | None = None) -> batch.Summary:
+                   overwrite: bool, tracking_uri: str | None, batch_size: int | None = None,
+                   device: str = "auto") -> batch.Summary:
     """A retry resumes: ids already in the output (or its progress journal) are skipped."""
-    return batch.run(_generator(model_uri, dtype, tracking_uri), rows, output, params, overwrite,
+    return batch.run(_generator(model_uri, dtype, tracking_uri, device), rows, output, params, overwrite,
                      batch_size=batch_size)
 
 

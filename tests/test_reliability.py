@@ -100,7 +100,8 @@ def test_input_errors_are_not_retried():
 
 
 def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
-    """`complete` and `generate` answer in one line, with no model load (seconds, not a minute)."""
+    """`complete`, `generate` and the benchmarks answer in one line, with no model load (seconds, not a
+    minute)."""
     env = {**os.environ, "KNNSSD_WORK": str(tmp_path / "work"), "PREFECT_HOME": str(tmp_path / "prefect")}
     inp = tmp_path / "p.jsonl"
     inp.write_text('{"prompt": "Hello"}\n')
@@ -113,6 +114,10 @@ def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
           "--temperature", "inf"], "temperature=inf"),
         (["generate", "--model-uri", str(tmp_path), "--input", str(inp), "--output", str(tmp_path),
           ], "is a folder"),
+        (["generate", "--model-uri", str(tmp_path), "--input", str(inp), "--output", str(tmp_path / "o.parquet"),
+          "--device", "gpu0"], "unknown device 'gpu0'"),
+        (["bench-throughput", "--bank", str(tmp_path), "--device", "gpu0"], "unknown device 'gpu0'"),
+        (["bench", "--bank", str(tmp_path), "--device", "gpu0"], "unknown device 'gpu0'"),
     ]
     for (args, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
         assert res.code == 2 and len(res.stderr) == 1 and message in res.stderr[0], (args, res)

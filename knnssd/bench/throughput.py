@@ -47,6 +47,7 @@ SIZES = (4, 8, 16)
 class ThroughputBench:
     bank: str  # model URI or bank folder
     dtype: str = "auto"
+    device: str = "auto"
     data: Path = field(default_factory=prompts.default_data_dir)
     prompts: int = 64
     max_new_tokens: int = 128
@@ -93,7 +94,7 @@ def run(cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> di
     if any(n < 2 for n in cfg.sizes):
         raise ValueError(f"batch sizes must be >= 2 (routed b=1 is always measured), got {cfg.sizes}")
     rows = mixed_prompts(cfg.data, cfg.prompts)
-    gen = RoutedGenerator.from_model_uri(cfg.bank, dtype=cfg.dtype, tracking_uri=cfg.tracking_uri)
+    gen = RoutedGenerator.from_model_uri(cfg.bank, dtype=cfg.dtype, device=cfg.device, tracking_uri=cfg.tracking_uri)
     dec = gen.decoder
     if not gen.can_batch:
         raise ValueError("this model runs on the plain HF fallback, which decodes one sequence at a time")

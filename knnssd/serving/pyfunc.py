@@ -2,7 +2,8 @@
 
 ``load_context`` starts the batch that concurrent requests join (``batcher.Batcher``;
 ``$KNNSSD_BATCH_SIZE`` slots, default auto), whose thread loads the bank and its base model (by the
-name the bank records, or ``$KNNSSD_MODEL``); ``predict`` takes a DataFrame with a ``prompt``
+name the bank records, or ``$KNNSSD_MODEL``; in ``$KNNSSD_DTYPE`` and on ``$KNNSSD_DEVICE``, default auto);
+``predict`` takes a DataFrame with a ``prompt``
 column and returns one row per prompt with the generated text and routing/acceptance stats.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
 
         def load():  # on the batch's thread (``Batcher``)
             gen = RoutedGenerator.from_bank_dir(context.artifacts["bank"], model=os.environ.get("KNNSSD_MODEL"),
-                                                dtype=os.environ.get("KNNSSD_DTYPE", "auto"))
+                                                dtype=os.environ.get("KNNSSD_DTYPE", "auto"),
+                                                device=os.environ.get("KNNSSD_DEVICE", "auto"))
             if not gen.can_batch:
                 return gen, None
             size = os.environ.get("KNNSSD_BATCH_SIZE", "auto")
