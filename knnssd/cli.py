@@ -185,7 +185,8 @@ def cmd_bench(a) -> int:
         domains=tuple(a.domains.split(",")), ood=tuple(x for x in a.ood.split(",") if x), prompts=a.prompts,
         ood_prompts=a.ood_prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
         ratios=tuple(float(x) for x in a.ratios.split(",")), hf=not a.no_hf, seed=a.seed, out=Path(a.out),
-        tracking_uri=a.tracking_uri, device=a.device,
+        tracking_uri=a.tracking_uri, device=a.device, throughput=a.throughput,
+        throughput_sizes=tuple(int(x) for x in a.throughput_sizes.split(",") if x),
     )
     _check_device(a.device)
     if a.flow:
@@ -201,8 +202,6 @@ def cmd_bench_throughput(a) -> int:
     from knnssd.bench import throughput
 
     sizes = tuple(int(x) for x in a.sizes.split(",") if x)
-    if a.prompts < 1 or a.max_new_tokens < 1 or a.repeats < 1:
-        raise ValueError("--prompts, --max-new-tokens and --repeats must be >= 1")
     _check_device(a.device)
     cfg = throughput.ThroughputBench(bank=a.bank, dtype=a.dtype, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
                                      sizes=sizes, repeats=a.repeats, tracking_uri=a.tracking_uri, device=a.device,
@@ -456,6 +455,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", default="artifacts/bench", help="results folder (resumes its measurement journal)")
     e.add_argument("--tracking-uri", default=None)
+    e.add_argument("--throughput", type=int, default=0, metavar="N",
+                   help="add bench-throughput's table over N mixed eval prompts of --domains (0: none)")
+    e.add_argument("--throughput-sizes", default="4,8,16", help="its fixed batch sizes (>= 2)")
     e.add_argument("--flow", action="store_true", help="run as the Prefect flow `bench`")
     e.set_defaults(fn=cmd_bench)
 

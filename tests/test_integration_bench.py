@@ -1,4 +1,5 @@
-"""A reduced `knnssd bench` through its flow: output files, MLflow run, fp32 agreement 1.0, resume."""
+"""A reduced `knnssd bench` through its flow: output files, MLflow run, fp32 agreement 1.0, its throughput
+table, resume."""
 import json
 import os
 
@@ -35,7 +36,8 @@ def test_reduced_bench_through_flow(banks, data_dir, prefect_harness, tmp_path):
     paths, tmp = banks
     cfg = bench.BenchConfig(**paths, dtype="float32", data=data_dir, domains=("reasoning", "translation"),
                             ood=("ood_math",), prompts=1, ood_prompts=1, max_new_tokens=8, repeats=2,
-                            ratios=(0.0, 1.0), out=tmp_path / "results", tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+                            ratios=(0.0, 1.0), out=tmp_path / "results", tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}",
+                            throughput=3, throughput_sizes=(2,))
     summary = bench_flow(cfg)
     out = tmp_path / "results"
     for name in ("bench.json", "bench.md", "speedup.png", "acceptance.png"):
@@ -50,14 +52,18 @@ def test_reduced_bench_through_flow(banks, data_dir, prefect_harness, tmp_path):
     assert 0 <= rep["targets"]["routing_overhead_pct"] < 5
     assert summary["mlflow_run_id"] == rep["mlflow_run_id"]
     assert "| **mixed** |" in (out / "bench.md").read_text()
+    tp = rep["throughput"]  # bench-throughput's table: every setting's tokens equal routed b=1's (fp32)
+    assert [r["setting"] for r in tp["table"]] == ["routed b=1", "plain b=2", "routed b=2", "routed auto"]
+    assert tp["prompts"] == 3 and all(r["same_as_b1"] == 1.0 and r["tokens_per_s"] > 0 for r in tp["table"])
+    assert "| routed auto |" in (out / "bench.md").read_text()
     rows = rep["mask_ablation"]  # the masked reasoning clusters, with vs without their mask
     assert rows and all(r["label"] == "reasoning" and r["skipped"] == 1 for r in rows)
     assert sum(r["prompts"] for r in rows) == 1 and any(r["mask_gain"] is not None for r in rows)
 
-    # a rerun with the same settings resumes the journal: nothing is measured again
+    # a rerun with the same settings resumes the journal and the throughput table: nothing is measured again
     journal = next(out.glob("measurements-*.jsonl"))
     lines = journal.read_text().count("\n")
-    bench.run(cfg)
+    assert bench.run(cfg)["throughput"] == tp
     assert journal.read_text().count("\n") == lines
 
 

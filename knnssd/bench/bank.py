@@ -19,8 +19,13 @@ No method keeps state from one prompt to the next (the router is a pure function
 so a stream's speedup depends on which prompts it holds, not on their order; the per-``r`` numbers
 are measured anyway, each on its own pass.
 
-Measurements are appended to ``<out>/measurements.jsonl`` as they are taken, so a killed bench
+Measurements are appended to ``<out>/measurements-<key>.jsonl`` as they are taken, so a killed bench
 resumes where it stopped (same settings) and a finished one just re-summarises.
+
+``throughput`` > 0 adds ``bench-throughput``'s table (``bench.throughput``: whole batches' tokens/s,
+routed one at a time, batched plain and routed, auto) over that many mixed eval prompts of the same
+domains, on the same loaded model, after the per-prompt passes; it is kept in
+``<out>/throughput-<key>.json`` once measured.
 """
 from __future__ import annotations
 
@@ -35,7 +40,10 @@ from pathlib import Path
 import torch
 
 from knnssd import models, prompts
+from knnssd.bench import throughput
 from knnssd.bench.hf import hf_generate
+from knnssd.bench.throughput import SIZES, ThroughputBench
+from knnssd.engine import exactness
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import build
 from knnssd.routing import bank as banks
@@ -66,10 +74,22 @@ class BenchConfig:
     seed: int = 0
     out: Path = Path("artifacts/bench")
     tracking_uri: str | None = None
+    throughput: int = 0  # mixed eval prompts for bench-throughput's table in the report (0: no table)
+    throughput_sizes: tuple[int, ...] = SIZES
 
     def key(self) -> str:
-        d = {k: str(v) for k, v in asdict(self).items() if k not in ("out", "tracking_uri")}
+        """The measurement journal's key: the settings the per-prompt measurements depend on."""
+        d = {k: str(v) for k, v in asdict(self).items()
+             if k not in ("out", "tracking_uri", "throughput", "throughput_sizes")}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+    def throughput_bench(self) -> ThroughputBench | None:
+        """bench-throughput's settings for the report's table: this bench's prompts, tokens and domains."""
+        if not self.throughput:
+            return None
+        return ThroughputBench(bank=self.bank, dtype=self.dtype, device=self.device, data=self.data,
+                               domains=self.domains, prompts=self.throughput, max_new_tokens=self.max_new_tokens,
+                               sizes=self.throughput_sizes, tracking_uri=self.tracking_uri)
 
 
 def stream_order(rows: list[prompts.Prompt], r: float, seed: int) -> list[prompts.Prompt]:
@@ -166,6 +186,9 @@ def run(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
 
     if cfg.repeats < 1 or not cfg.ratios:
         raise ValueError("repeats must be >= 1 and ratios non-empty")
+    tp = cfg.throughput_bench()
+    if tp is not None:
+        throughput.check(tp)
     rows = prompts.load_domains(cfg.data, cfg.domains, "eval", cfg.prompts)
     ood_rows = prompts.load_domains(cfg.data, cfg.ood, None, cfg.ood_prompts) if cfg.ood_prompts else []
     runner = Runner(cfg)
@@ -195,8 +218,23 @@ def run(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
                 fh.flush()
                 done[(phase, j, p.id, m)] = meas
     report = summarise(done, cfg, runner)
+    if tp is not None:
+        report["throughput"] = _throughput(tp, runner, cfg.out / f"throughput-{cfg.key()}.json", log)
     write_outputs(report, cfg)
     return report
+
+
+def _throughput(tp: ThroughputBench, runner: Runner, path: Path, log) -> dict:
+    """bench-throughput's table over the runner's model, kept in ``path`` (a rerun of an interrupted bench
+    takes it from there; it is measured again where its settings differ)."""
+    key = {k: str(v) for k, v in asdict(tp).items()}
+    kept = exactness.read_record(path)
+    if kept.get("settings") == key:
+        log(f"bench: throughput table resumed from {path}")
+        return kept["table"]
+    table = throughput.measure(runner.routed, tp, log)
+    exactness.write_record(path, {"settings": key, "table": table})
+    return table
 
 
 def _agg(ms: dict[str, list[dict]], ids: list[str], method: str, ref: str = "ar") -> dict | None:
@@ -343,6 +381,9 @@ def markdown(rep: dict) -> str:
             lines.append(f"| {r['cluster']} {r['label']} | {r['drafter']} | {r['skipped']}/{r['sublayers']} | {r['prompts']} | "
                          f"{f(r['speedup_with_mask'])} | {f(r['speedup_without_mask'])} | {f(r['mask_gain'], 3)} | "
                          f"{f(r['mean_accepted_with'])} / {f(r['mean_accepted_without'])} |")
+    if rep.get("throughput"):
+        lines += ["", "## Throughput (batched decoding, bench-throughput's table)", "",
+                  throughput.markdown(rep["throughput"])]
     lines += ["", f"routing accuracy (eval): {f(rep['routing_accuracy'], 3)}", "",
               "## Targets", "", *[f"- {k}: {f(v, 3)}" for k, v in rep["targets"].items()]]
     return "\n".join(lines) + "\n"
@@ -384,6 +425,11 @@ def write_outputs(rep: dict, cfg: BenchConfig) -> None:
     metrics = {f"{m}_speedup": v["speedup_vs_ar"] for m, v in rep["mixed"].items() if v}
     metrics.update({f"{m}_agreement": v["agreement_with_ar"] for m, v in rep["mixed"].items() if v})
     metrics.update({f"target_{k}": v for k, v in rep["targets"].items() if v is not None})
+    if rep.get("throughput"):
+        auto = next(r for r in rep["throughput"]["table"] if r["setting"] == "routed auto")
+        metrics.update(throughput_auto_tokens_per_s=auto["tokens_per_s"],
+                       throughput_auto_vs_routed_b1=auto["vs_routed_b1"],
+                       throughput_auto_vs_best_fixed=rep["throughput"]["auto_vs_best_fixed"])
     rep["mlflow_run_id"] = tracking.log_run("knnssd-bench", rep["settings"], metrics,
                                             [str(out / "bench.json"), str(out / "bench.md"), *map(str, pics)],
                                             cfg.tracking_uri, run_name=f"bench-{cfg.key()}")

@@ -1,7 +1,8 @@
 """``knnssd bench-throughput``: tokens per second of whole batches, side by side in one process.
 
 Settings, each over the same prompts (mixed eval prompts of every domain, round-robin), one model,
-one decoder, one dtype and thread count:
+one decoder, one dtype and thread count (``knnssd bench --throughput N`` adds the same table to its
+report, over its own loaded model and its domains):
 
 - ``routed b=1``: today's routed decoding, one prompt after another;
 - ``plain b=N``: N sequences decoded together with no drafter (``engine.batched``);
@@ -49,6 +50,7 @@ class ThroughputBench:
     dtype: str = "auto"
     device: str = "auto"
     data: Path = field(default_factory=prompts.default_data_dir)
+    domains: tuple[str, ...] = prompts.DOMAINS
     prompts: int = 64
     max_new_tokens: int = 128
     sizes: tuple[int, ...] = SIZES
@@ -56,9 +58,9 @@ class ThroughputBench:
     tracking_uri: str | None = None
 
 
-def mixed_prompts(data: Path, n: int) -> list[prompts.Prompt]:
-    """n eval prompts, round-robin over the domains (never calib rows)."""
-    per = prompts.load_domains(data, prompts.DOMAINS, "eval", None)
+def mixed_prompts(data: Path, n: int, domains: tuple[str, ...] = prompts.DOMAINS) -> list[prompts.Prompt]:
+    """n eval prompts, round-robin over ``domains`` (never calib rows)."""
+    per = prompts.load_domains(data, domains, "eval", None)
     by: dict[str, list[prompts.Prompt]] = {}
     for r in per:
         by.setdefault(r.domain, []).append(r)
@@ -88,13 +90,27 @@ def _row(name: str, slots: int, results: list[tuple[list[int], float]], wall: fl
     return row
 
 
+def check(cfg: ThroughputBench) -> list[prompts.Prompt]:
+    """The prompts, or a one-line error for settings that cannot run: before any model loads."""
+    if cfg.prompts < 1 or cfg.max_new_tokens < 1 or cfg.repeats < 1:
+        raise ValueError(f"throughput: prompts ({cfg.prompts}), max_new_tokens ({cfg.max_new_tokens}) and repeats "
+                         f"({cfg.repeats}) must be >= 1")
+    if any(n < 2 for n in cfg.sizes):
+        raise ValueError(f"batch sizes must be >= 2 (routed b=1 is always measured), got {cfg.sizes}")
+    return mixed_prompts(cfg.data, cfg.prompts, cfg.domains)
+
+
 def run(cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     from knnssd.serving.routed import RoutedGenerator
 
-    if any(n < 2 for n in cfg.sizes):
-        raise ValueError(f"batch sizes must be >= 2 (routed b=1 is always measured), got {cfg.sizes}")
-    rows = mixed_prompts(cfg.data, cfg.prompts)
+    check(cfg)
     gen = RoutedGenerator.from_model_uri(cfg.bank, dtype=cfg.dtype, device=cfg.device, tracking_uri=cfg.tracking_uri)
+    return measure(gen, cfg, log)
+
+
+def measure(gen, cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
+    """The table over ``gen`` (a ``RoutedGenerator``; ``cfg``'s bank, dtype and device are not read)."""
+    rows = check(cfg)
     dec = gen.decoder
     if not gen.can_batch:
         raise ValueError("this model runs on the plain HF fallback, which decodes one sequence at a time")
