@@ -29,7 +29,7 @@ def add_domain(params: AddDomainParams) -> dict:
 
     base_uri = params.model_uri or version_uri(params.model, "champion")
     base = fetch_bank(base_uri, params.tracking_uri)
-    spec = ModelSpec(base["model"], params.dtype)
+    spec = ModelSpec(base["model"], params.dtype, params.device)
     calib, _ = new_domain_rows(params.inputs, params.name)
     vectors = embed_prompts(spec, calib, base["pooling"])
     clusters = new_clusters(base["dir"], vectors, params.name, params.k_per_domain, params.seed)

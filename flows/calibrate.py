@@ -29,7 +29,7 @@ class CalibrateParams(SearchParams):
 
 def prepare(params: CalibrateParams):
     """The steps every calibration-type flow shares: prompts -> vectors -> clusters -> study prefix."""
-    spec = ModelSpec(params.model, params.dtype)
+    spec = ModelSpec(params.model, params.dtype, params.device)
     rows = load_prompts(params.paths(), "calib", params.domain_from_file)
     vectors = embed_prompts(spec, rows, router.Pooling(params.pooling, params.layer))
     clusters = cluster_prompts(vectors, params.k_per_domain, params.n_clusters, params.labelled, params.seed)

@@ -106,12 +106,13 @@ def _calibrate_params(a) -> dict:
     from knnssd.search.budget import Budget
 
     params = dict(
-        model=a.model, dtype=a.dtype, inputs=a.input or [], domain_from_file=a.domain_from_file,
+        model=a.model, dtype=a.dtype, device=a.device, inputs=a.input or [], domain_from_file=a.domain_from_file,
         labelled=not a.unlabelled, k_per_domain=a.k_per_domain, n_clusters=a.clusters, pooling=a.pooling,
         layer=a.layer, storage=a.storage, tracking_uri=a.tracking_uri, alias=a.alias, **budget_values(a),
     )
     _check_inputs(params["inputs"])
     Budget(kinds=tuple(params["kinds"]))  # validates before any server starts
+    _check_device(a.device)
     _check_tracking(a.tracking_uri)
     return params
 
@@ -135,8 +136,10 @@ def cmd_add_domain(a) -> int:
     from knnssd.flows.add_domain import AddDomainParams, add_domain
 
     _check_inputs(a.input)
+    _check_device(a.device)
     _check_tracking(a.tracking_uri)
     params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
+                             device=a.device,
                              k_per_domain=a.k_per_domain, warm=a.warm, storage=a.storage, tracking_uri=a.tracking_uri,
                              **budget_values(a))
     print(json.dumps(_flow(add_domain, params)))
@@ -188,6 +191,7 @@ def cmd_bench(a) -> int:
         tracking_uri=a.tracking_uri, device=a.device, throughput=a.throughput,
         throughput_sizes=tuple(int(x) for x in a.throughput_sizes.split(",") if x),
     )
+    cfg.check()
     _check_device(a.device)
     if a.flow:
         from knnssd.flows.bench import bench
@@ -230,7 +234,8 @@ def cmd_plant(a) -> int:
 def cmd_demo(a) -> int:
     from knnssd.demo import DemoConfig, run
 
-    _flow(run, DemoConfig(model=a.model, dtype=a.dtype, trials=a.trials, candidates=a.candidates,
+    _check_device(a.device)
+    _flow(run, DemoConfig(model=a.model, dtype=a.dtype, device=a.device, trials=a.trials, candidates=a.candidates,
                           max_new_tokens=a.max_new_tokens))
     return 0
 

@@ -14,6 +14,7 @@ from knnssd import prompts
 class DemoConfig:
     model: str = "smollm2"
     dtype: str = "auto"
+    device: str = "auto"
     trials: int = 6
     candidates: int = 2
     max_new_tokens: int = 64
@@ -36,15 +37,15 @@ def run(cfg: DemoConfig) -> dict:
     domains = [f.stem for f in files]
     say(f"[1/3] calibrating a small skip bank for {cfg.model} on {len(files)} domains of bundled prompts "
         f"({', '.join(domains)}) ...")
-    params = CalibrateParams(model=cfg.model, dtype=cfg.dtype, inputs=[str(f) for f in files], k_per_domain=2,
-                             proxy_trials=cfg.trials, real_candidates=cfg.candidates, proxy_prompts=4, real_prompts=2,
-                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    params = CalibrateParams(model=cfg.model, dtype=cfg.dtype, device=cfg.device, inputs=[str(f) for f in files],
+                             k_per_domain=2, proxy_trials=cfg.trials, real_candidates=cfg.candidates, proxy_prompts=4,
+                             real_prompts=2, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     reg = calibrate(params)
     t1 = time.time()
     say(f"      registered {reg['name']} version {reg['version']} (aliases: {', '.join(reg['aliases'])}) in {t1 - t0:.0f} s")
 
     say("[2/3] generating a mixed stream: routed speculative decoding vs plain decoding, prompt by prompt ...")
-    gen = RoutedGenerator.from_model_uri(reg["uri"], dtype=cfg.dtype)
+    gen = RoutedGenerator.from_model_uri(reg["uri"], dtype=cfg.dtype, device=cfg.device)
     rows = prompts.load_domains(prompts.samples_dir(), tuple(domains), "eval", None)
     random.Random(cfg.seed).shuffle(rows)
     p = GenerateParams(max_new_tokens=cfg.max_new_tokens)

@@ -113,14 +113,20 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
+    """``auto`` (the GPU where CUDA has one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``: the devices the
+    engine runs on; anything else, or a GPU this machine lacks, is a one-line error."""
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(spec)
-    except RuntimeError as e:
-        raise ModelError(f"unknown device '{spec}': {e}") from None
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ModelError(f"unknown device '{spec}' (choose auto, cpu, cuda or cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelError(f"device '{spec}' asked for, but CUDA is not available here")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ModelError(f"device '{spec}' asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
     return device
 
 

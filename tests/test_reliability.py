@@ -119,8 +119,12 @@ def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
         (["bench-throughput", "--bank", str(tmp_path), "--device", "gpu0"], "unknown device 'gpu0'"),
         (["bench", "--bank", str(tmp_path), "--device", "gpu0"], "unknown device 'gpu0'"),
         (["bench", "--bank", str(tmp_path), "--throughput", "2", "--throughput-sizes", "1"],
-         "batch sizes must be >= 2"),
+         "each >= 2"),
         (["bench-throughput", "--bank", str(tmp_path), "--prompts", "0"], "prompts (0)"),
+        (["bench-throughput", "--bank", str(tmp_path), "--sizes", ""], "batch sizes must be one or more"),
+        (["bench", "--bank", str(tmp_path), "--throughput", "2", "--throughput-sizes", "2", "--flow",
+          "--repeats", "0"], "repeats must be >= 1"),
+        (["calibrate", "--device", "gpu0"], "unknown device 'gpu0'"),
     ]
     for (args, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
         assert res.code == 2 and len(res.stderr) == 1 and message in res.stderr[0], (args, res)

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -123,6 +124,15 @@ def test_model_errors_are_one_line(tmp_path, monkeypatch):
         assert "\n" not in str(e.value)
     with pytest.raises(models.ModelError, match="unknown dtype"):
         models.resolve_dtype("float8", torch.device("cpu"))
+    for spec in ("gpu0", "meta", "cpu:x"):
+        with pytest.raises(models.ModelError, match=f"unknown device '{spec}'"):
+            models.resolve_device(spec)
+    if not torch.cuda.is_available():
+        with pytest.raises(models.ModelError, match="CUDA is not available"):
+            models.resolve_device("cuda:0")
+    with pytest.raises(models.ModelError, match="unknown device"):  # before converting a GGUF it cannot find
+        models.load(str(tmp_path / "missing.gguf"), device="gpu0")
+    assert models.resolve_device("cpu") == torch.device("cpu")
     assert models.resolve_dtype("auto", torch.device("cpu")) in (torch.float32, torch.bfloat16)
 
 
@@ -164,3 +174,24 @@ def test_search_cache_key_reads_the_engine_and_search_sources():
 
     key = calibration.code_version()  # a missing source file fails here, not as a Prefect cache-key log line
     assert len(key) == 16 and key == calibration.code_version()
+
+
+def test_bench_keeps_its_throughput_table_until_its_settings_change(tmp_path, monkeypatch):
+    """``knnssd bench --throughput``: a rerun takes the kept table; other sizes, prompts or tokens measure it
+    again; a corrupt file is measured again; the tracking URI alone does not matter."""
+    from types import SimpleNamespace
+
+    from knnssd.bench import bank, throughput
+
+    measured = []
+    monkeypatch.setattr(throughput, "measure", lambda gen, cfg, log: measured.append(cfg.sizes) or {"n": len(measured)})
+    path, runner = tmp_path / "throughput-k.json", SimpleNamespace(routed=None)
+    tp = throughput.ThroughputBench(bank="b", data=tmp_path, prompts=3, sizes=(2,))
+    quiet = lambda msg: None  # noqa: E731
+    assert bank._throughput(tp, runner, path, quiet) == {"n": 1}
+    assert bank._throughput(dataclasses.replace(tp, tracking_uri="sqlite:///x.db"), runner, path, quiet) == {"n": 1}
+    assert bank._throughput(dataclasses.replace(tp, sizes=(2, 4)), runner, path, quiet) == {"n": 2}
+    assert bank._throughput(dataclasses.replace(tp, sizes=(2, 4), prompts=4), runner, path, quiet) == {"n": 3}
+    path.write_text("{not json")
+    assert bank._throughput(tp, runner, path, quiet) == {"n": 4}
+    assert measured == [(2,), (2, 4), (2, 4), (2,)]

@@ -83,8 +83,17 @@ class BenchConfig:
              if k not in ("out", "tracking_uri", "throughput", "throughput_sizes")}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
+    def check(self) -> None:
+        """One-line errors for settings that cannot run, before any server starts or model loads."""
+        if self.repeats < 1 or not self.ratios:
+            raise ValueError("repeats must be >= 1 and ratios non-empty")
+        tp = self.throughput_bench()
+        if tp is not None:
+            throughput.check(tp)
+
     def throughput_bench(self) -> ThroughputBench | None:
-        """bench-throughput's settings for the report's table: this bench's prompts, tokens and domains."""
+        """bench-throughput's settings for the report's table: ``throughput`` mixed eval prompts of this
+        bench's domains, its new tokens, model, dtype and device."""
         if not self.throughput:
             return None
         return ThroughputBench(bank=self.bank, dtype=self.dtype, device=self.device, data=self.data,
@@ -184,14 +193,14 @@ def _journal(path: Path) -> dict[tuple, dict]:
 def run(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     from tqdm import tqdm
 
-    if cfg.repeats < 1 or not cfg.ratios:
-        raise ValueError("repeats must be >= 1 and ratios non-empty")
+    cfg.check()
     tp = cfg.throughput_bench()
-    if tp is not None:
-        throughput.check(tp)
     rows = prompts.load_domains(cfg.data, cfg.domains, "eval", cfg.prompts)
     ood_rows = prompts.load_domains(cfg.data, cfg.ood, None, cfg.ood_prompts) if cfg.ood_prompts else []
     runner = Runner(cfg)
+    if tp is not None and not runner.routed.can_batch:
+        raise ValueError(f"--throughput: {runner.lm.name} runs on the plain HF fallback, which decodes one sequence "
+                         "at a time (no batched table)")
     cfg.out.mkdir(parents=True, exist_ok=True)
     jpath = cfg.out / f"measurements-{cfg.key()}.jsonl"
     done = _journal(jpath)
@@ -227,7 +236,7 @@ def run(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
 def _throughput(tp: ThroughputBench, runner: Runner, path: Path, log) -> dict:
     """bench-throughput's table over the runner's model, kept in ``path`` (a rerun of an interrupted bench
     takes it from there; it is measured again where its settings differ)."""
-    key = {k: str(v) for k, v in asdict(tp).items()}
+    key = {k: str(v) for k, v in asdict(tp).items() if k in throughput.MEASURED}  # the file's name has the rest
     kept = exactness.read_record(path)
     if kept.get("settings") == key:
         log(f"bench: throughput table resumed from {path}")

@@ -95,8 +95,8 @@ def check(cfg: ThroughputBench) -> list[prompts.Prompt]:
     if cfg.prompts < 1 or cfg.max_new_tokens < 1 or cfg.repeats < 1:
         raise ValueError(f"throughput: prompts ({cfg.prompts}), max_new_tokens ({cfg.max_new_tokens}) and repeats "
                          f"({cfg.repeats}) must be >= 1")
-    if any(n < 2 for n in cfg.sizes):
-        raise ValueError(f"batch sizes must be >= 2 (routed b=1 is always measured), got {cfg.sizes}")
+    if not cfg.sizes or any(n < 2 for n in cfg.sizes):
+        raise ValueError(f"batch sizes must be one or more, each >= 2 (routed b=1 is always measured), got {cfg.sizes}")
     return mixed_prompts(cfg.data, cfg.prompts, cfg.domains)
 
 
@@ -108,8 +108,11 @@ def run(cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> di
     return measure(gen, cfg, log)
 
 
+MEASURED = ("data", "domains", "prompts", "max_new_tokens", "sizes", "repeats")  # what ``measure`` reads of a cfg
+
+
 def measure(gen, cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
-    """The table over ``gen`` (a ``RoutedGenerator``; ``cfg``'s bank, dtype and device are not read)."""
+    """The table over ``gen`` (a ``RoutedGenerator``; of ``cfg``, only the fields in ``MEASURED`` are read)."""
     rows = check(cfg)
     dec = gen.decoder
     if not gen.can_batch:

@@ -24,8 +24,8 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
 
         def load():  # on the batch's thread (``Batcher``)
             gen = RoutedGenerator.from_bank_dir(context.artifacts["bank"], model=os.environ.get("KNNSSD_MODEL"),
-                                                dtype=os.environ.get("KNNSSD_DTYPE", "auto"),
-                                                device=os.environ.get("KNNSSD_DEVICE", "auto"))
+                                                dtype=os.environ.get("KNNSSD_DTYPE") or "auto",
+                                                device=os.environ.get("KNNSSD_DEVICE") or "auto")
             if not gen.can_batch:
                 return gen, None
             size = os.environ.get("KNNSSD_BATCH_SIZE", "auto")
