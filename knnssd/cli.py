@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -497,6 +499,30 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(BaseException):
+    """SIGTERM (``kill PID``, a scheduler's stop), raised in the main thread like Ctrl-C's KeyboardInterrupt,
+    so the command unwinds: an output's lock file is removed and servers and temporary folders are
+    stopped and deleted, as on Ctrl-C, instead of the process ending where it stood."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While a command runs, SIGTERM raises ``Terminated``. Within a flow Prefect's own handler comes first
+    (the run is marked Crashed), then sends the signal again to the handler it found: this one."""
+    def terminated(signum, frame):
+        raise Terminated()
+
+    try:
+        before = signal.signal(signal.SIGTERM, terminated)
+    except ValueError:  # not the main thread (a host program's): its handlers stay as they are
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def main(argv: list[str] | None = None) -> int:
     from knnssd import console
     from knnssd.engine.skip import MaskError
@@ -512,17 +538,21 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    try:
-        if a.cmd not in ("complete", "bench-engine", "ui", "plant"):  # the commands that use MLflow
-            console.adopt_library_loggers()
-        return a.fn(a)
-    except (ModelError, PromptError, MaskError, BankError, RegistryError, OutputError, ValueError, FileNotFoundError,
-            PrefectUnavailable) as e:
-        print(f"knnssd: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("knnssd: interrupted", file=sys.stderr)
-        return 130
+    with _sigterm_unwinds():
+        try:
+            if a.cmd not in ("complete", "bench-engine", "ui", "plant"):  # the commands that use MLflow
+                console.adopt_library_loggers()
+            return a.fn(a)
+        except (ModelError, PromptError, MaskError, BankError, RegistryError, OutputError, ValueError,
+                FileNotFoundError, PrefectUnavailable) as e:
+            print(f"knnssd: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("knnssd: interrupted", file=sys.stderr)
+            return 130
+        except Terminated:
+            print("knnssd: terminated (SIGTERM); the same command resumes what it had written", file=sys.stderr)
+            return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":

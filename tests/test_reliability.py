@@ -70,6 +70,31 @@ def test_one_writer_per_output_and_sigkill_releases_it(tmp_path):
     assert not batch.lock_path(out).exists()
 
 
+def test_sigterm_unwinds_a_command_and_removes_its_lock(tmp_path):
+    """Under the CLI's SIGTERM handler (``cli._sigterm_unwinds``), ``kill PID`` raises ``Terminated`` in the
+    main thread: the output's lock file is removed on the way out, as on Ctrl-C (the default action ended
+    the process where it stood and left the file). Within a flow Prefect's handler comes first and sends
+    the signal on to this one (test_integration_calibrate's SIGTERM: exit 143 and the one-line message)."""
+    out = tmp_path / "out.parquet"
+    code = textwrap.dedent(f"""
+        import sys, time
+        from knnssd.cli import Terminated, _sigterm_unwinds
+        from knnssd.serving import batch
+        with _sigterm_unwinds():
+            try:
+                with batch.writing({str(out)!r}):
+                    print("held", flush=True)
+                    time.sleep(60)
+            except Terminated:
+                sys.exit(143)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held" and batch.lock_path(out).exists()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 143
+    assert not batch.lock_path(out).exists()
+
+
 def test_unreachable_or_unwritable_tracking_fails_in_seconds(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(tracking.RegistryError, match="does not answer"):
