@@ -279,7 +279,33 @@ def cmd_ui(a) -> int:
     uri = a.tracking_uri or tracking_uri()
     print(f"MLflow UI for {uri} on http://{a.host}:{a.port}  (Ctrl-C stops it)", file=sys.stderr)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
-    return subprocess.call(cmd)
+    proc = subprocess.Popen(cmd, start_new_session=True)  # a group of its own: its server and job consumers
+    try:
+        return proc.wait()
+    finally:  # Ctrl-C or SIGTERM here (the group does not get the terminal's Ctrl-C), or the UI ended
+        _stop_group(proc)
+
+
+def _stop_group(proc) -> None:
+    """Stop ``proc`` and the rest of its process group: SIGTERM, then SIGKILL to what is left after 10 s."""
+    import subprocess
+    import time
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                proc.wait(0.2)
+                os.killpg(proc.pid, 0)  # the leader is gone: does any of its group live on?
+            except subprocess.TimeoutExpired:
+                continue
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
 
 
 def cmd_route_eval(a) -> int:
@@ -551,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             print("knnssd: interrupted", file=sys.stderr)
             return 130
         except Terminated:
-            print("knnssd: terminated (SIGTERM); the same command resumes what it had written", file=sys.stderr)
+            print("knnssd: terminated (SIGTERM)", file=sys.stderr)
             return 128 + signal.SIGTERM
 
 

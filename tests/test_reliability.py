@@ -95,6 +95,50 @@ def test_sigterm_unwinds_a_command_and_removes_its_lock(tmp_path):
     assert not batch.lock_path(out).exists()
 
 
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (zombies are not counted)."""
+    out = []
+    for stat in os.scandir("/proc"):
+        if stat.name.isdigit():
+            try:
+                fields = open(f"/proc/{stat.name}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(stat.name))
+    return out
+
+
+@pytest.mark.integration
+def test_ui_stopped_by_sigterm_leaves_no_process(tmp_path):
+    """``knnssd ui`` runs ``mlflow ui`` (a server, its workers and job consumers) in a process group of its
+    own; SIGTERM to knnssd stops the whole group (a SIGKILLed or orphaned ``mlflow ui`` left them running)."""
+    import urllib.request
+
+    from servers import free_port
+
+    port = free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    proc = subprocess.Popen([sys.executable, "-m", "knnssd.cli", "ui", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline, up = time.time() + 120, False
+    while time.time() < deadline and not up and proc.poll() is None:
+        try:
+            up = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
+        except OSError:
+            time.sleep(0.5)
+    assert up, proc.stderr.read()[-2000:] if proc.poll() is not None else "the UI did not answer"
+    child = int(open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()[0])
+    assert _group(child)  # the UI's own group (start_new_session: its pgid is its pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 143
+    assert proc.stderr.read().strip().splitlines()[-1] == "knnssd: terminated (SIGTERM)"
+    deadline = time.time() + 15
+    while time.time() < deadline and _group(child):
+        time.sleep(0.2)
+    assert not _group(child), "processes of the UI's group outlived knnssd"
+
+
 def test_unreachable_or_unwritable_tracking_fails_in_seconds(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(tracking.RegistryError, match="does not answer"):
