@@ -9,40 +9,22 @@ the command ends.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 
 from knnssd import reachable
+from knnssd.processes import die_with_parent
 
 TIMEOUT_S = 5
 STARTUP_S = 90  # the least a temporary server gets to answer: a fresh PREFECT_HOME's database is created and
 # migrated first, which took longer than Prefect's default 20 s on a loaded 2-core AVX2 Zen 1
-_PR_SET_PDEATHSIG = 1
 
 
 class PrefectUnavailable(RuntimeError):
     """The Prefect API does not answer; one line."""
-
-
-def _die_with_parent_fn():
-    """A preexec function for a child that the kernel stops (SIGTERM) when this thread's process dies.
-    ``prctl`` is looked up here, in the parent: the child, between fork and exec, only calls it."""
-    if sys.platform != "linux":
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os._exit(1)
-
-    return preexec
 
 
 def _server_class():
@@ -51,7 +33,9 @@ def _server_class():
     from prefect.settings import get_current_settings
 
     class Server(SubprocessASGIServer):
-        """Prefect's temporary server, started with ``_die_with_parent``."""
+        """Prefect's temporary server, started with the parent-death signal, in a session of its own: a stop
+        sent to the command's whole group (``kill -- -PGID``, systemd, Slurm) reaches the command, which
+        reports its flow's state to the server and then stops it, instead of the server dying first."""
 
         def _run_uvicorn_command(self) -> subprocess.Popen:
             env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
@@ -59,7 +43,7 @@ def _server_class():
             args = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
                     "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
                     "--log-level", "error", "--lifespan", "on"]
-            return subprocess.Popen(args, env=env, preexec_fn=_die_with_parent_fn())
+            return subprocess.Popen(args, env=env, preexec_fn=die_with_parent(), start_new_session=True)
 
     return Server
 
@@ -85,8 +69,10 @@ def local_api() -> Iterator[str]:
     server = _server_class()(_free_port())  # its own port: never an instance Prefect made without the signal
     try:
         server.start(timeout=max(STARTUP_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
-    except Exception as e:  # noqa: BLE001 - a start timeout, a port race: one line, and nothing left running
+    except BaseException as e:  # a start timeout, a port race, Ctrl-C or SIGTERM: nothing left running
         server.stop()
+        if not isinstance(e, Exception):
+            raise
         raise PrefectUnavailable(f"the temporary Prefect server did not start ({str(e).splitlines()[0][:200]})") from None
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):

@@ -274,38 +274,20 @@ def cmd_generate(a) -> int:
 def cmd_ui(a) -> int:
     import subprocess
 
+    from knnssd import processes
     from knnssd.settings import tracking_uri
 
     uri = a.tracking_uri or tracking_uri()
     print(f"MLflow UI for {uri} on http://{a.host}:{a.port}  (Ctrl-C stops it)", file=sys.stderr)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
-    proc = subprocess.Popen(cmd, start_new_session=True)  # a group of its own: its server and job consumers
+    # a group of its own (its server, workers and job consumers), stopped whole however this command ends
+    # (Ctrl-C, SIGTERM, SIGHUP: the group gets neither the terminal's signals nor a stop sent to this one's
+    # group); its leader also stops if this process is SIGKILLed
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=processes.die_with_parent())
     try:
         return proc.wait()
-    finally:  # Ctrl-C or SIGTERM here (the group does not get the terminal's Ctrl-C), or the UI ended
-        _stop_group(proc)
-
-
-def _stop_group(proc) -> None:
-    """Stop ``proc`` and the rest of its process group: SIGTERM, then SIGKILL to what is left after 10 s."""
-    import subprocess
-    import time
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                proc.wait(0.2)
-                os.killpg(proc.pid, 0)  # the leader is gone: does any of its group live on?
-            except subprocess.TimeoutExpired:
-                continue
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
+    finally:
+        processes.stop_group(proc)
 
 
 def cmd_route_eval(a) -> int:
@@ -525,28 +507,41 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+UNWIND = (signal.SIGTERM, signal.SIGHUP)  # ``kill PID``, a scheduler's stop; the terminal closed
+
+
 class Terminated(BaseException):
-    """SIGTERM (``kill PID``, a scheduler's stop), raised in the main thread like Ctrl-C's KeyboardInterrupt,
-    so the command unwinds: an output's lock file is removed and servers and temporary folders are
-    stopped and deleted, as on Ctrl-C, instead of the process ending where it stood."""
+    """A signal of ``UNWIND``, raised in the main thread like Ctrl-C's KeyboardInterrupt, so the command
+    unwinds as on Ctrl-C (an output's lock file is removed, servers and temporary folders are stopped and
+    deleted) instead of ending where it stood."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)  # "Terminated: SIGHUP" where Prefect logs the crash
+        self.signum = signum
 
 
 @contextlib.contextmanager
-def _sigterm_unwinds():
-    """While a command runs, SIGTERM raises ``Terminated``. Within a flow Prefect's own handler comes first
-    (the run is marked Crashed), then sends the signal again to the handler it found: this one."""
+def _signals_unwind():
+    """While a command runs, each signal of ``UNWIND`` whose handler is the default raises ``Terminated``
+    once (a second one ends the process at once, as before; an ignored signal or a host program's handler
+    is left as it is, and so is every handler off the main thread). Within a flow Prefect's SIGTERM
+    handler comes first (the run is marked Crashed), then sends the signal on to this one."""
     def terminated(signum, frame):
-        raise Terminated()
+        signal.signal(signum, signal.SIG_DFL)
+        raise Terminated(signum)
 
-    try:
-        before = signal.signal(signal.SIGTERM, terminated)
-    except ValueError:  # not the main thread (a host program's): its handlers stay as they are
-        yield
-        return
+    installed = {}
+    for sig in UNWIND:
+        try:
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                installed[sig] = signal.signal(sig, terminated)
+        except ValueError:  # not the main thread
+            break
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for sig, before in installed.items():
+            signal.signal(sig, before)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -564,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    with _sigterm_unwinds():
+    with _signals_unwind():
         try:
             if a.cmd not in ("complete", "bench-engine", "ui", "plant"):  # the commands that use MLflow
                 console.adopt_library_loggers()
@@ -576,9 +571,10 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("knnssd: interrupted", file=sys.stderr)
             return 130
-        except Terminated:
-            print("knnssd: terminated (SIGTERM)", file=sys.stderr)
-            return 128 + signal.SIGTERM
+        except Terminated as e:
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                print(f"knnssd: terminated ({e})", file=sys.stderr)
+            return 128 + e.signum
 
 
 if __name__ == "__main__":

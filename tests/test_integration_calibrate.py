@@ -107,7 +107,7 @@ def test_calibration_stopped_mid_search_is_resumed_by_its_deployment(isolated, d
         proc.wait()
         pytest.fail(f"calibrate still ran {STOP_S} s after SIGTERM: its searches did not stop")
     assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-2000:]  # unwound (cli.Terminated), not killed
-    assert log.read_text().splitlines()[-1].startswith("knnssd: terminated (SIGTERM)"), log.read_text()[-2000:]
+    assert "knnssd: terminated (SIGTERM)" in log.read_text().splitlines(), log.read_text()[-2000:]
     assert tracking.versions("smollm2", uri) == []  # nothing registered by the stopped run
     before = _journal_trials(storage)
 

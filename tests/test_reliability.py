@@ -1,4 +1,5 @@
 """Inputs caught early and dependencies that fail fast (issue: reliability). No model loads here."""
+import contextlib
 import math
 import os
 import signal
@@ -70,43 +71,68 @@ def test_one_writer_per_output_and_sigkill_releases_it(tmp_path):
     assert not batch.lock_path(out).exists()
 
 
-def test_sigterm_unwinds_a_command_and_removes_its_lock(tmp_path):
-    """Under the CLI's SIGTERM handler (``cli._sigterm_unwinds``), ``kill PID`` raises ``Terminated`` in the
-    main thread: the output's lock file is removed on the way out, as on Ctrl-C (the default action ended
-    the process where it stood and left the file). Within a flow Prefect's handler comes first and sends
-    the signal on to this one (test_integration_calibrate's SIGTERM: exit 143 and the one-line message)."""
+def test_the_cli_leaves_ignored_signals_and_host_handlers_alone():
+    """``cli._signals_unwind`` raises ``Terminated`` only for signals left at their default: an ignored
+    SIGHUP (``nohup``) stays ignored, a default SIGTERM is taken for the command, and every handler is
+    as before once it ends."""
+    from knnssd import cli
+
+    before = {s: signal.getsignal(s) for s in cli.UNWIND}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with cli._signals_unwind():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert callable(signal.getsignal(signal.SIGTERM))
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+@pytest.mark.integration
+def test_sigterm_mid_flow_unwinds_the_command_and_removes_its_lock(tmp_path, prefect_api):
+    """SIGTERM to a command inside a flow (as ``knnssd generate`` holds ``<output>.lock`` around its
+    flow): Prefect's handler marks the run Crashed and sends the signal on to the CLI's
+    (``cli._signals_unwind``), which raises ``Terminated``: the lock file is removed on the way out and
+    the exit status is 143, as ``main`` returns. (SIGTERM's default action ended the process there and
+    left the file.)"""
     out = tmp_path / "out.parquet"
     code = textwrap.dedent(f"""
         import sys, time
-        from knnssd.cli import Terminated, _sigterm_unwinds
+        from prefect import flow, task
+        from knnssd.cli import Terminated, _signals_unwind
         from knnssd.serving import batch
-        with _sigterm_unwinds():
+
+        @task
+        def nap():
+            print("napping", flush=True)
+            time.sleep(60)
+
+        @flow
+        def run():
+            nap()
+
+        with _signals_unwind():
             try:
                 with batch.writing({str(out)!r}):
-                    print("held", flush=True)
-                    time.sleep(60)
-            except Terminated:
-                sys.exit(143)
+                    run()
+            except Terminated as e:
+                sys.exit(128 + e.signum)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "held" and batch.lock_path(out).exists()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 143
-    assert not batch.lock_path(out).exists()
-
-
-def _group(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid`` (zombies are not counted)."""
-    out = []
-    for stat in os.scandir("/proc"):
-        if stat.name.isdigit():
-            try:
-                fields = open(f"/proc/{stat.name}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(stat.name))
-    return out
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **prefect_api}, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        while proc.stdout.readline().strip() != "napping":
+            assert proc.poll() is None, "the flow ended before its task ran"
+        assert batch.lock_path(out).exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        assert not batch.lock_path(out).exists()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.integration
@@ -115,28 +141,39 @@ def test_ui_stopped_by_sigterm_leaves_no_process(tmp_path):
     own; SIGTERM to knnssd stops the whole group (a SIGKILLed or orphaned ``mlflow ui`` left them running)."""
     import urllib.request
 
+    from knnssd.processes import group_members
     from servers import free_port
 
     port = free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    proc = subprocess.Popen([sys.executable, "-m", "knnssd.cli", "ui", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline, up = time.time() + 120, False
-    while time.time() < deadline and not up and proc.poll() is None:
-        try:
-            up = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
-        except OSError:
-            time.sleep(0.5)
-    assert up, proc.stderr.read()[-2000:] if proc.poll() is not None else "the UI did not answer"
-    child = int(open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()[0])
-    assert _group(child)  # the UI's own group (start_new_session: its pgid is its pid)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 143
-    assert proc.stderr.read().strip().splitlines()[-1] == "knnssd: terminated (SIGTERM)"
-    deadline = time.time() + 15
-    while time.time() < deadline and _group(child):
-        time.sleep(0.2)
-    assert not _group(child), "processes of the UI's group outlived knnssd"
+    err = tmp_path / "ui.log"  # a file: processes that outlive knnssd would hold a pipe open
+    with err.open("w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "knnssd.cli", "ui", "--port", str(port)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=fh)
+    child = None
+    try:
+        deadline, up = time.time() + 120, False
+        while time.time() < deadline and not up and proc.poll() is None:
+            try:
+                up = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
+            except OSError:
+                time.sleep(0.5)
+        assert up, err.read_text()[-2000:]
+        child = int(open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()[0])
+        assert child in group_members(child)  # the UI's own group (start_new_session: its pgid is its pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+        assert err.read_text().strip().splitlines()[-1] == "knnssd: terminated (SIGTERM)"
+        deadline = time.time() + 15
+        while time.time() < deadline and group_members(child):
+            time.sleep(0.2)
+        assert not group_members(child), "processes of the UI's group outlived knnssd"
+    finally:
+        proc.kill()
+        proc.wait()
+        if child is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(child, signal.SIGKILL)
 
 
 def test_unreachable_or_unwritable_tracking_fails_in_seconds(tmp_path):
