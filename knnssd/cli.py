@@ -27,13 +27,6 @@ def _device_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (the GPU where CUDA has one, else the CPU) | cpu | cuda[:N]")
 
 
-def _check_device(spec: str) -> None:
-    """An unknown device, or CUDA where there is none, fails here, before any server starts or model loads."""
-    from knnssd.models import resolve_device
-
-    resolve_device(spec)
-
-
 def batch_size(text: str) -> int | None:
     """``--batch-size``: ``auto`` (None) or a positive integer; a one-line error otherwise."""
     if text == "auto":
@@ -114,7 +107,6 @@ def _calibrate_params(a) -> dict:
     )
     _check_inputs(params["inputs"])
     Budget(kinds=tuple(params["kinds"]))  # validates before any server starts
-    _check_device(a.device)
     _check_tracking(a.tracking_uri)
     return params
 
@@ -138,12 +130,10 @@ def cmd_add_domain(a) -> int:
     from knnssd.flows.add_domain import AddDomainParams, add_domain
 
     _check_inputs(a.input)
-    _check_device(a.device)
     _check_tracking(a.tracking_uri)
     params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
-                             device=a.device,
-                             k_per_domain=a.k_per_domain, warm=a.warm, storage=a.storage, tracking_uri=a.tracking_uri,
-                             **budget_values(a))
+                             device=a.device, k_per_domain=a.k_per_domain, warm=a.warm, storage=a.storage,
+                             tracking_uri=a.tracking_uri, **budget_values(a))
     print(json.dumps(_flow(add_domain, params)))
     return 0
 
@@ -194,7 +184,6 @@ def cmd_bench(a) -> int:
         throughput_sizes=tuple(int(x) for x in a.throughput_sizes.split(",") if x),
     )
     cfg.check()
-    _check_device(a.device)
     if a.flow:
         from knnssd.flows.bench import bench
 
@@ -208,7 +197,6 @@ def cmd_bench_throughput(a) -> int:
     from knnssd.bench import throughput
 
     sizes = tuple(int(x) for x in a.sizes.split(",") if x)
-    _check_device(a.device)
     cfg = throughput.ThroughputBench(bank=a.bank, dtype=a.dtype, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
                                      sizes=sizes, repeats=a.repeats, tracking_uri=a.tracking_uri, device=a.device,
                                      data=Path(a.data) if a.data else throughput.prompts.default_data_dir())
@@ -236,7 +224,6 @@ def cmd_plant(a) -> int:
 def cmd_demo(a) -> int:
     from knnssd.demo import DemoConfig, run
 
-    _check_device(a.device)
     _flow(run, DemoConfig(model=a.model, dtype=a.dtype, device=a.device, trials=a.trials, candidates=a.candidates,
                           max_new_tokens=a.max_new_tokens))
     return 0
@@ -255,7 +242,6 @@ def cmd_generate(a) -> int:
     params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                            top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
     slots = batch_size(a.batch_size)
-    _check_device(a.device)
     rows = load(a.input, split=a.split)
     if not rows:
         raise ValueError("no prompts")
@@ -548,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     from knnssd import console
     from knnssd.engine.skip import MaskError
     from knnssd.flows.server import PrefectUnavailable
-    from knnssd.models import ModelError
+    from knnssd.models import ModelError, resolve_device
     from knnssd.prompts import PromptError
     from knnssd.routing.bank import BankError
     from knnssd.serving.batch import OutputError
@@ -563,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if a.cmd not in ("complete", "bench-engine", "ui", "plant"):  # the commands that use MLflow
                 console.adopt_library_loggers()
+            if getattr(a, "device", None) is not None:  # every command that loads a model takes --device:
+                resolve_device(a.device)  # a bad one fails here, before any server starts or model loads
             return a.fn(a)
         except (ModelError, PromptError, MaskError, BankError, RegistryError, OutputError, ValueError,
                 FileNotFoundError, PrefectUnavailable) as e:

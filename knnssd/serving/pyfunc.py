@@ -3,8 +3,8 @@
 ``load_context`` starts the batch that concurrent requests join (``batcher.Batcher``;
 ``$KNNSSD_BATCH_SIZE`` slots, default auto), whose thread loads the bank and its base model (by the
 name the bank records, or ``$KNNSSD_MODEL``; in ``$KNNSSD_DTYPE`` and on ``$KNNSSD_DEVICE``, default auto);
-``predict`` takes a DataFrame with a ``prompt``
-column and returns one row per prompt with the generated text and routing/acceptance stats.
+``predict`` takes a DataFrame with a ``prompt`` column and returns one row per prompt with the generated
+text and routing/acceptance stats.
 """
 from __future__ import annotations
 
