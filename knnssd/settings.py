@@ -4,7 +4,7 @@
                     default tracking database
     cache_dir()     $KNNSSD_CACHE, else ~/.cache/knnssd: converted models and what the
                     exactness probe measured on this machine (shared by every work folder)
-    tracking_uri()  $MLFLOW_TRACKING_URI, else sqlite:///<work_dir>/mlflow.db
+    tracking_uri()  $MLFLOW_TRACKING_URI, else sqlite:///<work_dir>/mlflow.db (``default_tracking_uri``)
 """
 from __future__ import annotations
 
@@ -20,5 +20,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KNNSSD_CACHE", Path.home() / ".cache" / "knnssd"))
 
 
+def default_tracking_uri() -> str:
+    return f"sqlite:///{work_dir() / 'mlflow.db'}"
+
+
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work_dir() / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from knnssd import __version__, reachable
 from knnssd.console import stderr_to_log
-from knnssd.settings import tracking_uri, work_dir
+from knnssd.settings import default_tracking_uri, tracking_uri, work_dir
 
 # The pyfunc model is logged from its code file (MLflow "models from code"): a path, not an import.
 MODEL_CODE = Path(__file__).with_name("serving") / "pyfunc_model.py"
@@ -39,25 +39,66 @@ def registered_name(model: str) -> str:
     return f"knnssd-{slug(model)}"
 
 
+# What MLflow 3 takes as a tracking store: a server, or a database its SQLAlchemy store opens.
+SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "file")
+
+
 def check_reachable(uri: str) -> None:
     """Raise a one-line ``RegistryError`` within seconds when the tracking store cannot be used: a
-    server that does not answer, or a database file that cannot be written. (MLflow itself retries
-    for minutes.) Checked once per process and URI."""
+    scheme MLflow does not take, a server that does not answer, or a database file that cannot be
+    written, is damaged, or lies in a folder that does not exist (a mistyped path is not made into a
+    new database; only the default one, under the work folder, is created). MLflow itself retries
+    for minutes, or fails with a long traceback. Checked once per process and URI."""
     if uri in _reachable:
         return
-    if uri.startswith(("http://", "https://")):
+    scheme = uri.partition(":")[0].partition("+")[0].lower() if re.match(r"^[A-Za-z][\w+.-]+:", uri) else ""
+    if scheme and scheme not in SCHEMES:
+        raise RegistryError(f"tracking URI '{uri}': MLflow does not take '{scheme}:' (use sqlite:///<path>/mlflow.db "
+                            "or http(s)://<server>)")
+    if scheme in ("http", "https"):
         reason = reachable.error(uri.rstrip("/") + "/health", CONNECT_TIMEOUT_S)
         if reason is not None:
             raise RegistryError(f"tracking server {uri} does not answer within {CONNECT_TIMEOUT_S} s ({reason})")
     elif uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
+        _check_sqlite(path, create=path.resolve() == Path(default_tracking_uri()[len("sqlite:///"):]).resolve())
+    _reachable.add(uri)
+
+
+def _check_sqlite(path: Path, create: bool) -> None:
+    import sqlite3
+
+    if not path.parent.is_dir():
+        if not create:
+            raise RegistryError(f"tracking database {path}: folder {path.parent} does not exist (check the path, "
+                                "or create the folder)")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "ab"):
-                pass
         except OSError as e:
             raise RegistryError(f"tracking database {path} cannot be written ({e.strerror or e})") from None
-    _reachable.add(uri)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise RegistryError(f"tracking database {path} cannot be written ({e.strerror or e})") from None
+    if path.stat().st_size == 0:
+        return  # new: MLflow creates its tables
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=CONNECT_TIMEOUT_S)
+        try:
+            verdict = con.execute("PRAGMA quick_check(1)").fetchone()[0]
+        finally:
+            con.close()
+    except sqlite3.OperationalError as e:
+        if "locked" in str(e):  # another writer held it for seconds: busy, not damaged
+            return
+        verdict = str(e)
+    except sqlite3.DatabaseError as e:
+        verdict = str(e)
+    if verdict != "ok":
+        first = next((line for line in verdict.splitlines() if line.strip() and not line.startswith("***")), verdict)
+        raise RegistryError(f"tracking database {path} is damaged ({first.strip()}); restore it from a backup, or "
+                            "choose another --tracking-uri")
 
 
 def setup(uri: str | None = None, experiment: str = EXPERIMENT) -> str:

@@ -1,5 +1,6 @@
 """Inputs caught early and dependencies that fail fast (issue: reliability). No model loads here."""
 import contextlib
+import json
 import math
 import os
 import signal
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -182,8 +184,44 @@ def test_unreachable_or_unwritable_tracking_fails_in_seconds(tmp_path):
         tracking.check_reachable("http://127.0.0.1:9")
     assert time.monotonic() - t0 < 15
     with pytest.raises(tracking.RegistryError, match="cannot be written"):
-        tracking.check_reachable("sqlite:////proc/knnssd-test/x.db")
+        tracking.check_reachable("sqlite:////proc/x.db")
+    (tmp_path / "ok").mkdir()
     tracking.check_reachable(f"sqlite:///{tmp_path / 'ok' / 'mlflow.db'}")
+
+
+def test_tracking_uris_that_cannot_work_are_one_line_errors(tmp_path, monkeypatch):
+    """Issue 40, defects 8, 11 and 14: an unsupported scheme (ftp:// gave a traceback), a damaged
+    database (truncated, or pages overwritten: an 86-line traceback), and a mistyped sqlite path (its
+    folders and a 954 kB database were created) are each one line; only the default database's folder
+    is created."""
+    import sqlite3
+
+    with pytest.raises(tracking.RegistryError, match="MLflow does not take 'ftp:'"):
+        tracking.check_reachable("ftp://example.org/mlflow")
+    missing = tmp_path / "no" / "such" / "folder" / "mlflow.db"
+    with pytest.raises(tracking.RegistryError, match="does not exist"):
+        tracking.check_reachable(f"sqlite:///{missing}")
+    assert not (tmp_path / "no").exists()
+    monkeypatch.setenv("KNNSSD_WORK", str(tmp_path / "work"))  # the default database: made where it is missing
+    tracking.check_reachable(f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}")
+    assert (tmp_path / "work").is_dir()
+
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as con:
+        con.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, name TEXT)")
+        con.executemany("INSERT INTO runs (name) VALUES (?)", [("run %d " % i * 20,) for i in range(3000)])
+    size = db.stat().st_size
+    tracking.check_reachable(f"sqlite:///{db}")
+    for name, damage in (("truncated", lambda f: f.truncate(size // 2)),
+                         ("overwritten", lambda f: (f.seek(size // 3), f.write(os.urandom(8192))))):
+        bad = tmp_path / f"{name}.db"
+        bad.write_bytes(db.read_bytes())
+        with open(bad, "r+b") as f:
+            damage(f)
+        before = bad.read_bytes()
+        with pytest.raises(tracking.RegistryError, match="is damaged") as e:
+            tracking.check_reachable(f"sqlite:///{bad}")
+        assert "\n" not in str(e.value) and bad.read_bytes() == before, name  # nothing written to it
 
 
 def test_prefect_api_that_does_not_answer_fails_in_seconds():
@@ -236,3 +274,27 @@ def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
         assert res.code == 2 and len(res.stderr) == 1 and message in res.stderr[0], (args, res)
         assert res.seconds < 30, args
     assert not list(tmp_path.glob("*.progress.jsonl")) and not list(tmp_path.glob("*.lock"))
+
+
+def _one_line_each(cases, env, seconds=30):
+    """``cases``: (argv, message); each ends with exit status 2 and one line holding its message."""
+    for (args, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
+        assert res.code == 2 and len(res.stderr) == 1 and message in res.stderr[0], (args, res)
+        assert res.seconds < seconds, args
+
+
+def _cli_env(tmp_path) -> dict:
+    return {**os.environ, "KNNSSD_WORK": str(tmp_path / "work"), "PREFECT_HOME": str(tmp_path / "prefect")}
+
+
+def test_cli_refuses_tracking_uris_that_cannot_work(tmp_path):
+    """Defects 11 and 14 through the command line, before any server starts: no folder is created."""
+    inp = tmp_path / "x.jsonl"
+    inp.write_text('{"prompt": "Hello"}\n')
+    gen = ["generate", "--model-uri", str(tmp_path), "--input", str(inp), "--output", str(tmp_path / "o.parquet")]
+    _one_line_each([(gen + ["--tracking-uri", "ftp://example.org/x"], "MLflow does not take 'ftp:'"),
+                    (gen + ["--tracking-uri", "sqlite:////path/that/does/not/exist/m.db"], "does not exist")],
+                   _cli_env(tmp_path))
+    assert not Path("/path").exists() and not (tmp_path / "o.parquet").exists()
+
+
