@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -538,15 +539,17 @@ def main(argv: list[str] | None = None) -> int:
     from knnssd.prompts import PromptError
     from knnssd.routing.bank import BankError
     from knnssd.serving.batch import OutputError
+    from knnssd.settings import check_work_dir
     from knnssd.tracking import RegistryError
 
     a = parser().parse_args(argv)
-    console.setup(a.verbose)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     with _signals_unwind():
         try:
+            check_work_dir()  # where the log file goes, before anything is written there
+            console.setup(a.verbose)
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
             if a.cmd not in ("complete", "bench-engine", "ui", "plant"):  # the commands that use MLflow
                 console.adopt_library_loggers()
             if getattr(a, "device", None) is not None:  # every command that loads a model takes --device:
@@ -554,15 +557,52 @@ def main(argv: list[str] | None = None) -> int:
             return a.fn(a)
         except (ModelError, PromptError, MaskError, BankError, RegistryError, OutputError, ValueError,
                 FileNotFoundError, PrefectUnavailable) as e:
-            print(f"knnssd: error: {e}", file=sys.stderr)
-            return 2
+            return _error(e)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                raise
+            return _error(f"{e.strerror}{f' ({e.filename})' if e.filename else ''}; what was finished is kept: make "
+                          "room (or make it writable) and run the same command again")
         except KeyboardInterrupt:
+            console.end_progress()
             print("knnssd: interrupted", file=sys.stderr)
             return 130
         except Terminated as e:
             with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                console.end_progress()
                 print(f"knnssd: terminated ({e})", file=sys.stderr)
             return 128 + e.signum
+        except Exception as e:
+            if not _is_mlflow_error(e):
+                raise
+            return _error(f"MLflow: {_first_line(e)}")
+
+
+def _error(e) -> int:
+    """The one line a bad input or a fault gets (the traceback, where there is one, goes to the log file)."""
+    import logging
+
+    from knnssd import console
+
+    logging.getLogger("knnssd").info("the error's traceback", exc_info=True)
+    console.end_progress()
+    errors = getattr(e, "errors", None)  # pydantic's ValidationError: a line per field and its input
+    if callable(errors) and type(e).__name__ == "ValidationError":
+        first = errors()[0]
+        e = f"{'.'.join(map(str, first['loc']))}: {first['msg']} (got {first.get('input')!r})"
+    print(f"knnssd: error: {e}", file=sys.stderr)
+    return 2
+
+
+def _is_mlflow_error(e: Exception) -> bool:
+    """The tracking store failed under a command (a database that filled up or was damaged mid-run)."""
+    mlflow_exceptions = sys.modules.get("mlflow.exceptions")
+    return mlflow_exceptions is not None and isinstance(e, mlflow_exceptions.MlflowException)
+
+
+def _first_line(e: BaseException) -> str:
+    text = getattr(e, "message", None) or str(e)
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), type(e).__name__)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,27 @@ class _NoPythonWarnings(logging.Filter):
         return record.name != "py.warnings"
 
 
+class _NoRunFailures(logging.Filter):
+    """Prefect's own report of a failed task or flow run (its exception, traceback and final state, again
+    for each retry): the command says what failed in one line as the exception reaches it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.name in ("prefect.task_runs", "prefect.flow_runs"))
+
+
+class _File(logging.FileHandler):
+    """The log file; a write that fails (a full disk) says so once on stderr, then stops writing it
+    instead of printing logging's traceback for every record."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        logging.getLogger().removeHandler(self)
+        with contextlib.suppress(Exception):
+            self.close()
+        print(f"knnssd: warning: the log file {self.baseFilename} cannot be written ({getattr(err, 'strerror', err)});"
+              " logging to it stops", file=sys.stderr)
+
+
 def setup(verbose: bool) -> Path:
     """Route logging as above; returns the log file."""
     path = work_dir() / "logs" / "knnssd.log"
@@ -34,7 +55,8 @@ def setup(verbose: bool) -> Path:
     terminal.setFormatter(logging.Formatter(FORMAT))
     if not verbose:
         terminal.addFilter(_NoPythonWarnings())
-    file = logging.FileHandler(path, encoding="utf-8")
+        terminal.addFilter(_NoRunFailures())
+    file = _File(path, encoding="utf-8")
     file.setLevel(logging.INFO)
     file.setFormatter(logging.Formatter("%(asctime)s " + FORMAT))
     root = logging.getLogger()
@@ -80,3 +102,12 @@ def stderr_to_log(name: str):
     at INFO under ``name`` instead (a handler that itself writes to sys.stderr gets the real stream)."""
     with contextlib.redirect_stderr(_LogLines(logging.getLogger(name), sys.stderr)):
         yield
+
+
+def end_progress() -> None:
+    """Close the progress bars a failure or a signal left open (a cancelled search's), so the command's
+    last line starts a line of its own instead of trailing a bar."""
+    module = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(module, "tqdm", None), "_instances", ())):
+        with contextlib.suppress(Exception):
+            bar.close()

@@ -5,6 +5,8 @@
     cache_dir()     $KNNSSD_CACHE, else ~/.cache/knnssd: converted models and what the
                     exactness probe measured on this machine (shared by every work folder)
     tracking_uri()  $MLFLOW_TRACKING_URI, else sqlite:///<work_dir>/mlflow.db (``default_tracking_uri``)
+
+``check_work_dir`` says in one line why the work folder cannot be used.
 """
 from __future__ import annotations
 
@@ -27,3 +29,19 @@ def default_tracking_uri() -> str:
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
+
+def check_work_dir() -> None:
+    """A one-line ``ValueError`` when the work folder is not a folder this process can create and write
+    (tested by writing, not by permission bits: root passes those on a read-only file system)."""
+    import tempfile
+
+    path = work_dir()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"work folder {path} is a file, not a folder (set KNNSSD_WORK to a folder)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"work folder {path} cannot be written ({e.strerror or e}); set KNNSSD_WORK to a "
+                         "writable folder") from None

@@ -234,12 +234,15 @@ def test_prefect_api_that_does_not_answer_fails_in_seconds():
 
 
 def test_input_errors_are_not_retried():
+    import errno
+
     from prefect.states import Failed
 
     from knnssd.tasks.retry import transient
 
     assert not transient(None, None, Failed(data=ValueError("empty prompt")))
     assert not transient(None, None, Failed(data=FileNotFoundError("x")))
+    assert not transient(None, None, Failed(data=OSError(errno.ENOSPC, "No space left on device")))
     assert transient(None, None, Failed(data=OSError("disk hiccup")))
 
 
@@ -276,6 +279,24 @@ def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
     assert not list(tmp_path.glob("*.progress.jsonl")) and not list(tmp_path.glob("*.lock"))
 
 
+@contextlib.contextmanager
+def read_only_folder(path):
+    """A folder no write into succeeds, root's included: a read-only tmpfs where this process may mount
+    one, else one without write permission."""
+    path.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        path.chmod(0o555)
+    try:
+        yield path
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(path)], check=True)
+        else:
+            path.chmod(0o755)
+
+
 def _one_line_each(cases, env, seconds=30):
     """``cases``: (argv, message); each ends with exit status 2 and one line holding its message."""
     for (args, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
@@ -298,3 +319,10 @@ def test_cli_refuses_tracking_uris_that_cannot_work(tmp_path):
     assert not Path("/path").exists() and not (tmp_path / "o.parquet").exists()
 
 
+def test_cli_refuses_a_work_folder_that_cannot_be_used(tmp_path):
+    """Defect 11: ``KNNSSD_WORK`` naming a file or a read-only folder gave a traceback."""
+    work_file = tmp_path / "work-file"
+    work_file.write_text("")
+    with read_only_folder(tmp_path / "ro") as ro:
+        for work, message in ((work_file, "is a file, not a folder"), (ro, "cannot be written")):
+            _one_line_each([(["complete", "--prompt", "hi"], message)], {**_cli_env(tmp_path), "KNNSSD_WORK": str(work)})
