@@ -20,7 +20,7 @@ class AddDomainParams(SearchParams):
     name: str = Field(description="the new domain's name (a cluster label)")
     inputs: list[str] = Field(description="prompt files of the new domain (calib rows, or the first 2/3 without a split)")
     model_uri: str | None = Field(None, description="base version (default models:/knnssd-<model>@champion)")
-    warm: int = Field(3, description="nearest old clusters to warm-start from (0: cold search)")
+    warm: int = Field(3, ge=0, description="nearest old clusters to warm-start from (0: cold search)")
 
 
 @flow(name="add-domain", log_prints=True)

@@ -18,7 +18,7 @@ class CalibrateParams(SearchParams):
     inputs: list[str] = Field(default_factory=list, description="prompt files; default: the five domains of the data folder")
     domain_from_file: bool = False
     labelled: bool = True
-    n_clusters: int | None = None
+    n_clusters: int | None = Field(None, ge=1)
     pooling: str = "mean"
     layer: int = -1
     alias: str = Field("candidate", description="alias of the new version (e.g. a baseline's own name)")

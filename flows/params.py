@@ -32,7 +32,7 @@ class SearchParams(BudgetParams):
     model: str = "smollm2"
     dtype: str = "auto"
     device: str = Field("auto", description="auto (the GPU where CUDA has one), cpu or cuda[:N]")
-    k_per_domain: int = Field(10, description="anchors (clusters) per labelled domain")
+    k_per_domain: int = Field(10, ge=1, description="anchors (clusters) per labelled domain")
     storage: str | None = Field(None, description="Optuna storage: journal file path or URL (default artifacts/optuna)")
     tracking_uri: str | None = None
 

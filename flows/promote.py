@@ -14,10 +14,10 @@ class PromoteParams(BaseModel):
     champion: str = "champion"
     inputs: list[str] = Field(default_factory=list, description="prompt files (default: the five domains' data files)")
     extra_inputs: list[str] = Field(default_factory=list, description="more files (e.g. a new domain's)")
-    per_file: int = 4
+    per_file: int = Field(4, ge=1)
     dtype: str = "auto"
-    max_new_tokens: int = 64
-    tolerance: float = 0.03
+    max_new_tokens: int = Field(64, ge=1)
+    tolerance: float = Field(0.03, ge=0, lt=1, allow_inf_nan=False)
     tracking_uri: str | None = None
 
 

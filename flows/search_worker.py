@@ -16,7 +16,7 @@ from knnssd.tasks.fanout import run_all
 
 
 class WorkerParams(CalibrateParams):
-    trials: int = Field(8, description="stage-1 trials this worker adds to each selected cluster's study")
+    trials: int = Field(8, ge=1, description="stage-1 trials this worker adds to each selected cluster's study")
     clusters: list[str] = Field(default_factory=list, description="cluster labels to work on (default: all)")
 
 

@@ -14,7 +14,7 @@ class WatchParams(BaseModel):
     drop: str = Field(description="folder where new domain files (jsonl/parquet/csv) are dropped")
     model: str = "smollm2"
     state: str | None = Field(None, description="record of processed inputs (default <drop>/.knnssd-processed.json)")
-    min_prompts: int = Field(20, description="a new domain needs at least this many prompts")
+    min_prompts: int = Field(20, ge=1, description="a new domain needs at least this many prompts")
     use_unmatched: bool = True
     dtype: str = "auto"
     search: dict = Field(default_factory=dict, description="add-domain settings (proxy_trials, k_per_domain, ...)")

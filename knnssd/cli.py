@@ -73,6 +73,8 @@ def cmd_bench_engine(a) -> int:
 
 
 def cmd_complete(a) -> int:
+    import dataclasses
+
     from knnssd import models
     from knnssd.engine.decode import GenerationConfig, generate
     from knnssd.engine.drafters import DrafterConfig, build
@@ -83,11 +85,11 @@ def cmd_complete(a) -> int:
     p = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                       top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
     check_prompt(a.prompt)
+    cfg = DrafterConfig(kind=a.drafter, max_len=a.max_draft, threshold=a.threshold, int8=a.int8)
     mask = SkipMask.from_json(Path(a.mask).read_text()) if a.mask else None
     lm = models.load(a.model, a.dtype, a.device)
     dec = lm.decoder
-    mask = mask or SkipMask.none(dec.n_layers)
-    cfg = DrafterConfig(kind=a.drafter, mask=mask.to_dict(), max_len=a.max_draft, threshold=a.threshold, int8=a.int8)
+    cfg = dataclasses.replace(cfg, mask=(mask or SkipMask.none(dec.n_layers)).to_dict())
     gen = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=models.eos_ids(lm))
     ids, _ = prompt_ids(lm.tokenizer, a.prompt, p.max_prompt_tokens)
     out, stats = generate(dec, ids, build(cfg, dec.n_layers, dec.can_skip), gen)
@@ -107,7 +109,7 @@ def _calibrate_params(a) -> dict:
         layer=a.layer, storage=a.storage, tracking_uri=a.tracking_uri, alias=a.alias, **budget_values(a),
     )
     _check_inputs(params["inputs"])
-    Budget(kinds=tuple(params["kinds"]))  # validates before any server starts
+    Budget(**budget_values(a))  # a bad value is one line before any server starts
     _check_tracking(a.tracking_uri)
     return params
 
@@ -129,8 +131,10 @@ def cmd_search_worker(a) -> int:
 
 def cmd_add_domain(a) -> int:
     from knnssd.flows.add_domain import AddDomainParams, add_domain
+    from knnssd.search.budget import Budget
 
     _check_inputs(a.input)
+    Budget(**budget_values(a))  # a bad value is one line before any server starts
     _check_tracking(a.tracking_uri)
     params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
                              device=a.device, k_per_domain=a.k_per_domain, warm=a.warm, storage=a.storage,

@@ -279,6 +279,20 @@ def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
     assert not list(tmp_path.glob("*.progress.jsonl")) and not list(tmp_path.glob("*.lock"))
 
 
+def test_drafter_arguments_are_checked():
+    """Defect 13: ``--max-draft -1`` silently turned drafting off; a NaN threshold was taken."""
+    from knnssd.engine.drafters import DrafterConfig
+
+    for bad, message in ((dict(max_len=-1), "max_len must be an integer >= 1"), (dict(max_len=0), ">= 1"),
+                         (dict(threshold=math.nan), r"threshold must be a probability in \[0, 1\], got nan"),
+                         (dict(threshold=1.5), "got 1.5"), (dict(threshold=-0.1), "got -0.1"),
+                         (dict(ngram_max_len=0), "ngram_max_len"), (dict(ngram_sizes=[]), "ngram_sizes"),
+                         (dict(kind="tree"), "unknown drafter kind")):
+        with pytest.raises(ValueError, match=message):
+            DrafterConfig(**{"kind": "hybrid", **bad})
+    DrafterConfig(kind="hybrid", max_len=1, threshold=1.0)
+
+
 @contextlib.contextmanager
 def read_only_folder(path):
     """A folder no write into succeeds, root's included: a read-only tmpfs where this process may mount
@@ -317,6 +331,21 @@ def test_cli_refuses_tracking_uris_that_cannot_work(tmp_path):
                     (gen + ["--tracking-uri", "sqlite:////path/that/does/not/exist/m.db"], "does not exist")],
                    _cli_env(tmp_path))
     assert not Path("/path").exists() and not (tmp_path / "o.parquet").exists()
+
+
+def test_cli_refuses_drafter_and_search_values_that_cannot_work(tmp_path):
+    """Defect 13 (drafting silently turned off, a NaN threshold taken) and the search budget's values:
+    one line each, before the model loads or a server starts."""
+    inp = tmp_path / "x.jsonl"
+    inp.write_text('{"prompt": "Hello"}\n')
+    _one_line_each([
+        (["complete", "--prompt", "hi", "--drafter", "ngram", "--max-draft", "-1"], "max_len must be an integer >= 1"),
+        (["complete", "--prompt", "hi", "--drafter", "hybrid", "--threshold", "nan"], "threshold must be a probability"),
+        (["calibrate", "--trials", "-5"], "--trials must be an integer >= 1, got -5"),
+        (["calibrate", "--minutes", "nan"], "--minutes must be a number of minutes > 0, got nan"),
+        (["calibrate", "--k-per-domain", "0"], "k_per_domain: Input should be greater than or equal to 1 (got 0)"),
+        (["add-domain", "--name", "x", "--input", str(inp), "--candidates", "0"], "--candidates must be an integer >= 1"),
+    ], _cli_env(tmp_path))
 
 
 def test_cli_refuses_a_work_folder_that_cannot_be_used(tmp_path):

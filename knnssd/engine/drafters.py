@@ -180,6 +180,24 @@ class DrafterConfig:
     ngram_max_len: int | None = None  # NGram's own cap in hybrid (default: max_len)
     adaptive: bool = False  # adapt the draft length: +2 after a fully accepted draft, -1 after a rejection
 
+    def __post_init__(self):
+        """One-line ``ValueError``s: a draft length under 1 silently turned drafting off, and a NaN
+        threshold compared false everywhere."""
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown drafter kind '{self.kind}' (choose {', '.join(KINDS)})")
+        for name in ("max_len", "ngram_max_len"):
+            v = getattr(self, name)
+            if v is None and name == "ngram_max_len":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"draft length {name} must be an integer >= 1, got {v!r}")
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:  # NaN fails too
+            raise ValueError(f"threshold must be a probability in [0, 1], got {t!r}")
+        sizes = self.ngram_sizes
+        if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+            raise ValueError(f"ngram_sizes must be integers >= 1, got {sizes!r}")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -188,12 +206,7 @@ class DrafterConfig:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown drafter fields: {sorted(unknown)}")
-        cfg = cls(**d)
-        if cfg.kind not in KINDS:
-            raise ValueError(f"unknown drafter kind '{cfg.kind}' (choose {', '.join(KINDS)})")
-        if cfg.max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {cfg.max_len}")
-        return cfg
+        return cls(**d)
 
     def describe(self) -> str:
         if self.kind == "none":

@@ -7,6 +7,7 @@ imports here: the CLI builds its options from this module before anything loads.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 
@@ -40,6 +41,14 @@ class Budget:
         if unknown or not self.kinds:
             raise ValueError(f"unknown drafter kinds {sorted(unknown)}; choose from layer_skip, ngram, hybrid")
         self.kinds = tuple(self.kinds)
+        for st in settings():  # one line each, naming the option a user typed
+            v = getattr(self, st.name)
+            if st.name == "minutes":
+                if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                          and v > 0):
+                    raise ValueError(f"{st.flag} must be a number of minutes > 0, got {v!r}")
+            elif st.kind is int and st.name != "seed" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{st.flag} must be an integer >= 1, got {v!r}")
 
 
 @dataclass(frozen=True)
