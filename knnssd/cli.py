@@ -28,19 +28,6 @@ def _device_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (the GPU where CUDA has one, else the CPU) | cpu | cuda[:N]")
 
 
-def batch_size(text: str) -> int | None:
-    """``--batch-size``: ``auto`` (None) or a positive integer; a one-line error otherwise."""
-    if text == "auto":
-        return None
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"--batch-size must be 'auto' or an integer >= 1, got '{text}'")
-    return n
-
-
 def _check_tracking(uri: str | None) -> None:
     """The tracking store answers and can be written: checked in seconds, before any slow work."""
     from knnssd import tracking
@@ -87,11 +74,12 @@ def cmd_complete(a) -> int:
     check_prompt(a.prompt)
     cfg = DrafterConfig(kind=a.drafter, max_len=a.max_draft, threshold=a.threshold, int8=a.int8)
     mask = SkipMask.from_json(Path(a.mask).read_text()) if a.mask else None
+    models.limits(a.model, a.dtype, a.device).check(p)
     lm = models.load(a.model, a.dtype, a.device)
     dec = lm.decoder
     cfg = dataclasses.replace(cfg, mask=(mask or SkipMask.none(dec.n_layers)).to_dict())
     gen = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=models.eos_ids(lm))
-    ids, _ = prompt_ids(lm.tokenizer, a.prompt, p.max_prompt_tokens)
+    ids, _ = prompt_ids(lm.tokenizer, a.prompt, p, lm.limits)
     out, stats = generate(dec, ids, build(cfg, dec.n_layers, dec.can_skip), gen)
     print(lm.tokenizer.decode(out, skip_special_tokens=True))
     s = stats.to_dict()
@@ -237,8 +225,8 @@ def cmd_demo(a) -> int:
 def cmd_generate(a) -> int:
     from knnssd.flows.generate import generate
 
-    from knnssd import tracking
-    from knnssd.engine.params import GenerateParams
+    from knnssd import models, tracking
+    from knnssd.engine.params import GenerateParams, batch_size
     from knnssd.prompts import load
     from knnssd.routing import bank as banks
     from knnssd.serving.batch import check, check_output, writing
@@ -255,7 +243,8 @@ def cmd_generate(a) -> int:
     check_output(output, a.overwrite)
     with writing(output):  # one writer per output: a second run fails here, naming this process
         _check_tracking(a.tracking_uri)
-        banks.load(tracking.bank_folder(a.model_uri, a.tracking_uri))  # a fetched bank is reused by the flow
+        bank = banks.load(tracking.bank_folder(a.model_uri, a.tracking_uri))  # a fetched bank is reused by the flow
+        models.limits(bank.model, a.dtype, a.device).check(params)
         summary = _flow(generate, a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri,
                         slots, a.device)
     print(json.dumps(summary))

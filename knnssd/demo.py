@@ -54,7 +54,7 @@ def run(cfg: DemoConfig) -> dict:
 
     def plain_run(text):
         ts = time.perf_counter()
-        seq, logits, _ = prefill(gen.decoder, gen.tokenize(text, p.max_prompt_tokens)[0], g)
+        seq, logits, _ = prefill(gen.decoder, gen.tokenize(text, p)[0], g)
         return decode(seq, logits, None, g)[0], time.perf_counter() - ts
 
     for i, r in enumerate(rows):  # alternate which goes first, so neither always runs on a warmer cache

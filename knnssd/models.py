@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from knnssd.engine import exactness
+from knnssd.engine.params import Limits
 from knnssd.engine.skip import Decoder, HFDecoder, make_decoder
 from knnssd.settings import cache_dir
 
@@ -94,14 +95,49 @@ class LoadedModel:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    @cached_property
+    def limits(self) -> Limits:
+        """What one sequence of this model may hold (``config_limits``)."""
+        return config_limits(self.model.config, self.dtype)
+
     @property
     def dtype_name(self) -> str:
-        """``float32``/``bfloat16``/...: the dtype as banks and reports record it."""
-        return str(self.dtype).replace("torch.", "")
+        return dtype_name(self.dtype)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32``/``bfloat16``/...: a dtype as banks, reports and outputs record it."""
+    return str(dtype).replace("torch.", "")
+
+
+def config_limits(config, dtype: torch.dtype) -> Limits:
+    """The context (``max_position_embeddings`` or its older names) and the KV-cache bytes a position of a
+    transformers ``config`` takes in ``dtype``."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "max_sequence_length",
+                                                  "seq_length") if isinstance(getattr(config, k, None), int)), None)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per = torch.empty((), dtype=dtype).element_size()
+    return Limits(context, 2 * config.num_hidden_layers * kv_heads * head_dim * per)
+
+
+def limits(name: str, dtype: str = "auto", device: str = "auto") -> Limits:
+    """``config_limits`` of a model by the names ``load`` takes, from its config alone: checked before
+    the weights load (a GGUF is converted first, once, as ``load`` would)."""
+    from transformers import AutoConfig
+
+    dt = resolve_dtype(dtype, resolve_device(device))
+    _, src = _source(name)
+    try:
+        return config_limits(AutoConfig.from_pretrained(src), dt)
+    except Exception as e:  # noqa: BLE001 - turned into one line for the user
+        raise ModelError(f"cannot read the config of model '{name}' from {src}: {_first_line(e)}") from None
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -183,6 +183,43 @@ def test_generate_bad_input_is_one_line(registered, data_dir, tmp_path, prefect_
     assert not (tmp_path / "o.parquet").exists()
 
 
+@pytest.fixture(scope="module")
+def routed(registered):
+    """The registered champion's generator in fp32: the one the generate flow called in this process uses."""
+    from knnssd.tasks.generation import _generator
+
+    return _generator("models:/knnssd-smollm2@champion", "float32", registered["uri"], "auto")
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_limits_are_checked_before_any_work(registered, routed, tmp_path, prefect_api, caplog):
+    """Issue 40, defects 5 and 7: a billion new tokens is one line before the model loads (it tried to
+    allocate 384 GB after the load, in 226 lines, and left an empty journal); a prompt longer than the
+    model's 8,192 positions is cut to fit with a warning, whatever ``--max-prompt-tokens`` says."""
+    from knnssd.engine.params import GenerateParams
+
+    inp = _jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello"}])
+    out = tmp_path / "o.parquet"
+    cases = [["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp), "--output", str(out),
+              "--tracking-uri", registered["uri"], "--max-new-tokens", "1000000000"],
+             ["complete", "--prompt", "Hello", "--max-new-tokens", "8192"]]
+    for res in run_cli(cases, cli_env(registered, {**os.environ, **prefect_api})):
+        assert res.code == 2 and len(res.stderr) == 1, res
+        assert "must be below the model's context of 8192 tokens" in res.stderr[0] and res.seconds < 15, res
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["p.jsonl"]  # no output, journal or lock
+
+    params = GenerateParams(max_new_tokens=8, max_prompt_tokens=100_000)
+    with caplog.at_level("WARNING"):
+        ids, truncated = routed.tokenize("word " * 12_000, params)
+    assert truncated and len(ids) == 8192 - 8
+    assert "truncated to its last 8184 (the most that fits with 8 new tokens)" in caplog.text
+    assert routed.positions(["word " * 12_000], params) == 8192
+
+
 def test_bad_prompt_files_and_existing_outputs(registered, tmp_path):
     from knnssd.serving import batch
 
@@ -251,6 +288,7 @@ def test_mlflow_models_serve_answers_invocations(registered, tmp_path):
             except urllib.error.HTTPError as e:
                 return e.code, json.loads(e.read())
 
+
         # 10 requests at once (decoded together, 4 slots) get exactly their one-at-a-time answers
         records = [[{"prompt": f"Translate German to English: Guten Morgen Nummer {i}."}] for i in range(10)]
         sequential = [ask(r, {"max_new_tokens": 8}) for r in records]
@@ -266,9 +304,10 @@ def test_mlflow_models_serve_answers_invocations(registered, tmp_path):
             (records[0], {"top_p": float("inf")}, "top_p=inf"),
             ([], {}, "no prompts"),
             ([{"text": "hi"}], {}, "'prompt' field"),
+            (records[0], {"max_new_tokens": 1_000_000_000}, "must be below the model's context of 8192 tokens"),
         ):
             code, answer = ask(recs, params)
-            assert code == 400 and reason in answer["message"], (params, answer)
+            assert code == 400 and reason in answer["message"] and "stack_trace" not in answer, (params, answer)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)

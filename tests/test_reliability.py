@@ -293,6 +293,22 @@ def test_drafter_arguments_are_checked():
     DrafterConfig(kind="hybrid", max_len=1, threshold=1.0)
 
 
+def test_limits_are_the_model_context_and_the_kv_budget():
+    """Defects 5 and 7: a billion new tokens tried to allocate 384 GB after the model loaded, and a 44k-token
+    prompt ran for minutes on a model of 8,192 positions."""
+    from knnssd.engine.params import Limits
+
+    lim = Limits(context=8192, kv_bytes=23040)
+    assert lim.positions == 8192
+    with pytest.raises(ValueError, match=r"max_new_tokens \(1000000000\) must be below the model's context of 8192"):
+        lim.check(GenerateParams(max_new_tokens=10**9))
+    assert lim.prompt_tokens(GenerateParams(max_new_tokens=8, max_prompt_tokens=100_000)) == 8184
+    assert lim.prompt_tokens(GenerateParams(max_new_tokens=8, max_prompt_tokens=100)) == 100
+    big = Limits(context=1 << 20, kv_bytes=1 << 20, memory=1 << 30)  # 1 MiB a position: 1,024 fit the budget
+    with pytest.raises(ValueError, match=r"below the 1 GiB KV-cache budget of one sequence \(1024 positions\)"):
+        big.check(GenerateParams(max_new_tokens=1024))
+
+
 @contextlib.contextmanager
 def read_only_folder(path):
     """A folder no write into succeeds, root's included: a read-only tmpfs where this process may mount

@@ -118,7 +118,7 @@ def measure(gen, cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stder
     if not gen.can_batch:
         raise ValueError("this model runs on the plain HF fallback, which decodes one sequence at a time")
     params = GenerateParams(max_new_tokens=cfg.max_new_tokens)
-    ids = [gen.tokenize(r.prompt, params.max_prompt_tokens)[0] for r in rows]
+    ids = [gen.tokenize(r.prompt, params)[0] for r in rows]
     positions = max(len(x) for x in ids) + cfg.max_new_tokens
     gguf = peers.gguf_of(gen.lm.name) if peers.available() else None
     auto = batched.auto_slots(dec, positions, len(rows))

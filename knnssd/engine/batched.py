@@ -56,6 +56,7 @@ from knnssd.engine.cache import BUCKET, SPAN, KVCache
 from knnssd.engine.decode import (DecodeStats, GenerationConfig, Prefill, Reused, Run, add_at, prefill, reusable,
                                   reuse_unit_of)
 from knnssd.engine.drafters import Drafter
+from knnssd.engine.params import KV_MEMORY
 from knnssd.engine.sampling import Verdict
 from knnssd.engine.sequence import Sequence
 from knnssd.engine.skip import Decoder, forward_slots
@@ -63,7 +64,7 @@ from knnssd.engine.timing import median_ms
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MEMORY = 4 << 30  # bytes of KV cache the slots may hold together
+DEFAULT_MEMORY = KV_MEMORY  # bytes of KV cache the slots may hold together
 EXPLORE = 16  # a sequence the rule has not let draft for EXPLORE steps per active sequence drafts once, and
 # is measured again (figures that once said "not worth it" would otherwise never change)
 

@@ -1,5 +1,7 @@
-"""What one generation request asks for (``GenerateParams``) and the one prompt policy (checked,
-tokenized, truncated to its last tokens): shared by the CLI, batch generation and serving."""
+"""What one generation request asks for (``GenerateParams``), what one sequence may hold (``Limits``:
+the model's context and the KV-cache memory budget), how many sequences a batch may decode together
+(``batch_size``), and the one prompt policy (checked, tokenized, truncated to its last tokens): shared
+by the CLI, batch generation and serving."""
 from __future__ import annotations
 
 import logging
@@ -47,6 +49,60 @@ class GenerateParams:
         return cls(**d)
 
 
+KV_MEMORY = 4 << 30  # bytes of KV cache that one sequence, or the slots of a batch together, may hold
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one sequence of a model may hold: ``context`` positions (the model's
+    ``max_position_embeddings``; None: the config names none) and ``memory`` bytes of KV cache at
+    ``kv_bytes`` a position. A request is checked against them before any work starts, since the
+    cache of a sequence that passes them is allocated whole (a billion new tokens asked for tried to
+    allocate 384 GB after the model had loaded)."""
+
+    context: int | None
+    kv_bytes: int
+    memory: int = KV_MEMORY
+
+    @property
+    def positions(self) -> int:
+        """The most positions (prompt and new tokens) one sequence may take."""
+        by_memory = self.memory // max(1, self.kv_bytes)
+        return by_memory if self.context is None else min(self.context, by_memory)
+
+    def _bound(self) -> str:
+        if self.positions == self.context:
+            return f"the model's context of {self.context} tokens"
+        return f"the {self.memory / 2**30:g} GiB KV-cache budget of one sequence ({self.positions} positions)"
+
+    def check(self, params: "GenerateParams") -> None:
+        """A one-line ``ValueError`` when ``max_new_tokens`` leaves no room for a prompt."""
+        if params.max_new_tokens >= self.positions:
+            raise ValueError(f"max_new_tokens ({params.max_new_tokens}) must be below {self._bound()}, "
+                             "which also holds the prompt")
+
+    def prompt_tokens(self, params: "GenerateParams") -> int:
+        """The most prompt tokens kept: ``max_prompt_tokens``, or fewer where the prompt and
+        ``max_new_tokens`` would not fit (checked)."""
+        self.check(params)
+        return min(params.max_prompt_tokens, self.positions - params.max_new_tokens)
+
+
+def batch_size(text: str, name: str = "--batch-size") -> int | None:
+    """A batch size as typed (``--batch-size``, ``$KNNSSD_BATCH_SIZE``): ``auto`` (None) or an integer
+    >= 1; a one-line error naming ``name`` otherwise."""
+    text = str(text).strip()
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{name} must be 'auto' or an integer >= 1, got '{text}'")
+    return n
+
+
 def _number(name: str, v):
     """Integral floats (JSON 8.0) become ints; NaN and inf stay floats, for the checks to name."""
     if isinstance(v, float) and v.is_integer() and name in ("max_new_tokens", "top_k", "max_prompt_tokens", "seed"):
@@ -66,12 +122,15 @@ def check_prompt(prompt) -> None:
         raise ValueError("empty prompt")
 
 
-def prompt_ids(tokenizer, prompt: str, limit: int) -> tuple[list[int], bool]:
-    """Token ids of ``prompt``, keeping the last ``limit`` of a longer one (warned); True if truncated.
-    The one prompt policy of ``generate``, ``complete`` and serving."""
+def prompt_ids(tokenizer, prompt: str, params: GenerateParams, limits: Limits | None = None) -> tuple[list[int], bool]:
+    """Token ids of ``prompt``, keeping the last ``limits.prompt_tokens(params)`` of a longer one
+    (``max_prompt_tokens`` without ``limits``; warned); True if truncated. The one prompt policy of
+    ``generate``, ``complete`` and serving."""
     check_prompt(prompt)
+    limit = limits.prompt_tokens(params) if limits is not None else params.max_prompt_tokens
     ids = tokenizer(prompt).input_ids
     if len(ids) > limit:
-        log.warning("prompt of %d tokens truncated to its last %d", len(ids), limit)
+        why = "" if limit == params.max_prompt_tokens else f" (the most that fits with {params.max_new_tokens} new tokens)"
+        log.warning("prompt of %d tokens truncated to its last %d%s", len(ids), limit, why)
         return ids[-limit:], True
     return ids, False

@@ -55,7 +55,7 @@ class Batcher:
     def generate(self, prompts: list[str], params: GenerateParams) -> list[Result]:
         """Results for ``prompts`` in their order, decoded in the running batch. Bad prompts raise
         ``ValueError`` here, before any of them is queued."""
-        jobs = [RoutedJob(self.gen, *self.gen.tokenize(p, params.max_prompt_tokens), params, Future()) for p in prompts]
+        jobs = [RoutedJob(self.gen, *self.gen.tokenize(p, params), params, Future()) for p in prompts]
         with self._lock:
             self._waiting.update(j.key for j in jobs)
         for j in jobs:

@@ -29,7 +29,7 @@ def routing_accuracy(model_uri: str, data: Path | None = None, per_domain: int |
     hits: dict[str, list[int]] = {}
     route_s = []
     for r in tqdm(rows, desc="route", file=sys.stderr, mininterval=2):
-        ids, _ = gen.tokenize(r.prompt, 4096)
+        ids, _ = gen.tokenize(r.prompt, GenerateParams(max_new_tokens=1))
         with gen.lm.busy:
             *_, route, t = gen.prefill_route(ids, GenerationConfig(max_new_tokens=1))
         route_s.append(time.perf_counter() - t)

@@ -86,17 +86,18 @@ class RoutedGenerator:
         bank = banks.load(folder)
         return cls(models.load(model or bank.model, dtype, device), bank)
 
-    def tokenize(self, prompt: str, limit: int) -> tuple[list[int], bool]:
-        return prompt_ids(self.lm.tokenizer, prompt, limit)
+    def tokenize(self, prompt: str, params: GenerateParams) -> tuple[list[int], bool]:
+        """``params``' prompt policy within the model's limits (``engine.params.prompt_ids``)."""
+        return prompt_ids(self.lm.tokenizer, prompt, params, self.lm.limits)
 
     def positions(self, prompts: list[str], params: GenerateParams) -> int:
         """The most cache positions a generation of one of ``prompts`` reserves: its prompt as kept
         (``tokenize``) and its new tokens."""
         longest = max(len(self.lm.tokenizer(p).input_ids) for p in prompts)
-        return min(longest, params.max_prompt_tokens) + params.max_new_tokens
+        return min(longest, self.lm.limits.prompt_tokens(params)) + params.max_new_tokens
 
     def generate(self, prompt: str, params: GenerateParams = GenerateParams()) -> Result:
-        ids, truncated = self.tokenize(prompt, params.max_prompt_tokens)
+        ids, truncated = self.tokenize(prompt, params)
         with self.lm.busy:  # the model's one decoder is held from prefill to the last token
             return self._generate(ids, truncated, params)
 
@@ -113,7 +114,7 @@ class RoutedGenerator:
         (``engine.batched``), yielded as each finishes; ``stats`` collects the per-step figures. Each
         sequence drafts with its own copy of its cluster's drafter; its tokens equal its
         one-at-a-time generation's where ``plan.exact``."""
-        jobs = ((key, *self.tokenize(prompt, params.max_prompt_tokens)) for key, prompt in prompts)
+        jobs = ((key, *self.tokenize(prompt, params)) for key, prompt in prompts)
         jobs = (RoutedJob(self, ids, truncated, params, key) for key, ids, truncated in jobs)
         with self.lm.busy:  # the decoder's weights are shared by the slots; single generations wait
             for f in decode_batch(self.decoder, jobs, plan, stats):
