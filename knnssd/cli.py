@@ -229,7 +229,7 @@ def cmd_generate(a) -> int:
     from knnssd.engine.params import GenerateParams, batch_size
     from knnssd.prompts import load
     from knnssd.routing import bank as banks
-    from knnssd.serving.batch import check, check_output, writing
+    from knnssd.serving.batch import check, check_output, check_paths, run_settings, writing
 
     # every check a retry cannot change runs here, in seconds, before any server starts or model loads
     params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -240,11 +240,13 @@ def cmd_generate(a) -> int:
         raise ValueError("no prompts")
     check(rows)
     output = Path(a.output)
-    check_output(output, a.overwrite)
+    check_paths(output, [a.input])
     with writing(output):  # one writer per output: a second run fails here, naming this process
         _check_tracking(a.tracking_uri)
         bank = banks.load(tracking.bank_folder(a.model_uri, a.tracking_uri))  # a fetched bank is reused by the flow
         models.limits(bank.model, a.dtype, a.device).check(params)
+        dtype = models.dtype_name(models.resolve_dtype(a.dtype, models.resolve_device(a.device)))
+        check_output(output, a.overwrite, run_settings(params, dtype, bank))  # a resume asks the same as before
         summary = _flow(generate, a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri,
                         slots, a.device)
     print(json.dumps(summary))

@@ -5,6 +5,7 @@ helps): missing file, empty file, missing field, non-UTF-8 bytes, duplicate ids.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -97,13 +98,15 @@ def load(path: str | os.PathLike, split: str | None = None, fields: Fields = Fie
         raise PromptError(f"{path}: no rows")
     out: list[Prompt] = []
     seen: dict[str, int] = {}
+    repeats: dict[str, int] = {}
     for n, row in enumerate(rows, 1):
         if not isinstance(row, dict) or fields.prompt not in row:
             raise PromptError(f"{path}: row {n} has no '{fields.prompt}' field")
         text = row[fields.prompt]
         if not isinstance(text, str):
             raise PromptError(f"{path}: row {n} field '{fields.prompt}' is not text")
-        pid = str(row.get(fields.id) if row.get(fields.id) not in (None, "") else f"{path.stem}-{n - 1:05d}")
+        pid = row.get(fields.id)
+        pid = str(pid) if pid not in (None, "") else auto_id(path.stem, text, repeats)
         if pid in seen:
             raise PromptError(f"{path}: duplicate id '{pid}' (rows {seen[pid]} and {n})")
         seen[pid] = n
@@ -113,6 +116,15 @@ def load(path: str | os.PathLike, split: str | None = None, fields: Fields = Fie
     if not out:
         raise PromptError(f"{path}: no rows with split '{split}'")
     return out
+
+
+def auto_id(stem: str, text: str, repeats: dict[str, int]) -> str:
+    """The id of a row that has none: ``<file stem>-<hash of its prompt>`` (``-2``, ``-3``, ... for the
+    same prompt again). Derived from the content, not the row's position, so a prompt put in front of
+    the others leaves their ids, and a resumed output's rows, standing for the same prompts."""
+    base = f"{stem}-{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
+    repeats[base] = repeats.get(base, 0) + 1
+    return base if repeats[base] == 1 else f"{base}-{repeats[base]}"
 
 
 def default_data_dir() -> Path:

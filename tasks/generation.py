@@ -28,10 +28,11 @@ def read_prompts(path: str, split: str | None) -> list[prompts.Prompt]:
 @task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def generate_batch(model_uri: str, rows: list[prompts.Prompt], output: str, params: GenerateParams, dtype: str,
                    overwrite: bool, tracking_uri: str | None, batch_size: int | None = None,
-                   device: str = "auto") -> batch.Summary:
-    """A retry resumes: ids already in the output (or its progress journal) are skipped."""
+                   device: str = "auto", input_path: str | None = None) -> batch.Summary:
+    """A retry resumes: ids already in the output (or its progress journal) are skipped. ``input_path``:
+    the file ``rows`` came from, which ``output`` must not be."""
     return batch.run(_generator(model_uri, dtype, tracking_uri, device), rows, output, params, overwrite,
-                     batch_size=batch_size)
+                     batch_size=batch_size, inputs=[input_path] if input_path else [])
 
 
 @task(retries=2, retry_condition_fn=transient, retry_delay_seconds=3, cache_policy=NO_CACHE)

@@ -1,6 +1,7 @@
 """Routed generation: batch flow, kill + resume, and `mlflow models serve` answering /invocations."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from knnssd import prompts, tracking
+from knnssd.routing import bank as banks
 from knnssd.engine.drafters import DrafterConfig
 from knnssd.engine.skip import SkipMask
 from knnssd.search import calibration
@@ -196,6 +198,56 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registered, routed, data_dir, tmp_path,
+                                                                        prefect_api, caplog):
+    """Issue 40, defects 1 and 4. A prompt put in front of an input without ids is generated alone, and
+    every row keeps its own prompt's answer; a prompt changed under an explicit id is generated again
+    (warned); other parameters or another bank are refused in one line, before any model loads."""
+    from knnssd.engine.params import GenerateParams
+    from knnssd.serving import batch
+    from knnssd.serving.routed import RoutedGenerator
+
+    texts = [p.prompt for p in prompts.load(eval_file(data_dir, tmp_path / "eval.jsonl", n=2))]
+    params = GenerateParams(max_new_tokens=4)
+    inp, out = tmp_path / "p.jsonl", tmp_path / "o.parquet"
+    _jsonl(inp, [{"prompt": t} for t in texts[1:]])
+    assert batch.run(routed, prompts.load(inp), out, params, batch_size=1, inputs=[inp]).generated == 3
+    _jsonl(inp, [{"prompt": t} for t in texts])
+    assert batch.run(routed, prompts.load(inp), out, params, batch_size=1, inputs=[inp]).generated == 1
+    table = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    for p in prompts.load(inp):
+        assert table[p.id]["prompt_hash"] == batch.prompt_hash(p.prompt)
+    first = prompts.load(inp)[0]
+    assert table[first.id]["tokens"] == routed.generate(first.prompt, params).tokens  # its own answer
+
+    named = _jsonl(tmp_path / "named.jsonl", [{"id": "q1", "prompt": texts[0]}, {"id": "q2", "prompt": texts[1]}])
+    out2 = tmp_path / "named.parquet"
+    batch.run(routed, prompts.load(named), out2, params, batch_size=1)
+    _jsonl(named, [{"id": "q1", "prompt": texts[0]}, {"id": "q2", "prompt": texts[2]}])
+    with caplog.at_level("WARNING"):
+        assert batch.run(routed, prompts.load(named), out2, params, batch_size=1).generated == 1
+    assert "1 row(s) hold the answer to another prompt under the same id" in caplog.text
+    assert {r["id"]: r["prompt_hash"] for r in pq.read_table(out2).to_pylist()}["q2"] == batch.prompt_hash(texts[2])
+
+    before = out.read_bytes()
+    argv = ["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp), "--output", str(out),
+            "--dtype", "float32", "--tracking-uri", registered["uri"]]
+    res, = run_cli([argv + ["--max-new-tokens", "24", "--temperature", "0.9"]],
+                   cli_env(registered, {**os.environ, **prefect_api}))
+    assert res.code == 2 and len(res.stderr) == 1, res
+    assert "max_new_tokens 4 (this run: 24)" in res.stderr[0] and "--overwrite" in res.stderr[0], res
+    assert res.seconds < 15 and out.read_bytes() == before
+
+    other = tmp_path / "other-bank"
+    shutil.copytree(tracking.download_bank("models:/knnssd-smollm2@champion", uri=registered["uri"]), other)
+    b = banks.load(other)
+    b.clusters[0].speedup += 1
+    b.save(other)
+    with pytest.raises(batch.OutputError, match=r"bank \w+ \(this run: \w+\)"):
+        batch.run(RoutedGenerator(routed.lm, banks.load(other)), prompts.load(inp), out, params)
+    assert out.read_bytes() == before
+
+
 def test_limits_are_checked_before_any_work(registered, routed, tmp_path, prefect_api, caplog):
     """Issue 40, defects 5 and 7: a billion new tokens is one line before the model loads (it tried to
     allocate 384 GB after the load, in 226 lines, and left an empty journal); a prompt longer than the
@@ -218,6 +270,49 @@ def test_limits_are_checked_before_any_work(registered, routed, tmp_path, prefec
     assert truncated and len(ids) == 8192 - 8
     assert "truncated to its last 8184 (the most that fits with 8 new tokens)" in caplog.text
     assert routed.positions(["word " * 12_000], params) == 8192
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system of 256 KiB (a tmpfs; mounting one needs root)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("a small file system needs root to mount a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_resumes(registered, routed, data_dir, tmp_path, prefect_api,
+                                                        small_disk):
+    """Issue 40, defect 9: a full disk under the output gave a 169-line traceback (and a retry). Now one
+    line names the file and what is kept, nothing is left in the folder but the output and its journal,
+    and the rerun, once there is room, generates only the rest."""
+    import re
+    import shutil as sh
+
+    from knnssd.engine.params import GenerateParams
+    from knnssd.serving import batch
+
+    inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=5)
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (sh.disk_usage(small_disk).free - 2 * 4096))  # the lock and one page of journal
+    out = small_disk / "o.parquet"
+    run = subprocess.run(generate_argv(inp, out, 8, "1"), env=cli_env(registered, {**os.environ, **prefect_api}),
+                         capture_output=True, text=True, timeout=600)
+    lines = [x for x in run.stderr.replace("\r", "\n").splitlines() if x.strip() and not x.startswith("generate:")]
+    assert run.returncode == 2 and len(lines) == 1, run.stderr[-3000:]
+    kept = re.fullmatch(r"knnssd: error: cannot write \S+ \(No space left on device\); the (\d+) row\(s\) finished "
+                        r"so far are kept: make room and run the same command again to resume", lines[0])
+    assert kept, lines[0]
+    assert {x.name for x in small_disk.iterdir()} <= {"filler", "o.parquet", "o.parquet.progress.jsonl"}
+    filler.unlink()
+    summary = batch.run(routed, prompts.load(inp), out, GenerateParams(max_new_tokens=8), batch_size=1)
+    assert summary.rows == 10 and summary.generated == 10 - int(kept.group(1))
+    assert sorted(r["id"] for r in pq.read_table(out).to_pylist()) == sorted(p.id for p in prompts.load(inp))
 
 
 def test_bad_prompt_files_and_existing_outputs(registered, tmp_path):

@@ -23,7 +23,7 @@ def test_formats_fields_and_splits(tmp_path):
     assert prompts.load(j, domain="fill")[1].domain == "fill"
     got = prompts.load(tmp_path / "p.parquet", fields=prompts.Fields(prompt="q", id="key"))
     assert [(r.id, r.prompt) for r in got] == [("a", "x"), ("b", "y")]
-    assert [r.id for r in prompts.load(tmp_path / "p.csv")] == ["p-00000", "p-00001"]
+    assert [r.id for r in prompts.load(tmp_path / "p.csv")] == [prompts.auto_id("p", t, {}) for t in "xy"]
 
 
 @pytest.mark.parametrize("content, message", [

@@ -279,6 +279,105 @@ def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
     assert not list(tmp_path.glob("*.progress.jsonl")) and not list(tmp_path.glob("*.lock"))
 
 
+# --- issue 40: resume, inputs, limits, settings and faults, each case without a model ----------------------------------
+
+def _row(pid: str, prompt: str, settings: dict, **over) -> dict:
+    """A finished output row as ``batch._run`` writes it."""
+    row = {"id": pid, "domain": None, "text": "x", "tokens": [1, 2], "new_tokens": 2, "cluster": None, "label": "plain AR",
+           "similarity": 0.1, "matched": False, "drafter": "plain AR", "acceptance_rate": 0.0, "mean_accepted": 1.0,
+           "steps": 2, "drafted": 0, "accepted": 0, "latency_s": 0.1, "route_ms": 0.2, "tokens_per_s": 20.0,
+           "prompt_tokens": 3, "truncated": False, "stop": "length", "prompt_hash": batch.prompt_hash(prompt),
+           "settings": batch._settings_text(settings)}
+    return {**row, **over}
+
+
+def _settings(**params) -> dict:
+    from types import SimpleNamespace
+
+    return batch.run_settings(GenerateParams(**params), "bfloat16", SimpleNamespace(digest="b1"))
+
+
+def test_ids_of_rows_without_one_follow_the_prompt_not_its_position(tmp_path):
+    """Defect 1: auto ids were positional (``<file>-00000``), so a prompt put in front of the others took
+    the first id, and a resume paired it with the old first prompt's answer."""
+    from knnssd import prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "b"}\n{"prompt": "c"}\n{"prompt": "b"}\n')
+    before = {r.prompt + str(i): r.id for i, r in enumerate(prompts.load(path))}
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n{"prompt": "b"}\n')
+    after = [r.id for r in prompts.load(path)]
+    assert after[1:] == [before["b0"], before["c1"], before["b2"]]  # the same prompts keep their ids
+    assert after[0] not in before.values() and len(set(after)) == 4 and after[3] == after[1] + "-2"
+
+
+def test_resume_refuses_other_settings_and_names_them(tmp_path):
+    """Defect 4: a rerun with other parameters reported ``"generated": 0`` and kept the old rows."""
+    out = tmp_path / "o.parquet"
+    made = _settings(max_new_tokens=8)
+    batch.write_parquet([_row("a", "p", made)], out)
+    assert set(batch.check_output(out, False, settings=made)) == {"a"}
+    with pytest.raises(batch.OutputError) as e:
+        batch.check_output(out, False, settings=_settings(max_new_tokens=24, temperature=0.9, seed=3))
+    message = str(e.value)
+    assert "\n" not in message and "--overwrite" in message
+    assert "max_new_tokens 8 (this run: 24)" in message and "temperature 0.0 (this run: 0.9)" in message
+    with pytest.raises(batch.OutputError, match=r"bank b1 \(this run: b2\)"):
+        from types import SimpleNamespace
+
+        batch.check_output(out, False, settings=batch.run_settings(GenerateParams(max_new_tokens=8), "bfloat16",
+                                                                    SimpleNamespace(digest="b2")))
+    with pytest.raises(batch.OutputError, match=r"dtype bfloat16 \(this run: float32\)"):
+        batch.check_output(out, False, settings={**made, "dtype": "float32"})
+    assert _settings(max_new_tokens=8, seed=5, top_p=0.5) == made  # greedy decoding ignores sampling's settings
+    assert batch.check_output(out, True, settings=_settings(max_new_tokens=24)) == {}  # --overwrite: start over
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    old = pa.Table.from_pylist([{k: v for k, v in _row("a", "p", made).items() if k not in batch.RESUME_KEY}])
+    pq.write_table(old, out)  # an output of an earlier version: no record of its settings
+    with pytest.raises(batch.OutputError, match="earlier knnssd.*--overwrite"):
+        batch.check_output(out, False, settings=made)
+
+
+def test_an_output_that_is_the_input_is_refused_even_with_overwrite(tmp_path):
+    """Defect 2: ``--input x.parquet --output x.parquet --overwrite`` replaced the prompts with the answers.
+    The same path, a symbolic link and a hard link are all refused, as are the output's journal and lock."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    inp = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"prompt": ["hello"]}), inp)
+    before = inp.read_bytes()
+    (tmp_path / "link.parquet").symlink_to(inp)
+    os.link(inp, tmp_path / "hard.parquet")
+    for out in (inp, tmp_path / "." / "x.parquet", tmp_path / "link.parquet", tmp_path / "hard.parquet"):
+        with pytest.raises(batch.OutputError, match="is the input file .*choose another path, such as"):
+            batch.check_paths(out, [str(inp)])
+    journal = tmp_path / "y.parquet.progress.jsonl"
+    journal.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(batch.OutputError, match="is the input file"):
+        batch.check_paths(tmp_path / "y.parquet", [journal])
+    assert inp.read_bytes() == before
+    batch.check_paths(tmp_path / "other.parquet", [inp])
+
+
+def test_torn_edited_or_foreign_journal_lines_are_skipped_with_a_warning(tmp_path, caplog):
+    """Defect 12: a hand-edited ``.progress.jsonl`` with missing fields raised a ``TypeError`` on every rerun."""
+    out = tmp_path / "o.parquet"
+    made = _settings()
+    good = _row("a", "pa", made)
+    broken = {k: v for k, v in _row("b", "pb", made).items() if k not in ("latency_s", "steps")}
+    lines = [json.dumps(good), json.dumps(broken), json.dumps([1, 2]), json.dumps({**good, "id": 7}),
+             json.dumps({**_row("c", "pc", made), "new_tokens": True}), '{"id": "d", "te']
+    batch.progress_path(out).write_text("\n".join(lines))
+    with caplog.at_level("WARNING"):
+        done = batch.check_output(out, False, settings=made)
+    assert list(done) == ["a"]
+    assert "5 row(s) are not knnssd rows" in caplog.text
+    assert batch.summarize(list(done.values()), 0, out, None).rows == 1
+
+
 def test_drafter_arguments_are_checked():
     """Defect 13: ``--max-draft -1`` silently turned drafting off; a NaN threshold was taken."""
     from knnssd.engine.drafters import DrafterConfig
@@ -336,6 +435,20 @@ def _one_line_each(cases, env, seconds=30):
 
 def _cli_env(tmp_path) -> dict:
     return {**os.environ, "KNNSSD_WORK": str(tmp_path / "work"), "PREFECT_HOME": str(tmp_path / "prefect")}
+
+
+def test_cli_refuses_outputs_that_cannot_be_written_safely(tmp_path):
+    """Defects 2 and 11 through the command line: an output that is the input (``--overwrite`` or not)
+    and a name too long for the file system are one line, before anything loads, and the input stays."""
+    inp = tmp_path / "x.jsonl"
+    inp.write_text('{"prompt": "Hello"}\n')
+    before = inp.read_bytes()
+    gen = ["generate", "--model-uri", str(tmp_path), "--input", str(inp)]
+    _one_line_each([(gen + ["--output", str(inp), "--overwrite"], "is the input file"),
+                    (gen + ["--output", str(tmp_path / ("n" * 300 + ".parquet"))], "output file name is too long")],
+                   _cli_env(tmp_path))
+    assert inp.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefect", "work", "x.jsonl"]
 
 
 def test_cli_refuses_tracking_uris_that_cannot_work(tmp_path):

@@ -7,6 +7,7 @@ corrupt or foreign bank in one line.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -86,6 +87,7 @@ class Bank:
     knnssd_version: str = __version__
     extra: dict = field(default_factory=dict)
     center: np.ndarray | None = None  # subtracted from prompt vectors before routing (router.center_of)
+    digest: str = ""  # of the files it was loaded from (``load``): what an output row records of its bank
 
     def router(self) -> Router:
         return Router(self.anchors, self.anchor_cluster, self.router_k, self.min_similarity, self.center)
@@ -156,6 +158,10 @@ def load(folder: str | os.PathLike) -> Bank:
         raise BankError(f"{folder / 'anchors.parquet'} is missing or corrupt: {type(e).__name__}") from None
     bank = from_json(d, anchors, owner)
     validate(bank)
+    h = hashlib.sha256()
+    for name in ("bank.json", "anchors.parquet"):
+        h.update((folder / name).read_bytes())
+    bank.digest = h.hexdigest()[:16]
     return bank
 
 

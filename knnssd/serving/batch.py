@@ -5,14 +5,21 @@ Each finished prompt is appended (and fsync'ed) to ``<output>.progress.jsonl``; 
 rename), so a kill never leaves a torn output and a rerun skips every id already finished.
 An existing output is resumed, not replaced (``overwrite=True`` starts over). Prompts that
 no anchor matches are recorded in ``<work>/unmatched/`` for later re-optimisation.
+
+Each row records what identifies its work (``prompt_hash``, ``settings``: ``run_settings``), so a
+resume never pairs an id with another prompt's answer: a row whose prompt changed is generated
+again (warned), and an output made with other settings is refused in one line that names them.
+The output is never one of the input files, whatever the path, link or hard link.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
 import fcntl
+import hashlib
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -22,15 +29,23 @@ from pathlib import Path
 
 from knnssd.engine.batched import BatchStats, auto_slots
 from knnssd.engine.decode import acceptance_rate, mean_accepted
-from knnssd.engine.params import GenerateParams
+from knnssd.engine.params import GenerateParams, check_prompt
 from knnssd.prompts import Prompt
+from knnssd.routing.bank import Bank
 from knnssd.serving.routed import Result, RoutedGenerator
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ("id", "domain", "text", "tokens", "new_tokens", "cluster", "label", "similarity", "matched", "drafter",
            "acceptance_rate", "mean_accepted", "steps", "drafted", "accepted", "latency_s", "route_ms", "tokens_per_s", "prompt_tokens",
-           "truncated", "stop")
+           "truncated", "stop", "prompt_hash", "settings")
+RESUME_KEY = ("prompt_hash", "settings")  # the columns earlier versions did not write
+_NUMBER, _INT = (int, float), (int,)
+_KINDS = {"id": (str,), "domain": (str, type(None)), "text": (str,), "tokens": (list,), "new_tokens": _INT,
+          "cluster": (int, type(None)), "label": (str,), "similarity": (*_NUMBER, type(None)), "matched": (bool,),
+          "drafter": (str,), "acceptance_rate": _NUMBER, "mean_accepted": _NUMBER, "steps": _INT, "drafted": _INT,
+          "accepted": _INT, "latency_s": _NUMBER, "route_ms": _NUMBER, "tokens_per_s": _NUMBER, "prompt_tokens": _INT,
+          "truncated": (bool,), "stop": (str, type(None)), "prompt_hash": (str,), "settings": (str,)}
 
 
 class OutputError(ValueError):
@@ -83,8 +98,13 @@ def writing(output: str | os.PathLike) -> Iterator[None]:
         return
     path = lock_path(output)
     fd = _lock(path)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except OSError as e:  # a full disk
+        path.unlink(missing_ok=True)
+        os.close(fd)
+        raise OutputError(f"cannot write the lock file {path} ({e.strerror or e})") from None
     _held[output] = fd
     try:
         yield
@@ -119,15 +139,96 @@ def _lock(path: Path) -> int:
         os.close(fd)
 
 
-def check_output(output: Path, overwrite: bool) -> dict[str, dict]:
-    """The output is a file path, and (unless ``overwrite``) one this tool can resume: its finished rows."""
+def prompt_hash(prompt: str) -> str:
+    return hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def run_settings(params: GenerateParams, dtype: str, bank: Bank) -> dict:
+    """What decides a row's tokens and figures besides its prompt: the generation parameters, the
+    dtype the model runs in, and the bank (its ``digest``). Sampling's parameters count only where
+    the run samples (greedy decoding ignores them). The device does not count: the same dtype's
+    tokens are the same generation on either."""
+    p = params if not params.warp.greedy else GenerateParams(params.max_new_tokens, 0.0,
+                                                              max_prompt_tokens=params.max_prompt_tokens)
+    return {**{k: getattr(p, k) for k in ("max_new_tokens", "max_prompt_tokens", "temperature", "top_k", "top_p",
+                                          "seed")}, "dtype": dtype, "bank": bank.digest}
+
+
+def _settings_text(settings: dict) -> str:
+    return json.dumps(settings, sort_keys=True)
+
+
+def check_paths(output: Path, inputs=()) -> None:
+    """``output`` can be written as a file, and is none of ``inputs`` (nor is its journal or lock
+    file): by the same path, a symbolic link or a hard link. An ``--overwrite`` would otherwise
+    replace the prompts with the answers."""
+    output = Path(output)
+    _check_name(output)
     if output.is_dir():
         raise OutputError(f"{output} is a folder; give a .parquet file path")
-    return {} if overwrite else read_done(output)
+    for inp in inputs:
+        if str(inp).startswith("hf:"):
+            continue
+        for own in (output, progress_path(output), lock_path(output)):
+            if _same_file(Path(inp), own):
+                what = "" if own == output else f" (its {own.name[len(output.name):]} file)"
+                other = Path(inp).with_name(f"{Path(inp).stem}.generated.parquet")
+                raise OutputError(f"--output {output}{what} is the input file {inp}; writing it would destroy the "
+                                  f"prompts: choose another path, such as {other}")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): only the same path is the same file
+        return a.resolve() == b.resolve()
+
+
+JOURNAL_SUFFIX = ".progress.jsonl"  # the longest name written beside the output
+
+
+def _check_name(output: Path) -> None:
+    """A one-line error for a name the file system cannot hold with its journal's suffix (it failed
+    with a traceback where the file was first touched)."""
+    folder = output.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        name_max = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    size = len(os.fsencode(output.name))
+    if size + len(JOURNAL_SUFFIX) > name_max:
+        raise OutputError(f"output file name is too long ({size} bytes; at most {name_max - len(JOURNAL_SUFFIX)} "
+                          f"here, to leave room for its {JOURNAL_SUFFIX} journal)")
+
+
+def check_output(output: Path, overwrite: bool, settings: dict | None = None) -> dict[str, dict]:
+    """Unless ``overwrite``, the output (its paths checked: ``check_paths``) is one this tool can resume:
+    its finished rows, each generated with ``settings`` when given (else a one-line ``OutputError`` that
+    names what differs and offers ``--overwrite``)."""
+    if overwrite:
+        return {}
+    done = read_done(output)
+    if settings is not None:
+        want = _settings_text(settings)
+        for row in done.values():
+            if row["settings"] != want:
+                raise OutputError(f"{output} was generated with other settings: "
+                                  f"{_differences(json.loads(row['settings']), settings)}; pass --overwrite to "
+                                  "generate it again from the start, or choose another --output")
+    return done
+
+
+def _differences(old: dict, new: dict) -> str:
+    return ", ".join(f"{k} {old.get(k, 'unset')} (this run: {new.get(k, 'unset')})"
+                     for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
 
 
 def read_done(output: Path) -> dict[str, dict]:
-    """Rows already finished: the parquet output plus the progress journal (a torn last line is ignored)."""
+    """Rows already finished: the parquet output plus the progress journal. A row that is not a
+    knnssd row (a torn last line, a hand-edited or foreign one) is skipped with a warning, and so
+    generated again."""
     done: dict[str, dict] = {}
     if output.exists():
         import pyarrow.parquet as pq
@@ -138,19 +239,41 @@ def read_done(output: Path) -> dict[str, dict]:
             raise OutputError(f"{output} exists and is not a parquet file ({type(e).__name__}); "
                               "choose another path or pass --overwrite") from None
         missing = set(COLUMNS) - set(table.column_names)
+        if missing and missing <= set(RESUME_KEY) and "id" in table.column_names:
+            raise OutputError(f"{output} was written by an earlier knnssd, which did not record what each row was "
+                              "generated with; pass --overwrite to generate it again, or choose another --output")
         if missing:
             raise OutputError(f"{output} exists and is not a knnssd generation output (no {sorted(missing)[0]!r} "
                               "column); choose another path or pass --overwrite")
-        done.update({r["id"]: r for r in table.to_pylist()})
+        _take(done, table.to_pylist(), output)
     journal = progress_path(output)
     if journal.exists():
+        rows = []
         for line in journal.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
-                row = json.loads(line)
+                rows.append(json.loads(line))
             except json.JSONDecodeError:
-                continue  # the line being written when the process was killed
-            done[row["id"]] = row
+                rows.append(None)  # the line being written when the process was killed
+        _take(done, rows, journal)
     return done
+
+
+def _take(done: dict[str, dict], rows: list, source: Path) -> None:
+    bad = 0
+    for row in rows:
+        if _is_row(row):
+            done[row["id"]] = row
+        else:
+            bad += 1
+    if bad:
+        log.warning("%s: %d row(s) are not knnssd rows (torn, edited or foreign) and are skipped; their prompts are "
+                    "generated again", source, bad)
+
+
+def _is_row(row) -> bool:
+    return isinstance(row, dict) and all(
+        k in row and isinstance(row[k], kinds) and not (isinstance(row[k], bool) and bool not in kinds)
+        for k, kinds in _KINDS.items())
 
 
 def write_parquet(rows: list[dict], output: Path) -> None:
@@ -158,16 +281,23 @@ def write_parquet(rows: list[dict], output: Path) -> None:
     import pyarrow.parquet as pq
 
     tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
-    pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows]), tmp)
-    os.replace(tmp, output)
+    try:
+        pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows]), tmp)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def check(rows: list[Prompt]) -> None:
-    """Reject the batch before generating anything if a prompt is empty or an id repeats."""
+    """Reject the batch before generating anything if a prompt is empty or not text, or an id repeats."""
     seen = set()
     for r in rows:
         if not r.prompt.strip():
             raise ValueError(f"prompt '{r.id}' is empty")
+        try:
+            check_prompt(r.prompt)
+        except ValueError as e:
+            raise ValueError(f"prompt '{r.id}': {e}") from None
         if r.id in seen:
             raise ValueError(f"duplicate id '{r.id}'")
         seen.add(r.id)
@@ -175,19 +305,23 @@ def check(rows: list[Prompt]) -> None:
 
 def run(gen: RoutedGenerator, rows: list[Prompt], output: str | os.PathLike, params: GenerateParams = GenerateParams(),
         overwrite: bool = False, flush_every: int = 8, unmatched_dir: Path | None = None,
-        batch_size: int | None = None) -> Summary:
+        batch_size: int | None = None, inputs=()) -> Summary:
     """Generate every prompt not yet in ``output``; ``batch_size`` sequences at a time (None: auto,
-    ``engine.batched.auto_slots``; 1: one at a time)."""
+    ``engine.batched.auto_slots``; 1: one at a time). ``inputs``: the prompt files ``rows`` came from,
+    which ``output`` must not be."""
     output = Path(output)
     check(rows)
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    gen.lm.limits.check(params)
+    settings = run_settings(params, gen.lm.dtype_name, gen.bank)
+    check_paths(output, inputs)
     with writing(output):  # creates the output's folder
-        done = check_output(output, overwrite)  # read under the lock: no other writer is mid-flush
+        done = check_output(output, overwrite, settings)  # read under the lock: no other writer is mid-flush
         if overwrite:
             output.unlink(missing_ok=True)
             progress_path(output).unlink(missing_ok=True)
-        return _run(gen, rows, output, done, params, flush_every, unmatched_dir, batch_size)
+        return _run(gen, rows, output, done, params, _settings_text(settings), flush_every, unmatched_dir, batch_size)
 
 
 def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, batch_size: int | None,
@@ -212,37 +346,63 @@ def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, b
 
 
 def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, done: dict[str, dict], params: GenerateParams,
-         flush_every: int, unmatched_dir: Path | None, batch_size: int | None) -> Summary:
+         settings: str, flush_every: int, unmatched_dir: Path | None, batch_size: int | None) -> Summary:
     from tqdm import tqdm
 
+    changed = {r.id for r in rows if r.id in done and done[r.id]["prompt_hash"] != prompt_hash(r.prompt)}
+    if changed:
+        log.warning("%s: %d row(s) hold the answer to another prompt under the same id (the input changed); they are "
+                    "generated again", output, len(changed))
     wanted = {r.id for r in rows}
-    finished = [done[r.id] for r in rows if r.id in done]
-    todo = [r for r in rows if r.id not in done]
+    finished = [done[r.id] for r in rows if r.id in done and r.id not in changed]
+    todo = [r for r in rows if r.id not in done or r.id in changed]
     if done.keys() - wanted:
         log.warning("%s holds %d ids that are not in this input; they are kept", output, len(done.keys() - wanted))
         finished += [row for i, row in done.items() if i not in wanted]
     unmatched: list[dict] = []
     generated = 0
     stats = BatchStats(1)
-    with open(progress_path(output), "a", encoding="utf-8") as journal, \
-            tqdm(total=len(todo), desc="generate", file=sys.stderr, mininterval=2) as bar:
-        for r, res in _results(gen, todo, params, batch_size, stats):
-            bar.update(1)
-            row = {"id": r.id, "domain": r.domain, **res.to_row()}
-            journal.write(json.dumps(row) + "\n")
-            journal.flush()
-            os.fsync(journal.fileno())
-            finished.append(row)
-            generated += 1
-            if res.cluster is None:
-                unmatched.append({"id": r.id, "prompt": r.prompt, "similarity": res.similarity,
-                                  "vector": res.vector.tolist()})
-            if generated % flush_every == 0:
-                write_parquet(in_order(finished, rows), output)
-    write_parquet(in_order(finished, rows), output)
-    progress_path(output).unlink(missing_ok=True)
+    journal_path = progress_path(output)
+    try:
+        with _writes(journal_path, len(finished)):  # unbuffered: a failed write leaves nothing to flush at close
+            journal = open(journal_path, "ab", buffering=0)
+        with journal, tqdm(total=len(todo), desc="generate", file=sys.stderr, mininterval=2) as bar:
+            for r, res in _results(gen, todo, params, batch_size, stats):
+                bar.update(1)
+                row = {"id": r.id, "domain": r.domain, **res.to_row(), "prompt_hash": prompt_hash(r.prompt),
+                       "settings": settings}
+                line = memoryview((json.dumps(row, allow_nan=False) + "\n").encode())
+                with _writes(journal_path, len(finished)):
+                    while line:
+                        line = line[journal.write(line):]
+                    os.fsync(journal.fileno())
+                finished.append(row)
+                generated += 1
+                if res.cluster is None:
+                    unmatched.append({"id": r.id, "prompt": r.prompt, "similarity": res.similarity,
+                                      "vector": res.vector.tolist()})
+                if generated % flush_every == 0:
+                    with _writes(output, len(finished)):
+                        write_parquet(in_order(finished, rows), output)
+        with _writes(output, len(finished)):
+            write_parquet(in_order(finished, rows), output)
+    finally:
+        if journal_path.exists() and journal_path.stat().st_size == 0:
+            journal_path.unlink()  # nothing was finished: no journal to resume from
+    journal_path.unlink(missing_ok=True)
     log_path = record_unmatched(unmatched, gen.bank.model, unmatched_dir) if unmatched else None
     return summarize(finished, generated, output, log_path, stats)
+
+
+@contextlib.contextmanager
+def _writes(path: Path, kept: int):
+    """An ``OSError`` while writing the output (a full disk, a file system gone read-only) becomes one
+    line that says what is kept: every finished row is in the output or its journal."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(f"cannot write {path} ({e.strerror or e}); the {kept} row(s) finished so far are kept: make "
+                          "room and run the same command again to resume") from None
 
 
 def in_order(finished: list[dict], rows: list[Prompt]) -> list[dict]:
@@ -251,19 +411,25 @@ def in_order(finished: list[dict], rows: list[Prompt]) -> list[dict]:
     return sorted(finished, key=lambda x: order.get(x["id"], len(order)))
 
 
-def record_unmatched(rows: list[dict], model: str, folder: Path | None) -> str:
+def record_unmatched(rows: list[dict], model: str, folder: Path | None) -> str | None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from knnssd.settings import work_dir
 
     folder = Path(folder or work_dir() / "unmatched" / model)
-    folder.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
     path = folder / f"unmatched-{stamp}.parquet"
     tmp = path.with_name("." + path.name)
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    os.replace(tmp, path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        os.replace(tmp, path)
+    except OSError as e:  # the output is complete: losing this log costs a later re-optimisation some prompts
+        log.warning("cannot record %d unmatched prompt(s) in %s (%s)", len(rows), folder, e.strerror or e)
+        return None
+    finally:
+        tmp.unlink(missing_ok=True)
     return str(path)
 
 

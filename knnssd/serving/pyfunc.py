@@ -46,6 +46,7 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
         try:  # a bad request is answered 400 with the reason in "message", before any generation
             p = GenerateParams.from_dict(params or {})
             self.generator.lm.limits.check(p)
+            self.generator.lm.limits.check(p)
             prompts = _prompts(model_input)
             for text in prompts:
                 check_prompt(text)

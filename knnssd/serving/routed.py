@@ -7,6 +7,7 @@ the pyfunc model.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -44,8 +45,10 @@ class Result:
     def to_row(self) -> dict:
         s = self.stats
         return {
-            "text": self.text, "tokens": self.tokens, "new_tokens": len(self.tokens), "cluster": self.cluster,
-            "label": self.label, "similarity": self.similarity, "matched": self.cluster is not None,
+            "text": self.text, "tokens": self.tokens, "new_tokens": len(self.tokens),
+            "cluster": None if self.cluster is None else int(self.cluster), "label": self.label,
+            "similarity": float(self.similarity) if math.isfinite(self.similarity) else None,  # JSON has no NaN
+            "matched": self.cluster is not None,
             "drafter": self.drafter, "acceptance_rate": s.acceptance_rate, "mean_accepted": s.mean_accepted,
             "steps": s.steps, "drafted": s.drafted, "accepted": sum(s.accepted), "latency_s": self.latency_s, "route_ms": 1e3 * self.route_s,
             "tokens_per_s": len(self.tokens) / self.latency_s if self.latency_s else 0.0,
