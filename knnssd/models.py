@@ -109,6 +109,9 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
+DTYPES = ("auto", "bfloat16", "float32")  # what --dtype and $KNNSSD_DTYPE take
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``float32``/``bfloat16``/...: a dtype as banks, reports and outputs record it."""
     return str(dtype).replace("torch.", "")
@@ -167,14 +170,14 @@ def resolve_device(spec: str = "auto") -> torch.device:
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """auto = bfloat16 on CUDA or on a CPU with avx512_bf16/AMX, else float32."""
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    """auto = bfloat16 on CUDA or on a CPU with avx512_bf16/AMX, else float32. float16 is refused: the
+    engine's native CPU kernels do not take it (it failed deep in the first attention call)."""
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if spec == "auto":
         fast = device.type == "cuda" or cpu_has_fast_bf16()
         return torch.bfloat16 if fast else torch.float32
     if spec not in table:
-        raise ModelError(f"unknown dtype '{spec}' (choose auto, bfloat16 or float32)")
+        raise ModelError(f"unknown dtype '{spec}' (choose {', '.join(DTYPES)})")
     return table[spec]
 
 

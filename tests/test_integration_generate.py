@@ -272,6 +272,15 @@ def test_limits_are_checked_before_any_work(registered, routed, tmp_path, prefec
     assert routed.positions(["word " * 12_000], params) == 8192
 
 
+def test_batch_size_over_the_kv_budget_is_refused(routed):
+    """Issue 40, defect 6: ``KNNSSD_BATCH_SIZE=100000`` never started the server (planning 100,000 slots)."""
+    from knnssd.serving.pyfunc import check_slots
+
+    with pytest.raises(ValueError, match=r"KNNSSD_BATCH_SIZE=100000 is more than the \d+ slots of 4224 positions"):
+        check_slots(100_000, routed.decoder, 4224)
+    check_slots(4, routed.decoder, 4224)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A file system of 256 KiB (a tmpfs; mounting one needs root)."""
@@ -351,6 +360,37 @@ def test_foreign_bank_is_refused(registered):
         RoutedGenerator.from_bank_dir(folder, dtype="float32")
 
 
+UNMATCHED = "Lorem ipsum dolor sit amet"  # far from every anchor of the test bank (similarity 0.20, the bar 0.33)
+
+
+def strict_json(body: bytes):
+    """``json.loads`` that refuses NaN and Infinity, as JavaScript's ``JSON.parse`` does."""
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+
+    return json.loads(body, parse_constant=refuse)
+
+
+def test_mlflow_models_serve_refuses_bad_settings_in_one_line(registered, tmp_path):
+    """Issue 40, defect 10: ``KNNSSD_DTYPE=float16`` (and ``KNNSSD_BATCH_SIZE=abc``, ``KNNSSD_DEVICE=cuda``)
+    ended the server with 100-147 lines of tracebacks, the float16 one blaming the attention kernel. Now
+    knnssd says why in one line, before the model loads, and the server exits with status 2 (``mlflow
+    models serve`` then reports that status in its own lines)."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "KNNSSD_DTYPE": "float16",
+           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    run = subprocess.run([str(Path(bin_dir) / "mlflow"), "models", "serve", "-m", "models:/knnssd-smollm2@champion",
+                          "--env-manager", "local", "-h", "127.0.0.1", "-p", str(free_port())], env=env,
+                         capture_output=True, text=True, timeout=180)
+    lines = run.stderr.splitlines()
+    assert run.returncode != 0 and "Return code = 2" in run.stderr, run.stderr[-3000:]
+    assert [x for x in lines if x.startswith("knnssd")] == [
+        "knnssd: error: KNNSSD_DTYPE='float16' is not one of auto, bfloat16, float32"], run.stderr[-3000:]
+    frames = [x for x in lines if x.strip().startswith('File "')]
+    assert not [x for x in frames if "uvicorn" in x or "/knnssd/" in x], run.stderr[-3000:]  # MLflow's report alone
+    assert not any("Loading weights" in x for x in lines)
+
+
 def test_mlflow_models_serve_answers_invocations(registered, tmp_path):
     port = free_port()
     bin_dir = str(Path(sys.executable).parent)  # mlflow starts uvicorn from PATH
@@ -379,10 +419,15 @@ def test_mlflow_models_serve_answers_invocations(registered, tmp_path):
                                          {"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=300) as r:
-                    return r.status, json.loads(r.read())
+                    return r.status, strict_json(r.read())
             except urllib.error.HTTPError as e:
-                return e.code, json.loads(e.read())
+                return e.code, strict_json(e.read())
 
+        # a prompt no anchor matches beside one that matches: clusters are integers or null, never NaN
+        code, answer = ask([{"prompt": UNMATCHED}, {"prompt": "Translate German to English:\nGuten Morgen."}],
+                           {"max_new_tokens": 2})
+        clusters = [p["cluster"] for p in answer["predictions"]]
+        assert code == 200 and clusters[0] is None and isinstance(clusters[1], int), answer
 
         # 10 requests at once (decoded together, 4 slots) get exactly their one-at-a-time answers
         records = [[{"prompt": f"Translate German to English: Guten Morgen Nummer {i}."}] for i in range(10)]

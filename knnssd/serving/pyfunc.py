@@ -1,21 +1,57 @@
 """The servable model: an MLflow pyfunc whose artifact is a skip bank.
 
-``load_context`` starts the batch that concurrent requests join (``batcher.Batcher``;
-``$KNNSSD_BATCH_SIZE`` slots, default auto), whose thread loads the bank and its base model (by the
-name the bank records, or ``$KNNSSD_MODEL``; in ``$KNNSSD_DTYPE`` and on ``$KNNSSD_DEVICE``, default auto);
-``predict`` takes a DataFrame with a ``prompt`` column and returns one row per prompt with the generated
-text and routing/acceptance stats.
+``load_context`` checks the server's settings (``server_settings``: ``$KNNSSD_BATCH_SIZE`` slots,
+default auto; ``$KNNSSD_MODEL``, default the name the bank records; ``$KNNSSD_DTYPE`` and
+``$KNNSSD_DEVICE``, default auto), then starts the batch that concurrent requests join
+(``batcher.Batcher``), whose thread loads the bank and its base model. Under ``mlflow models serve`` a
+setting that cannot be used ends the server with one line and exit status 2, before the model loads
+where it can. ``predict`` takes a DataFrame with a ``prompt`` column and returns one row per prompt with
+the generated text and routing/acceptance stats, every value valid JSON (``None``, never NaN).
 """
 from __future__ import annotations
+
+import os
+import sys
 
 import mlflow.pyfunc
 import pandas as pd
 
+def server_settings(env) -> dict:
+    """The ``KNNSSD_*`` settings of ``env``, each checked in one line by the rules of the CLI's options
+    (``--dtype``, ``--device``, ``--batch-size``); an empty value means its default."""
+    from knnssd.engine.params import batch_size
+    from knnssd.models import DTYPES, resolve_device
+
+    dtype = env.get("KNNSSD_DTYPE") or "auto"
+    if dtype not in DTYPES:
+        raise ValueError(f"KNNSSD_DTYPE={dtype!r} is not one of {', '.join(DTYPES)}")
+    device = env.get("KNNSSD_DEVICE") or "auto"
+    try:
+        resolve_device(device)
+    except ValueError as e:
+        raise ValueError(f"KNNSSD_DEVICE: {e}") from None
+    return {"model": env.get("KNNSSD_MODEL") or None, "dtype": dtype, "device": device,
+            "slots": batch_size(env.get("KNNSSD_BATCH_SIZE") or "auto", "KNNSSD_BATCH_SIZE")}
+
+
+def check_slots(slots: int, decoder, positions: int) -> None:
+    """``$KNNSSD_BATCH_SIZE`` within the KV-cache budget: 100,000 slots never finished planning."""
+    from knnssd.engine.batched import DEFAULT_MEMORY, max_slots
+
+    most = max_slots(decoder, positions)
+    if slots > most:
+        raise ValueError(f"KNNSSD_BATCH_SIZE={slots} is more than the {most} slots of {positions} positions that fit "
+                         f"the {DEFAULT_MEMORY / 2**30:g} GiB KV-cache budget")
+
 
 class KnnSsdModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
-        import os
+        try:
+            self._load(context, server_settings(os.environ))
+        except ValueError as e:  # a setting, model or bank that cannot be used (every one-line error is one)
+            _refuse(e)
 
+    def _load(self, context, settings: dict) -> None:
         from knnssd.serving.routed import RoutedGenerator
 
         from knnssd.engine.batched import auto_slots
@@ -23,16 +59,18 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
         from knnssd.serving.batcher import Batcher
 
         def load():  # on the batch's thread (``Batcher``)
-            gen = RoutedGenerator.from_bank_dir(context.artifacts["bank"], model=os.environ.get("KNNSSD_MODEL"),
-                                                dtype=os.environ.get("KNNSSD_DTYPE") or "auto",
-                                                device=os.environ.get("KNNSSD_DEVICE") or "auto")
+            gen = RoutedGenerator.from_bank_dir(context.artifacts["bank"], model=settings["model"],
+                                                dtype=settings["dtype"], device=settings["device"])
             if not gen.can_batch:
                 return gen, None
-            size = os.environ.get("KNNSSD_BATCH_SIZE", "auto")
             d = GenerateParams()
-            slots = (auto_slots(gen.decoder, d.max_prompt_tokens + d.max_new_tokens, 1 << 10) if size == "auto"
-                     else int(size))
-            return gen, gen.plan(slots, d.max_prompt_tokens + d.max_new_tokens) if slots > 1 else None
+            positions = min(d.max_prompt_tokens + d.max_new_tokens, gen.lm.limits.positions)
+            slots = settings["slots"]
+            if slots is None:
+                slots = auto_slots(gen.decoder, positions, 1 << 10)
+            else:
+                check_slots(slots, gen.decoder, positions)
+            return gen, gen.plan(slots, positions) if slots > 1 else None
 
         batcher = Batcher(load)
         self.generator = batcher.gen
@@ -46,7 +84,6 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
         try:  # a bad request is answered 400 with the reason in "message", before any generation
             p = GenerateParams.from_dict(params or {})
             self.generator.lm.limits.check(p)
-            self.generator.lm.limits.check(p)
             prompts = _prompts(model_input)
             for text in prompts:
                 check_prompt(text)
@@ -54,8 +91,24 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
             raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from None
         if self.batcher is not None:
             _admit_concurrent_requests(self.batcher.plan.slots)
-            return pd.DataFrame([r.to_row() for r in self.batcher.generate(prompts, p)])
-        return pd.DataFrame([self.generator.generate(text, p).to_row() for text in prompts])
+            return frame(self.batcher.generate(prompts, p))
+        return frame([self.generator.generate(text, p) for text in prompts])
+
+
+def frame(results) -> pd.DataFrame:
+    """The answer's rows, as Python objects: pandas would turn a ``None`` cluster among integers into a
+    float NaN (and the integers into floats), which MLflow writes as the invalid JSON token ``NaN``."""
+    return pd.DataFrame([r.to_row() for r in results], dtype=object)
+
+
+def _refuse(error: ValueError) -> None:
+    """Under ``mlflow models serve`` (the scoring server names the model in ``__pyfunc_model_path__``),
+    say why in one line and end the server with status 2: raised, it would print the import's whole
+    traceback (100-147 lines) through uvicorn. Anywhere else (a script's ``load_model``), raise it."""
+    if "__pyfunc_model_path__" not in os.environ:
+        raise error
+    print(f"knnssd: error: {error}", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def _admit_concurrent_requests(slots: int) -> None:
