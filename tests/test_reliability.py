@@ -23,7 +23,7 @@ from cli_cases import run_cli
     ("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0),
     ("top_p", math.nan), ("top_p", math.inf), ("top_p", 0.0),
     ("top_k", math.nan), ("max_new_tokens", 0), ("max_new_tokens", -5), ("max_new_tokens", math.nan),
-    ("max_new_tokens", "8"), ("seed", 1.5),
+    ("max_new_tokens", "8"), ("seed", 1.5), ("seed", 2**70), ("temperature", 1e-300), ("temperature", 1e-7),
 ])
 def test_bad_generation_parameters_are_one_line_errors(field, value):
     with pytest.raises(ValueError) as e:

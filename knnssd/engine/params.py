@@ -28,6 +28,8 @@ class GenerateParams:
                 raise ValueError(f"{name} must be an integer, got {v!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:  # what a torch generator takes: 64 bits
+            raise ValueError(f"seed must be in [0, 2**64) (or -1: a random one), got {self.seed}")
         if self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
             raise ValueError(f"max_new_tokens and max_prompt_tokens must be >= 1, got {self.max_new_tokens} and "
                              f"{self.max_prompt_tokens}")

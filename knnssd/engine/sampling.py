@@ -29,6 +29,11 @@ from dataclasses import dataclass
 import torch
 
 
+# Below this temperature logits / temperature overflow float32 (at 1e-39 every token came out as id 0),
+# and long before it sampling is greedy in all but name.
+MIN_TEMPERATURE = 1e-6
+
+
 @dataclass(frozen=True)
 class Warp:
     """Sampling parameters; temperature 0 means greedy."""
@@ -42,6 +47,8 @@ class Warp:
         if not finite or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError(f"bad sampling parameters: temperature={self.temperature} (finite, >= 0), "
                              f"top_k={self.top_k} (>= 0), top_p={self.top_p} (in (0, 1])")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature:g}")
 
     @property
     def greedy(self) -> bool:
