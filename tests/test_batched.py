@@ -401,3 +401,20 @@ def test_predict_widens_the_executor_it_runs_on_to_the_batch():
         pool.submit(_admit_concurrent_requests, 4).result()  # never narrowed
         assert pool._max_workers == 16
     _admit_concurrent_requests(16)  # not on an executor's thread: nothing to widen
+
+
+def test_a_job_that_fails_to_start_leaves_the_others_running():
+    """Issue 40's trial: one request whose start raised (a seed torch could not take) failed every request in
+    the server's batch. With ``failed``, that job alone goes there, its slot freed; without it, it raises."""
+    dec = decoder("llama", "float32")
+    jobs = mixed_jobs(dec, "llama", 5, 8)
+    bad = PromptJob([], None, GenerationConfig(max_new_tokens=4))  # prefill refuses an empty prompt
+    plan = BatchPlan(2, FLAT, True, pooled=dec.attention.poolable)
+    failures = []
+    done = list(decode_batch(dec, [jobs[0], bad, *jobs[1:]], plan, failed=lambda job, e: failures.append((job, e))))
+    assert [job for job, _ in failures] == [bad] and isinstance(failures[0][1], ValueError)
+    assert sorted(id(f.job) for f in done) == sorted(id(j) for j in jobs)
+    for f in done:
+        assert f.tokens == generate(dec, f.job.prompt_ids, None, f.job.config)[0]
+    with pytest.raises(ValueError):
+        list(decode_batch(dec, [jobs[0], bad], plan))

@@ -634,11 +634,14 @@ def _rows(decoder: Decoder, slots: int, max_t: int) -> bool:
 
 
 def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPlan,
-                 stats: BatchStats | None = None) -> Iterator[Finished]:
+                 stats: BatchStats | None = None,
+                 failed: Callable[[Job, Exception], None] | None = None) -> Iterator[Finished]:
     """Generate every job, ``plan.slots`` at a time, yielding each as it finishes (not in job order).
     ``jobs``: a list or iterator, or a ``JobQueue`` that others fill while the batch runs (the batch
     ends when it is closed and drained). ``stats`` collects the per-step figures (``BatchStats``);
-    each job's ``DecodeStats`` counts its own prefill, drafts and the passes it was in."""
+    each job's ``DecodeStats`` counts its own prefill, drafts and the passes it was in. ``failed``:
+    where a job whose start (its prefill and routing) raises goes, its slot freed, while the others
+    go on (a server's requests are not failed by another's); without it the exception ends the batch."""
     stats = stats if stats is not None else BatchStats(plan.slots)
     stats.exact = plan.exact
     if plan.pooled:
@@ -687,7 +690,14 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
             prefixes.drop(slot)  # its buffers are this job's now
             a = _Active(job, slot, None, t0)
             reused = prefixes.reused
-            a.run = job.start(a.slot, prefixes.prefill if plan.shares else prefill)
+            try:
+                a.run = job.start(a.slot, prefixes.prefill if plan.shares else prefill)
+            except Exception as e:
+                if failed is None:
+                    raise
+                free.insert(0, slot)
+                failed(job, e)
+                continue
             a.run.stats.prefill_s = time.perf_counter() - t0
             stats.prefills += 1
             stats.prefill_s += a.run.stats.prefill_s

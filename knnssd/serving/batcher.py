@@ -74,7 +74,8 @@ class Batcher:
     def _loop(self) -> None:
         while not self._queue.closed:
             try:
-                for f in decode_batch(self.gen.decoder, self._queue, self.plan):  # type: ignore[union-attr]
+                for f in decode_batch(self.gen.decoder, self._queue, self.plan,  # type: ignore[union-attr]
+                                      failed=lambda job, e: self._settle(job.key, error=e)):
                     self._settle(f.job.key, result=f.job.result(f.tokens, f.stats))
             except Exception as e:  # noqa: BLE001 - every waiting request gets the error, the thread goes on
                 log.exception("batched decoding failed; failing the requests in it")
