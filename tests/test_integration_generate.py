@@ -272,13 +272,21 @@ def test_limits_are_checked_before_any_work(registered, routed, tmp_path, prefec
     assert routed.positions(["word " * 12_000], params) == 8192
 
 
-def test_batch_size_over_the_kv_budget_is_refused(routed):
-    """Issue 40, defect 6: ``KNNSSD_BATCH_SIZE=100000`` never started the server (planning 100,000 slots)."""
-    from knnssd.serving.pyfunc import check_slots
+def test_batch_size_over_the_kv_budget_is_refused(routed, tmp_path):
+    """Issue 40, defect 6, and its trial: ``KNNSSD_BATCH_SIZE=100000`` never started the server (planning
+    100,000 slots), and ``generate --batch-size 100000`` on 2 prompts ran out of memory after 3 min 41 s.
+    A batch takes no more slots than prompts, and a size over the KV-cache budget is one line."""
+    from knnssd.engine.batched import check_slots
+    from knnssd.engine.params import GenerateParams
+    from knnssd.serving import batch
 
-    with pytest.raises(ValueError, match=r"KNNSSD_BATCH_SIZE=100000 is more than the \d+ slots of 4224 positions"):
-        check_slots(100_000, routed.decoder, 4224)
-    check_slots(4, routed.decoder, 4224)
+    for name in ("KNNSSD_BATCH_SIZE", "--batch-size"):
+        with pytest.raises(ValueError, match=rf"{name} 100000 is more than the \d+ sequences of 4224 positions"):
+            check_slots(routed.decoder, 100_000, 4224, name)
+    check_slots(routed.decoder, 4, 4224, "--batch-size")
+    rows = [prompts.Prompt(f"p{i}", f"Translate German to English: Guten Tag {i}.") for i in range(2)]
+    summary = batch.run(routed, rows, tmp_path / "o.parquet", GenerateParams(max_new_tokens=2), batch_size=100_000)
+    assert summary.batch_size == 2 and summary.rows == 2
 
 
 @pytest.fixture

@@ -487,6 +487,15 @@ def max_slots(decoder: Decoder, positions: int, memory: int = DEFAULT_MEMORY) ->
     return max(1, memory // slot_bytes(decoder, positions))
 
 
+def check_slots(decoder: Decoder, slots: int, positions: int, name: str) -> None:
+    """A batch size asked for (``name``: the option or variable) within the KV-cache budget, in one line
+    before any plan or pass: 100,000 slots never finished planning, or ran out of memory."""
+    most = max_slots(decoder, positions)
+    if slots > most:
+        raise ValueError(f"{name} {slots} is more than the {most} sequences of {positions} positions whose KV cache "
+                         f"fits the {DEFAULT_MEMORY / 2**30:g} GiB budget")
+
+
 AUTO_SLOTS = (1, 2, 4, 8, 16, 32, 64)
 # More slots must raise plain decoding's tokens/s by this much over the slots chosen so far. At 1.25 a 2-core
 # Zen 4 picked 16 or 32 slots from run to run (measured gain 1.2-1.3 at 64 positions), and 32 was 10-12%

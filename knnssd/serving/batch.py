@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from knnssd.engine.batched import BatchStats, auto_slots
+from knnssd.engine.batched import BatchStats, auto_slots, check_slots
 from knnssd.engine.decode import acceptance_rate, mean_accepted
 from knnssd.engine.params import GenerateParams, check_prompt
 from knnssd.prompts import Prompt
@@ -331,7 +331,11 @@ def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, b
     slots, positions = 1, 0
     if gen.can_batch and todo and batch_size != 1:
         positions = gen.positions([r.prompt for r in todo], params)
-        slots = batch_size or auto_slots(gen.decoder, positions, len(todo))
+        if batch_size is None:
+            slots = auto_slots(gen.decoder, positions, len(todo))
+        else:  # no more slots than prompts, and no more than the KV-cache budget holds (100,000 ran out of memory)
+            slots = min(batch_size, len(todo))
+            check_slots(gen.decoder, slots, positions, "--batch-size")
     stats.slots = slots
     if slots == 1:
         t0 = time.perf_counter()

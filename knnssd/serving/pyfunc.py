@@ -34,16 +34,6 @@ def server_settings(env) -> dict:
             "slots": batch_size(env.get("KNNSSD_BATCH_SIZE") or "auto", "KNNSSD_BATCH_SIZE")}
 
 
-def check_slots(slots: int, decoder, positions: int) -> None:
-    """``$KNNSSD_BATCH_SIZE`` within the KV-cache budget: 100,000 slots never finished planning."""
-    from knnssd.engine.batched import DEFAULT_MEMORY, max_slots
-
-    most = max_slots(decoder, positions)
-    if slots > most:
-        raise ValueError(f"KNNSSD_BATCH_SIZE={slots} is more than the {most} slots of {positions} positions that fit "
-                         f"the {DEFAULT_MEMORY / 2**30:g} GiB KV-cache budget")
-
-
 class KnnSsdModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
         try:
@@ -54,7 +44,7 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
     def _load(self, context, settings: dict) -> None:
         from knnssd.serving.routed import RoutedGenerator
 
-        from knnssd.engine.batched import auto_slots
+        from knnssd.engine.batched import auto_slots, check_slots
         from knnssd.engine.params import GenerateParams
         from knnssd.serving.batcher import Batcher
 
@@ -69,7 +59,7 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
             if slots is None:
                 slots = auto_slots(gen.decoder, positions, 1 << 10)
             else:
-                check_slots(slots, gen.decoder, positions)
+                check_slots(gen.decoder, slots, positions, "KNNSSD_BATCH_SIZE")
             return gen, gen.plan(slots, positions) if slots > 1 else None
 
         batcher = Batcher(load)
