@@ -229,7 +229,7 @@ def cmd_generate(a) -> int:
     from knnssd.engine.params import GenerateParams, batch_size
     from knnssd.prompts import load
     from knnssd.routing import bank as banks
-    from knnssd.serving.batch import check, check_output, check_paths, run_settings, writing
+    from knnssd.serving.batch import check, check_output, check_paths, output_path, run_settings, writing
 
     # every check a retry cannot change runs here, in seconds, before any server starts or model loads
     params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -239,7 +239,7 @@ def cmd_generate(a) -> int:
     if not rows:
         raise ValueError("no prompts")
     check(rows)
-    output = Path(a.output)
+    output = output_path(a.output)
     check_paths(output, [a.input])
     with writing(output):  # one writer per output: a second run fails here, naming this process
         _check_tracking(a.tracking_uri)

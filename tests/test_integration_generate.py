@@ -247,6 +247,12 @@ def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registere
         batch.run(RoutedGenerator(routed.lm, banks.load(other)), prompts.load(inp), out, params)
     assert out.read_bytes() == before
 
+    link = tmp_path / "link.parquet"  # resumed through a symbolic link: its target is, the link stays
+    link.symlink_to(out)
+    _jsonl(inp, [{"prompt": t} for t in texts] + [{"prompt": "Translate German to English:\nDanke."}])
+    assert batch.run(routed, prompts.load(inp), link, params, batch_size=1).generated == 1
+    assert link.is_symlink() and pq.read_table(out).num_rows == 5
+
 
 def test_limits_are_checked_before_any_work(registered, routed, tmp_path, prefect_api, caplog):
     """Issue 40, defects 5 and 7: a billion new tokens is one line before the model loads (it tried to

@@ -362,6 +362,22 @@ def test_an_output_that_is_the_input_is_refused_even_with_overwrite(tmp_path):
     batch.check_paths(tmp_path / "other.parquet", [inp])
 
 
+def test_outputs_that_are_not_parquet_files_are_refused(tmp_path):
+    """The trial after issue 40: ``--output /dev/null`` got "not a parquet file (FileNotFoundError) ... pass
+    --overwrite", and ``--overwrite`` then replaced a device node; ``o.csv`` got parquet silently."""
+    fifo = tmp_path / "pipe.parquet"
+    os.mkfifo(fifo)
+    for out, message in ((Path("/dev/null"), "is not a regular file"), (fifo, "is not a regular file"),
+                         (tmp_path / "o.csv", "does not name a .parquet file"),
+                         (tmp_path / "trail", "does not name a .parquet file")):
+        with pytest.raises(batch.OutputError, match=message):
+            batch.check_paths(out)
+    link = tmp_path / "link.parquet"
+    link.symlink_to(tmp_path / "real.parquet")
+    assert batch.output_path(link) == tmp_path / "real.parquet"  # written through the link, not over it
+    batch.check_paths(tmp_path / "o.pq")
+
+
 def test_torn_edited_or_foreign_journal_lines_are_skipped_with_a_warning(tmp_path, caplog):
     """Defect 12: a hand-edited ``.progress.jsonl`` with missing fields raised a ``TypeError`` on every rerun."""
     out = tmp_path / "o.parquet"
@@ -369,12 +385,13 @@ def test_torn_edited_or_foreign_journal_lines_are_skipped_with_a_warning(tmp_pat
     good = _row("a", "pa", made)
     broken = {k: v for k, v in _row("b", "pb", made).items() if k not in ("latency_s", "steps")}
     lines = [json.dumps(good), json.dumps(broken), json.dumps([1, 2]), json.dumps({**good, "id": 7}),
-             json.dumps({**_row("c", "pc", made), "new_tokens": True}), '{"id": "d", "te']
+             json.dumps({**_row("c", "pc", made), "new_tokens": True}), '{"id": "d", "te',
+             json.dumps({**_row("e", "pe", made), "settings": "{not json"})]
     batch.progress_path(out).write_text("\n".join(lines))
     with caplog.at_level("WARNING"):
         done = batch.check_output(out, False, settings=made)
     assert list(done) == ["a"]
-    assert "5 row(s) are not knnssd rows" in caplog.text
+    assert "6 row(s) are not knnssd rows" in caplog.text
     assert batch.summarize(list(done.values()), 0, out, None).rows == 1
 
 

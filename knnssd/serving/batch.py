@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -158,10 +159,23 @@ def _settings_text(settings: dict) -> str:
     return json.dumps(settings, sort_keys=True)
 
 
+SUFFIXES = (".parquet", ".pq")
+
+
+def output_path(output: str | os.PathLike) -> Path:
+    """Where an output is written: the file a symbolic link names (replacing the link by the new file
+    would leave its target stale), else the path as given."""
+    output = Path(output)
+    try:
+        return output.resolve() if output.is_symlink() else output
+    except OSError:  # a name too long to look up: ``check_paths`` says so
+        return output
+
+
 def check_paths(output: Path, inputs=()) -> None:
-    """``output`` can be written as a file, and is none of ``inputs`` (nor is its journal or lock
-    file): by the same path, a symbolic link or a hard link. An ``--overwrite`` would otherwise
-    replace the prompts with the answers."""
+    """``output`` can be written as a parquet file (a regular file or none yet, named ``.parquet``),
+    and is none of ``inputs`` (nor is its journal or lock file): by the same path, a symbolic link or a
+    hard link. An ``--overwrite`` would otherwise replace the prompts with the answers."""
     output = Path(output)
     _check_name(output)
     if output.is_dir():
@@ -175,6 +189,10 @@ def check_paths(output: Path, inputs=()) -> None:
                 other = Path(inp).with_name(f"{Path(inp).stem}.generated.parquet")
                 raise OutputError(f"--output {output}{what} is the input file {inp}; writing it would destroy the "
                                   f"prompts: choose another path, such as {other}")
+    if output.exists() and not output.is_file():  # /dev/null, a FIFO: --overwrite would replace a device node
+        raise OutputError(f"{output} is not a regular file; give a .parquet file path")
+    if output.suffix.lower() not in SUFFIXES:
+        raise OutputError(f"--output {output} does not name a .parquet file; the output is written as parquet")
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -215,7 +233,7 @@ def check_output(output: Path, overwrite: bool, settings: dict | None = None) ->
         for row in done.values():
             if row["settings"] != want:
                 raise OutputError(f"{output} was generated with other settings: "
-                                  f"{_differences(json.loads(row['settings']), settings)}; pass --overwrite to "
+                                  f"{_differences(_settings_of(row['settings']), settings)}; pass --overwrite to "
                                   "generate it again from the start, or choose another --output")
     return done
 
@@ -273,7 +291,16 @@ def _take(done: dict[str, dict], rows: list, source: Path) -> None:
 def _is_row(row) -> bool:
     return isinstance(row, dict) and all(
         k in row and isinstance(row[k], kinds) and not (isinstance(row[k], bool) and bool not in kinds)
-        for k, kinds in _KINDS.items())
+        for k, kinds in _KINDS.items()) and _settings_of(row["settings"]) is not None
+
+
+@functools.lru_cache(maxsize=64)  # every row of a run holds the same text
+def _settings_of(text: str) -> dict | None:
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return settings if isinstance(settings, dict) else None
 
 
 def write_parquet(rows: list[dict], output: Path) -> None:
@@ -309,7 +336,7 @@ def run(gen: RoutedGenerator, rows: list[Prompt], output: str | os.PathLike, par
     """Generate every prompt not yet in ``output``; ``batch_size`` sequences at a time (None: auto,
     ``engine.batched.auto_slots``; 1: one at a time). ``inputs``: the prompt files ``rows`` came from,
     which ``output`` must not be."""
-    output = Path(output)
+    output = output_path(output)
     check(rows)
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
