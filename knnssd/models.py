@@ -37,6 +37,11 @@ from knnssd.settings import cache_dir
 
 log = logging.getLogger(__name__)
 
+# Reading a model's config or weights through transformers imports torch._dynamo, which makes its cache
+# folder at import (by default $TMPDIR/torchinductor_<user>, left behind by every run) and then fixes the
+# variable: it is set here, before any of them, for ours to go with knnssd's other caches.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
+
 CACHE_MARKER = "knnssd-cache.json"
 
 
@@ -130,17 +135,23 @@ def config_limits(config, dtype: torch.dtype) -> Limits:
     return Limits(context, 2 * config.num_hidden_layers * kv_heads * head_dim * per)
 
 
-def limits(name: str, dtype: str = "auto", device: str = "auto") -> Limits:
-    """``config_limits`` of a model by the names ``load`` takes, from its config alone: checked before
-    the weights load (a GGUF is converted first, once, as ``load`` would)."""
+def config(name: str):
+    """The (text) config of a model by the names ``load`` takes, without its weights: what can be checked
+    before they load (a GGUF is converted first, once, as ``load`` would)."""
     from transformers import AutoConfig
 
-    dt = resolve_dtype(dtype, resolve_device(device))
     _, src = _source(name)
     try:
-        return config_limits(AutoConfig.from_pretrained(src), dt)
+        cfg = AutoConfig.from_pretrained(src)
     except Exception as e:  # noqa: BLE001 - turned into one line for the user
         raise ModelError(f"cannot read the config of model '{name}' from {src}: {_first_line(e)}") from None
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def limits(name: str, dtype: str = "auto", device: str = "auto") -> Limits:
+    """``config_limits`` of a model by the names ``load`` takes, from its ``config`` alone."""
+    dt = resolve_dtype(dtype, resolve_device(device))
+    return config_limits(config(name), dt)
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -287,9 +298,6 @@ def _source(name: str) -> tuple[str, Path | str]:
 
 def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
     """Load model + tokenizer in eval mode on ``device`` in ``dtype``."""
-    # Loading imports torch._dynamo, which makes its cache folder at import: by default
-    # $TMPDIR/torchinductor_<user>, left behind by every run. Ours goes with knnssd's other caches.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)  # before a GGUF's conversion: a bad device or dtype fails in a second

@@ -262,13 +262,19 @@ def test_limits_are_checked_before_any_work(registered, routed, tmp_path, prefec
 
     inp = _jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello"}])
     out = tmp_path / "o.parquet"
-    cases = [["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp), "--output", str(out),
-              "--tracking-uri", registered["uri"], "--max-new-tokens", "1000000000"],
-             ["complete", "--prompt", "Hello", "--max-new-tokens", "8192"]]
-    for res in run_cli(cases, cli_env(registered, {**os.environ, **prefect_api})):
+    temp = tmp_path / "tmp"  # the commands' own temp folder: nothing may be left there (torchinductor's was)
+    temp.mkdir()
+    cases = [(["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp), "--output", str(out),
+               "--tracking-uri", registered["uri"], "--max-new-tokens", "1000000000"],
+              "must be below the model's context of 8192 tokens"),
+             (["complete", "--prompt", "Hello", "--max-new-tokens", "8192"],
+              "must be below the model's context of 8192 tokens")]
+    env = {**cli_env(registered, {**os.environ, **prefect_api}), "TMPDIR": str(temp)}
+    for (_, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
         assert res.code == 2 and len(res.stderr) == 1, res
-        assert "must be below the model's context of 8192 tokens" in res.stderr[0] and res.seconds < 15, res
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["p.jsonl"]  # no output, journal or lock
+        assert message in res.stderr[0] and res.seconds < 15, res
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["p.jsonl", "tmp"]  # no output, journal or lock
+    assert not list(temp.iterdir())
 
     params = GenerateParams(max_new_tokens=8, max_prompt_tokens=100_000)
     with caplog.at_level("WARNING"):
