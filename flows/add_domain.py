@@ -17,7 +17,7 @@ from knnssd.tasks.fanout import run_all
 
 
 class AddDomainParams(SearchParams):
-    name: str = Field(description="the new domain's name (a cluster label)")
+    name: str = Field(min_length=1, pattern=r"\S", description="the new domain's name (a cluster label)")
     inputs: list[str] = Field(description="prompt files of the new domain (calib rows, or the first 2/3 without a split)")
     model_uri: str | None = Field(None, description="base version (default models:/knnssd-<model>@champion)")
     warm: int = Field(3, ge=0, description="nearest old clusters to warm-start from (0: cold search)")

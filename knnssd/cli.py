@@ -73,7 +73,7 @@ def cmd_complete(a) -> int:
                                       top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
     check_prompt(a.prompt)
     cfg = DrafterConfig(kind=a.drafter, max_len=a.max_draft, threshold=a.threshold, int8=a.int8)
-    mask = SkipMask.from_json(Path(a.mask).read_text()) if a.mask else None
+    mask = SkipMask.from_json(_read(a.mask, "--mask")) if a.mask else None
     models.limits(a.model, a.dtype, a.device).check(p)
     lm = models.load(a.model, a.dtype, a.device)
     dec = lm.decoder
@@ -88,7 +88,23 @@ def cmd_complete(a) -> int:
     return 0
 
 
+def _read(path: str, option: str) -> str:
+    """The text of a file an option names; a one-line error for a folder, a missing or unreadable file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{option} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _check_storage(storage: str | None) -> None:
+    from knnssd.search.study import check_storage
+
+    check_storage(storage)
+
+
 def _calibrate_params(a) -> dict:
+    from knnssd import models
+    from knnssd.routing.router import Pooling
     from knnssd.search.budget import Budget
 
     params = dict(
@@ -98,7 +114,10 @@ def _calibrate_params(a) -> dict:
     )
     _check_inputs(params["inputs"])
     Budget(**budget_values(a))  # a bad value is one line before any server starts
+    pooling = Pooling(a.pooling, a.layer)
+    _check_storage(a.storage)
     _check_tracking(a.tracking_uri)
+    pooling.check(models.config(a.model).num_hidden_layers)  # the config alone: before any server starts
     return params
 
 
@@ -123,6 +142,7 @@ def cmd_add_domain(a) -> int:
 
     _check_inputs(a.input)
     Budget(**budget_values(a))  # a bad value is one line before any server starts
+    _check_storage(a.storage)
     _check_tracking(a.tracking_uri)
     params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
                              device=a.device, k_per_domain=a.k_per_domain, warm=a.warm, storage=a.storage,

@@ -35,6 +35,15 @@ def slug(model: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", Path(model).name.lower()).strip("-") or "model"
 
 
+def metric_tag(label: str, most: int = 64) -> str:
+    """A cluster label as part of a metric name: its slug, shortened with a hash of the label past ``most``
+    characters (MLflow refuses metric names over 250: a 300-character domain failed after its search)."""
+    tag = slug(label)
+    if len(tag) <= most:
+        return tag
+    return f"{tag[:most - 9].rstrip('-')}-{hashlib.sha1(label.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
+
+
 def registered_name(model: str) -> str:
     return f"knnssd-{slug(model)}"
 

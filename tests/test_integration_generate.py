@@ -268,7 +268,9 @@ def test_limits_are_checked_before_any_work(registered, routed, tmp_path, prefec
                "--tracking-uri", registered["uri"], "--max-new-tokens", "1000000000"],
               "must be below the model's context of 8192 tokens"),
              (["complete", "--prompt", "Hello", "--max-new-tokens", "8192"],
-              "must be below the model's context of 8192 tokens")]
+              "must be below the model's context of 8192 tokens"),
+             (["calibrate", "--layer", "99", "--tracking-uri", registered["uri"]],
+              "pooling layer 99 is outside the model's 30 layers")]
     env = {**cli_env(registered, {**os.environ, **prefect_api}), "TMPDIR": str(temp)}
     for (_, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
         assert res.code == 2 and len(res.stderr) == 1, res

@@ -546,7 +546,13 @@ def test_cli_refuses_drafter_and_search_values_that_cannot_work(tmp_path):
         (["calibrate", "--minutes", "nan"], "--minutes must be a number of minutes > 0, got nan"),
         (["calibrate", "--k-per-domain", "0"], "k_per_domain: Input should be greater than or equal to 1 (got 0)"),
         (["add-domain", "--name", "x", "--input", str(inp), "--candidates", "0"], "--candidates must be an integer >= 1"),
+        (["add-domain", "--name", "", "--input", str(inp)], "name: String should have at least 1 character"),
+        (["add-domain", "--name", "x", "--input", str(inp), "--storage", "ftp://x/y"], "--storage ftp://x/y cannot be"),
+        (["calibrate", "--storage", f"sqlite:///{tmp_path / 'no' / 'o.db'}"], "does not exist"),
+        (["calibrate", "--layer", "-99"], "pooling layer must be -1"),
+        (["complete", "--prompt", "hi", "--mask", str(tmp_path)], "cannot read it (Is a directory)"),
     ], _cli_env(tmp_path))
+    assert not (tmp_path / "no").exists()
 
 
 def test_cli_refuses_a_work_folder_that_cannot_be_used(tmp_path):
@@ -556,3 +562,9 @@ def test_cli_refuses_a_work_folder_that_cannot_be_used(tmp_path):
     with read_only_folder(tmp_path / "ro") as ro:
         for work, message in ((work_file, "is a file, not a folder"), (ro, "cannot be written")):
             _one_line_each([(["complete", "--prompt", "hi"], message)], {**_cli_env(tmp_path), "KNNSSD_WORK": str(work)})
+
+
+def test_metric_names_of_long_labels_stay_within_mlflows_limit():
+    """The trial after issue 40: a 300-character domain name failed at registration, after its search."""
+    long = tracking.metric_tag("n" * 300)
+    assert len(long) == 64 and long != tracking.metric_tag("n" * 299) and tracking.metric_tag("reasoning") == "reasoning"

@@ -8,14 +8,16 @@ pass computes them anyway, so routing costs one faiss search. Anchors are K-mean
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+log = logging.getLogger(__name__)
 POOLINGS = ("mean", "last")
 
 
@@ -38,6 +40,16 @@ class Pooling:
     def __post_init__(self):
         if self.mode not in POOLINGS:
             raise ValueError(f"unknown pooling '{self.mode}' (choose {', '.join(POOLINGS)})")
+        if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < -1:
+            raise ValueError(f"pooling layer must be -1 (after the final norm) or a layer's index, got {self.layer!r}")
+
+    def check(self, n_layers: int) -> "Pooling":
+        """A one-line error for a layer the model does not have (the prefill silently pooled the final
+        norm's states instead, and the bank recorded the layer asked for)."""
+        if self.layer >= n_layers:
+            raise ValueError(f"pooling layer {self.layer} is outside the model's {n_layers} layers (0 to "
+                             f"{n_layers - 1}, or -1: after the final norm)")
+        return self
 
     def pool(self, hidden: torch.Tensor) -> np.ndarray:
         """(T, E) -> (E,) float32, L2-normalised."""
@@ -74,6 +86,8 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray
     """Spherical K-means (faiss): (centroids (k, E) normalised, assignment (N,))."""
     faiss = _faiss()
     x = normalize(x)
+    if k > len(x):
+        log.warning("%d clusters or anchors asked for %d prompts: %d made (one a prompt)", k, len(x), len(x))
     k = max(1, min(k, len(x)))
     km = faiss.Kmeans(x.shape[1], k, niter=50, seed=seed, spherical=True, min_points_per_centroid=1, verbose=False)
     km.train(x)

@@ -101,6 +101,7 @@ def embed(spec: ModelSpec, rows: list[prompts.Prompt], pooling: router.Pooling =
     from tqdm import tqdm
 
     lm, dec = runtime(spec)
+    pooling.check(dec.n_layers)
     cache_dir = Path(cache_dir or work_dir() / "vectors")
     cache_dir.mkdir(parents=True, exist_ok=True)
     key = router.content_key(lm.fingerprint, asdict(pooling), max_tokens, [(r.id, r.domain, r.prompt) for r in rows])
@@ -216,7 +217,7 @@ def register(bank_dir: Path, params: dict, uri: str | None = None, alias: str = 
     bank = banks.load(bank_dir)
     metrics = {}
     for c in bank.clusters:
-        tag = tracking.slug(c.label)
+        tag = tracking.metric_tag(c.label)
         metrics[f"speedup_{tag}"] = c.speedup
         metrics[f"acceptance_{tag}"] = c.acceptance_rate
         if "search_s" in c.search:
