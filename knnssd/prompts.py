@@ -40,6 +40,14 @@ class Fields:
 def _rows(path: Path) -> list[dict]:
     suffix = path.suffix.lower()
     try:
+        if suffix == ".json":  # one JSON document (a list of rows, or one row), else JSON lines
+            text = path.read_text(encoding="utf-8")
+            try:
+                doc = json.loads(text)
+            except json.JSONDecodeError:
+                doc = None
+            if isinstance(doc, (list, dict)):
+                return doc if isinstance(doc, list) else [doc]
         if suffix in (".jsonl", ".json"):
             rows = []
             with open(path, encoding="utf-8") as fh:
@@ -57,8 +65,13 @@ def _rows(path: Path) -> list[dict]:
         if suffix == ".csv":
             import csv
 
-            with open(path, encoding="utf-8", newline="") as fh:
-                return list(csv.DictReader(fh))
+            with open(path, encoding="utf-8-sig", newline="") as fh:
+                reader = csv.DictReader(fh)
+                names = reader.fieldnames or []
+                twice = sorted({n for n in names if names.count(n) > 1})
+                if twice:  # DictReader would keep one of them, silently
+                    raise PromptError(f"{path}: column {twice[0]!r} appears more than once in the header")
+                return list(reader)
     except UnicodeDecodeError as e:
         raise PromptError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     except PromptError:
@@ -91,6 +104,10 @@ def load(path: str | os.PathLike, split: str | None = None, fields: Fields = Fie
         rows, path = _hf_rows(str(path)), Path(str(path)[3:].replace("/", "_").replace(":", "_"))
     else:
         path = Path(path)
+        if path.is_dir():
+            raise PromptError(f"{path} is a folder, not a prompt file")
+        if path.exists() and not path.is_file():
+            raise PromptError(f"{path} is not a regular file (a device or a pipe), not a prompt file")
         if not path.is_file():
             raise PromptError(f"prompt file not found: {path}")
         rows = _rows(path)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 
 def work_dir() -> Path:
-    return Path(os.environ.get("KNNSSD_WORK", Path.cwd() / "artifacts"))
+    return Path(os.environ.get("KNNSSD_WORK") or Path.cwd() / "artifacts")  # set but empty: the default too
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KNNSSD_CACHE", Path.home() / ".cache" / "knnssd"))
+    return Path(os.environ.get("KNNSSD_CACHE") or Path.home() / ".cache" / "knnssd")
 
 
 def default_tracking_uri() -> str:

@@ -467,6 +467,9 @@ def test_mlflow_models_serve_answers_invocations(registered, tmp_path):
             ([], {}, "no prompts"),
             ([{"text": "hi"}], {}, "'prompt' field"),
             (records[0], {"max_new_tokens": 1_000_000_000}, "must be below the model's context of 8192 tokens"),
+            (records[0], {"temperature": 0.5, "seed": 2**70}, "seed must be in [0, 2**64)"),
+            (records[0], {"temperature": 1e-300}, "temperature must be 0 (greedy) or at least 1e-06"),
+            ([{"prompt": None}, {"prompt": "hi"}], {}, "prompt must be text, got null"),
         ):
             code, answer = ask(recs, params)
             assert code == 400 and reason in answer["message"] and "stack_trace" not in answer, (params, answer)

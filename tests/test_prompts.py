@@ -61,3 +61,20 @@ def test_hf_dataset_names_fail_clearly_offline(monkeypatch):
     with pytest.raises(prompts.PromptError, match="^hf:owner/none@test: ") as e:
         prompts.load("hf:owner/none@test")
     assert "\n" not in str(e.value)
+
+
+def test_what_is_not_a_prompt_file_says_so(tmp_path):
+    """The trial after issue 40: a folder or ``/dev/null`` was "not found", a CSV naming ``prompt`` twice
+    used one of them silently, and a ``.json`` file holding a list of rows was read as JSON lines."""
+    (tmp_path / "folder.jsonl").mkdir()
+    with pytest.raises(prompts.PromptError, match="is a folder, not a prompt file"):
+        prompts.load(tmp_path / "folder.jsonl")
+    with pytest.raises(prompts.PromptError, match="is not a regular file"):
+        prompts.load("/dev/null")
+    (tmp_path / "twice.csv").write_text("prompt,prompt\na,b\n")
+    with pytest.raises(prompts.PromptError, match="column 'prompt' appears more than once"):
+        prompts.load(tmp_path / "twice.csv")
+    (tmp_path / "rows.json").write_text(json.dumps([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}], indent=1))
+    assert [(r.id, r.prompt) for r in prompts.load(tmp_path / "rows.json")] == [("a", "x"), ("b", "y")]
+    (tmp_path / "bom.csv").write_bytes("\ufeffprompt\nhello\n".encode())
+    assert [r.prompt for r in prompts.load(tmp_path / "bom.csv")] == ["hello"]

@@ -37,7 +37,8 @@ def test_good_generation_parameters_pass():
 
 
 @pytest.mark.parametrize("prompt,message", [
-    ("caf\udce9", "not valid UTF-8"), ("   ", "empty prompt"), (None, "must be text"), (3, "must be text"),
+    ("caf\udce9", "not valid UTF-8"), ("   ", "empty prompt"), (None, "must be text, got null"),
+    (math.nan, "must be text, got null"), (3, "must be text, got int"),
 ])
 def test_bad_prompts_are_one_line_errors(prompt, message):
     with pytest.raises(ValueError, match=message):
@@ -562,6 +563,16 @@ def test_cli_refuses_a_work_folder_that_cannot_be_used(tmp_path):
     with read_only_folder(tmp_path / "ro") as ro:
         for work, message in ((work_file, "is a file, not a folder"), (ro, "cannot be written")):
             _one_line_each([(["complete", "--prompt", "hi"], message)], {**_cli_env(tmp_path), "KNNSSD_WORK": str(work)})
+
+
+def test_empty_settings_variables_mean_their_defaults(monkeypatch, tmp_path):
+    """The trial after issue 40: ``KNNSSD_WORK=`` made the current folder the work folder."""
+    from knnssd import settings
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("KNNSSD_WORK", "KNNSSD_CACHE"):
+        monkeypatch.setenv(name, "")
+    assert settings.work_dir() == tmp_path / "artifacts" and settings.cache_dir() == Path.home() / ".cache" / "knnssd"
 
 
 def test_metric_names_of_long_labels_stay_within_mlflows_limit():

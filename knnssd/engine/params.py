@@ -114,6 +114,8 @@ def _number(name: str, v):
 
 def check_prompt(prompt) -> None:
     """A one-line ``ValueError`` for a prompt no model can take: not text, not UTF-8, or blank."""
+    if prompt is None or (isinstance(prompt, float) and prompt != prompt):  # JSON null (NaN in a pandas column)
+        raise ValueError("prompt must be text, got null")
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be text, got {type(prompt).__name__}")
     try:
