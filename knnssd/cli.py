@@ -103,7 +103,7 @@ def _check_storage(storage: str | None) -> None:
 
 
 def _calibrate_params(a) -> dict:
-    from knnssd import models
+    from knnssd import models, tracking
     from knnssd.routing.router import Pooling
     from knnssd.search.budget import Budget
 
@@ -114,6 +114,7 @@ def _calibrate_params(a) -> dict:
     )
     _check_inputs(params["inputs"])
     Budget(**budget_values(a))  # a bad value is one line before any server starts
+    tracking.check_alias(a.alias)
     pooling = Pooling(a.pooling, a.layer)
     _check_storage(a.storage)
     _check_tracking(a.tracking_uri)
@@ -590,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             if not _is_mlflow_error(e):
                 raise
-            return _error(f"MLflow: {_first_line(e)}")
+            return _error(f"MLflow: {console.first_line(e)}")
 
 
 def _error(e) -> int:
@@ -613,11 +614,6 @@ def _is_mlflow_error(e: Exception) -> bool:
     """The tracking store failed under a command (a database that filled up or was damaged mid-run)."""
     mlflow_exceptions = sys.modules.get("mlflow.exceptions")
     return mlflow_exceptions is not None and isinstance(e, mlflow_exceptions.MlflowException)
-
-
-def _first_line(e: BaseException) -> str:
-    text = getattr(e, "message", None) or str(e)
-    return next((line.strip() for line in str(text).splitlines() if line.strip()), type(e).__name__)
 
 
 if __name__ == "__main__":

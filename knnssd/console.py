@@ -111,3 +111,9 @@ def end_progress() -> None:
     for bar in list(getattr(getattr(module, "tqdm", None), "_instances", ())):
         with contextlib.suppress(Exception):
             bar.close()
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's first non-empty line (MLflow's and SQLAlchemy's run to many), else its type's name."""
+    text = str(getattr(error, "message", None) or error)
+    return next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)

@@ -35,6 +35,16 @@ def slug(model: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", Path(model).name.lower()).strip("-") or "model"
 
 
+def check_alias(alias: str) -> None:
+    """A one-line ``RegistryError`` for an alias MLflow refuses (its rules: word characters and dashes, at
+    most 255, neither ``latest`` nor ``v<N>``). MLflow said so only at registration, after the whole
+    calibration, and the retried task had left a version without an alias each time."""
+    if not isinstance(alias, str) or not re.fullmatch(r"[\w-]{1,255}", alias):
+        raise RegistryError(f"alias {alias!r} is not one MLflow takes: 1 to 255 letters, digits, '_' or '-'")
+    if alias.lower() == "latest" or re.fullmatch(r"[vV]\d+", alias):
+        raise RegistryError(f"alias {alias!r} is reserved by MLflow (latest, v<N>)")
+
+
 def metric_tag(label: str, most: int = 64) -> str:
     """A cluster label as part of a metric name: its slug, shortened with a hash of the label past ``most``
     characters (MLflow refuses metric names over 250: a 300-character domain failed after its search)."""
@@ -68,6 +78,10 @@ def check_reachable(uri: str) -> None:
         reason = reachable.error(uri.rstrip("/") + "/health", CONNECT_TIMEOUT_S)
         if reason is not None:
             raise RegistryError(f"tracking server {uri} does not answer within {CONNECT_TIMEOUT_S} s ({reason})")
+    elif scheme in ("postgresql", "mysql", "mssql"):  # without its driver, MLflow failed with a 65-line traceback
+        reason = reachable.database_error(uri, CONNECT_TIMEOUT_S)
+        if reason is not None:
+            raise RegistryError(f"tracking database {uri} cannot be opened ({reason})")
     elif uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
         _check_sqlite(path, create=path.resolve() == Path(default_tracking_uri()[len("sqlite:///"):]).resolve())
@@ -147,6 +161,7 @@ def register_bank(bank_dir: Path, model: str, params: dict, metrics: dict, uri: 
     import mlflow
     from mlflow import MlflowClient
 
+    check_alias(alias)
     setup(uri)
     name = registered_name(model)
     with mlflow.start_run(run_name=run_name) as run, stderr_to_log("mlflow"):

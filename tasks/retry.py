@@ -9,14 +9,14 @@ LASTING = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENAMETOOLONG)
 
 def transient(task, task_run, state) -> bool:
     """Retry unless the error is one a retry cannot change: a bad input (``ValueError`` and its
-    subclasses: prompt, bank, mask, output and registry errors), a missing file, or a lasting fault
-    (``LASTING``)."""
+    subclasses: prompt, bank, mask, output and registry errors; MLflow's INVALID_PARAMETER_VALUE), a
+    missing file, or a lasting fault (``LASTING``)."""
     try:
         state.result()
     except (ValueError, FileNotFoundError):
         return False
     except OSError as e:
         return e.errno not in LASTING
-    except BaseException:  # noqa: BLE001 - anything else may be transient (I/O, a server restarting)
-        return True
+    except BaseException as e:  # noqa: BLE001 - anything else may be transient (I/O, a server restarting)
+        return getattr(e, "error_code", None) != "INVALID_PARAMETER_VALUE"  # MLflow refusing a value: it will again
     return True

@@ -199,6 +199,9 @@ def test_tracking_uris_that_cannot_work_are_one_line_errors(tmp_path, monkeypatc
 
     with pytest.raises(tracking.RegistryError, match="MLflow does not take 'ftp:'"):
         tracking.check_reachable("ftp://example.org/mlflow")
+    for uri in ("postgresql://u:p@127.0.0.1:1/db", "mysql://u:p@127.0.0.1:1/db"):  # no driver here, or no server
+        with pytest.raises(tracking.RegistryError, match="cannot be opened"):
+            tracking.check_reachable(uri)
     missing = tmp_path / "no" / "such" / "folder" / "mlflow.db"
     with pytest.raises(tracking.RegistryError, match="does not exist"):
         tracking.check_reachable(f"sqlite:///{missing}")
@@ -245,6 +248,11 @@ def test_input_errors_are_not_retried():
     assert not transient(None, None, Failed(data=FileNotFoundError("x")))
     assert not transient(None, None, Failed(data=OSError(errno.ENOSPC, "No space left on device")))
     assert transient(None, None, Failed(data=OSError("disk hiccup")))
+    from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
+
+    # an alias MLflow refused at registration was retried twice, each try leaving a version without an alias
+    assert not transient(None, None, Failed(data=MlflowException("bad alias", INVALID_PARAMETER_VALUE)))
+    assert transient(None, None, Failed(data=MlflowException("database is locked")))
 
 
 def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
@@ -552,6 +560,8 @@ def test_cli_refuses_drafter_and_search_values_that_cannot_work(tmp_path):
         (["calibrate", "--storage", f"sqlite:///{tmp_path / 'no' / 'o.db'}"], "does not exist"),
         (["calibrate", "--layer", "-99"], "pooling layer must be -1"),
         (["complete", "--prompt", "hi", "--mask", str(tmp_path)], "cannot read it (Is a directory)"),
+        (["calibrate", "--alias", ""], "alias '' is not one MLflow takes"),
+        (["calibrate", "--alias", "v1"], "alias 'v1' is reserved by MLflow"),
     ], _cli_env(tmp_path))
     assert not (tmp_path / "no").exists()
 
@@ -579,3 +589,25 @@ def test_metric_names_of_long_labels_stay_within_mlflows_limit():
     """The trial after issue 40: a 300-character domain name failed at registration, after its search."""
     long = tracking.metric_tag("n" * 300)
     assert len(long) == 64 and long != tracking.metric_tag("n" * 299) and tracking.metric_tag("reasoning") == "reasoning"
+
+
+@pytest.mark.parametrize("alias", ["champion", "candidate", "a-b_c", "x" * 255, "", "has space", "champion@x", "v1", "V23",
+                                   "latest", "LATEST", "x" * 256, "ü"])
+def test_aliases_follow_mlflows_rules(alias):
+    """``tracking.check_alias`` restates MLflow's alias rules so a bad ``--alias`` fails before the search; this
+    fails loudly where the pinned MLflow's own validators (private names) say otherwise."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_model_alias_name, _validate_model_alias_name_reserved
+
+    try:
+        _validate_model_alias_name(alias)
+        _validate_model_alias_name_reserved(alias)
+        mlflow_takes = True
+    except MlflowException:
+        mlflow_takes = False
+    try:
+        tracking.check_alias(alias)
+        ours = True
+    except tracking.RegistryError:
+        ours = False
+    assert ours == mlflow_takes, alias

@@ -65,25 +65,11 @@ def check_storage(url_or_path: str | None, timeout_s: int = 5) -> None:
         except OSError as e:
             raise ValueError(f"--storage {path}: its folder cannot be made ({e.strerror or e})") from None
         return
-    import sqlalchemy
+    from knnssd.reachable import database_error
 
-    def first_line(e: Exception) -> str:
-        return next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
-
-    try:
-        url = sqlalchemy.engine.make_url(url_or_path)
-        backend = url.get_backend_name()
-        if backend == "sqlite" and url.database not in (None, "", ":memory:") and not Path(url.database).parent.is_dir():
-            raise ValueError(f"folder {Path(url.database).parent} does not exist")
-        args = {"connect_timeout": timeout_s} if backend in ("postgresql", "mysql") else {}
-        engine = sqlalchemy.create_engine(url, connect_args=args)
-        try:
-            with engine.connect():
-                pass
-        finally:
-            engine.dispose()
-    except Exception as e:  # noqa: BLE001 - a dialect, driver or server that is not there: one line for the user
-        raise ValueError(f"--storage {url_or_path} cannot be opened ({first_line(e)})") from None
+    reason = database_error(url_or_path, timeout_s)
+    if reason is not None:
+        raise ValueError(f"--storage {url_or_path} cannot be opened ({reason})")
 
 
 def finished(study) -> list:
