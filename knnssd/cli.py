@@ -102,10 +102,26 @@ def _check_storage(storage: str | None) -> None:
     check_storage(storage)
 
 
-def _calibrate_params(a) -> dict:
-    from knnssd import models, tracking
-    from knnssd.routing.router import Pooling
+def _check_search(a):
+    """What calibrate, search-worker and add-domain share, checked before any server starts: the search
+    budget, the study storage, the tracking store and the budget's new tokens against the model's
+    context. Returns the model's config."""
+    from knnssd import models
+    from knnssd.engine.params import GenerateParams
     from knnssd.search.budget import Budget
+
+    budget = Budget(**budget_values(a))
+    _check_storage(a.storage)
+    _check_tracking(a.tracking_uri)
+    config = models.config(a.model)
+    dtype = models.resolve_dtype(a.dtype, models.resolve_device(a.device))
+    models.config_limits(config, dtype).check(GenerateParams(max_new_tokens=budget.max_new_tokens))
+    return config
+
+
+def _calibrate_params(a) -> dict:
+    from knnssd import tracking
+    from knnssd.routing.router import Pooling
 
     params = dict(
         model=a.model, dtype=a.dtype, device=a.device, inputs=a.input or [], domain_from_file=a.domain_from_file,
@@ -113,12 +129,9 @@ def _calibrate_params(a) -> dict:
         layer=a.layer, storage=a.storage, tracking_uri=a.tracking_uri, alias=a.alias, **budget_values(a),
     )
     _check_inputs(params["inputs"])
-    Budget(**budget_values(a))  # a bad value is one line before any server starts
     tracking.check_alias(a.alias)
     pooling = Pooling(a.pooling, a.layer)
-    _check_storage(a.storage)
-    _check_tracking(a.tracking_uri)
-    pooling.check(models.config(a.model).num_hidden_layers)  # the config alone: before any server starts
+    pooling.check(_check_search(a).num_hidden_layers)
     return params
 
 
@@ -139,12 +152,9 @@ def cmd_search_worker(a) -> int:
 
 def cmd_add_domain(a) -> int:
     from knnssd.flows.add_domain import AddDomainParams, add_domain
-    from knnssd.search.budget import Budget
 
     _check_inputs(a.input)
-    Budget(**budget_values(a))  # a bad value is one line before any server starts
-    _check_storage(a.storage)
-    _check_tracking(a.tracking_uri)
+    _check_search(a)
     params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
                              device=a.device, k_per_domain=a.k_per_domain, warm=a.warm, storage=a.storage,
                              tracking_uri=a.tracking_uri, **budget_values(a))
@@ -155,11 +165,15 @@ def cmd_add_domain(a) -> int:
 def cmd_promote(a) -> int:
     from knnssd.flows.promote import PromoteParams, promote
 
+    from knnssd import models
+    from knnssd.engine.params import GenerateParams
+
     _check_inputs(a.input or [])
     _check_tracking(a.tracking_uri)
     params = PromoteParams(model=a.model, candidate=a.candidate, champion=a.champion, inputs=a.input or [],
                            per_file=a.per_file, dtype=a.dtype, max_new_tokens=a.max_new_tokens,
                            tolerance=a.tolerance, tracking_uri=a.tracking_uri)
+    models.limits(a.model, a.dtype).check(GenerateParams(max_new_tokens=a.max_new_tokens))
     print(json.dumps(_flow(promote, params), default=str))
     return 0
 
@@ -265,7 +279,10 @@ def cmd_generate(a) -> int:
     with writing(output):  # one writer per output: a second run fails here, naming this process
         _check_tracking(a.tracking_uri)
         bank = banks.load(tracking.bank_folder(a.model_uri, a.tracking_uri))  # a fetched bank is reused by the flow
-        models.limits(bank.model, a.dtype, a.device).check(params)
+        limits = models.limits(bank.model, a.dtype, a.device)
+        limits.check(params)
+        if slots is not None:  # each sequence takes its new tokens at least (the prompts' tokens count after the load)
+            limits.check_slots(min(slots, len(rows)), params.max_new_tokens + 1, "--batch-size")
         dtype = models.dtype_name(models.resolve_dtype(a.dtype, models.resolve_device(a.device)))
         check_output(output, a.overwrite, run_settings(params, dtype, bank))  # a resume asks the same as before
         summary = _flow(generate, a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri,

@@ -257,10 +257,13 @@ def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registere
 def test_limits_are_checked_before_any_work(registered, routed, tmp_path, prefect_api, caplog):
     """Issue 40, defects 5 and 7: a billion new tokens is one line before the model loads (it tried to
     allocate 384 GB after the load, in 226 lines, and left an empty journal); a prompt longer than the
-    model's 8,192 positions is cut to fit with a warning, whatever ``--max-prompt-tokens`` says."""
+    model's 8,192 positions is cut to fit with a warning, whatever ``--max-prompt-tokens`` says. From its
+    trials: the same for the searches and promote (a calibration ran for 10 minutes), a pooling layer the
+    model lacks, and a batch size that cannot fit (it was refused after the load)."""
     from knnssd.engine.params import GenerateParams
 
     inp = _jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello"}])
+    many = _jsonl(tmp_path / "many.jsonl", [{"prompt": f"Hello {i}"} for i in range(30)])
     out = tmp_path / "o.parquet"
     temp = tmp_path / "tmp"  # the commands' own temp folder: nothing may be left there (torchinductor's was)
     temp.mkdir()
@@ -270,12 +273,19 @@ def test_limits_are_checked_before_any_work(registered, routed, tmp_path, prefec
              (["complete", "--prompt", "Hello", "--max-new-tokens", "8192"],
               "must be below the model's context of 8192 tokens"),
              (["calibrate", "--layer", "99", "--tracking-uri", registered["uri"]],
-              "pooling layer 99 is outside the model's 30 layers")]
+              "pooling layer 99 is outside the model's 30 layers"),
+             (["calibrate", "--max-new-tokens", "100000", "--tracking-uri", registered["uri"]], "context of 8192"),
+             (["add-domain", "--name", "x", "--input", str(inp), "--max-new-tokens", "100000", "--tracking-uri",
+               registered["uri"]], "context of 8192"),
+             (["promote", "--max-new-tokens", "100000", "--tracking-uri", registered["uri"]], "context of 8192"),
+             (["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(many), "--output", str(out),
+               "--tracking-uri", registered["uri"], "--max-new-tokens", "8000", "--batch-size", "100"],
+              "sequences of 8001 positions whose KV cache fits the 4 GiB budget")]  # 23 in bf16, 11 in fp32
     env = {**cli_env(registered, {**os.environ, **prefect_api}), "TMPDIR": str(temp)}
     for (_, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
         assert res.code == 2 and len(res.stderr) == 1, res
         assert message in res.stderr[0] and res.seconds < 15, res
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["p.jsonl", "tmp"]  # no output, journal or lock
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["many.jsonl", "p.jsonl", "tmp"]  # no output, journal, lock
     assert not list(temp.iterdir())
 
     params = GenerateParams(max_new_tokens=8, max_prompt_tokens=100_000)

@@ -56,7 +56,7 @@ from knnssd.engine.cache import BUCKET, SPAN, KVCache
 from knnssd.engine.decode import (DecodeStats, GenerationConfig, Prefill, Reused, Run, add_at, prefill, reusable,
                                   reuse_unit_of)
 from knnssd.engine.drafters import Drafter
-from knnssd.engine.params import KV_MEMORY
+from knnssd.engine.params import KV_MEMORY, too_many_slots
 from knnssd.engine.sampling import Verdict
 from knnssd.engine.sequence import Sequence
 from knnssd.engine.skip import Decoder, forward_slots
@@ -492,8 +492,7 @@ def check_slots(decoder: Decoder, slots: int, positions: int, name: str) -> None
     before any plan or pass: 100,000 slots never finished planning, or ran out of memory."""
     most = max_slots(decoder, positions)
     if slots > most:
-        raise ValueError(f"{name} {slots} is more than the {most} sequences of {positions} positions whose KV cache "
-                         f"fits the {DEFAULT_MEMORY / 2**30:g} GiB budget")
+        raise too_many_slots(name, slots, most, positions, DEFAULT_MEMORY)
 
 
 AUTO_SLOTS = (1, 2, 4, 8, 16, 32, 64)

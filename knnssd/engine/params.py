@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, fields
 
+from knnssd.engine.cache import KVCache
 from knnssd.engine.sampling import Warp
 
 log = logging.getLogger(__name__)
@@ -83,11 +84,24 @@ class Limits:
             raise ValueError(f"max_new_tokens ({params.max_new_tokens}) must be below {self._bound()}, "
                              "which also holds the prompt")
 
+    def check_slots(self, slots: int, positions: int, name: str) -> None:
+        """A batch size asked for (``name``: the option) within the budget, from the config alone: each of
+        ``slots`` sequences takes at least ``positions``, at the model's dtype. A cache kept wider than the
+        model (some steps keep fp32 K/V) holds fewer: ``batched.check_slots`` counts the real one."""
+        most = max(1, self.memory // (self.kv_bytes * KVCache.bucket(positions)))
+        if slots > most:
+            raise too_many_slots(name, slots, most, positions, self.memory)
+
     def prompt_tokens(self, params: "GenerateParams") -> int:
         """The most prompt tokens kept: ``max_prompt_tokens``, or fewer where the prompt and
         ``max_new_tokens`` would not fit (checked)."""
         self.check(params)
         return min(params.max_prompt_tokens, self.positions - params.max_new_tokens)
+
+
+def too_many_slots(name: str, slots: int, most: int, positions: int, memory: int = KV_MEMORY) -> ValueError:
+    return ValueError(f"{name} {slots} is more than the {most} sequences of {positions} positions whose KV cache "
+                      f"fits the {memory / 2**30:g} GiB budget")
 
 
 def batch_size(text: str, name: str = "--batch-size") -> int | None:
