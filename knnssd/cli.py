@@ -129,6 +129,8 @@ def _calibrate_params(a) -> dict:
         layer=a.layer, storage=a.storage, tracking_uri=a.tracking_uri, alias=a.alias, **budget_values(a),
     )
     _check_inputs(params["inputs"])
+    if a.clusters is not None and not a.unlabelled:
+        raise ValueError("--clusters sets an --unlabelled pool's clusters; labelled domains take --k-per-domain")
     tracking.check_alias(a.alias)
     pooling = Pooling(a.pooling, a.layer)
     pooling.check(_check_search(a).num_hidden_layers)

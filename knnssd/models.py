@@ -171,7 +171,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
         device = torch.device(spec)
     except RuntimeError:
         device = None
-    if device is None or device.type not in ("cpu", "cuda"):
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
         raise ModelError(f"unknown device '{spec}' (choose auto, cpu, cuda or cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelError(f"device '{spec}' asked for, but CUDA is not available here")

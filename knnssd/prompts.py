@@ -117,7 +117,10 @@ def load(path: str | os.PathLike, split: str | None = None, fields: Fields = Fie
     seen: dict[str, int] = {}
     repeats: dict[str, int] = {}
     for n, row in enumerate(rows, 1):
-        if not isinstance(row, dict) or fields.prompt not in row:
+        if not isinstance(row, dict):
+            raise PromptError(f"{path}: row {n} is not an object with a '{fields.prompt}' field (one JSON object a "
+                              "line in .jsonl)")
+        if fields.prompt not in row:
             raise PromptError(f"{path}: row {n} has no '{fields.prompt}' field")
         text = row[fields.prompt]
         if not isinstance(text, str):

@@ -33,6 +33,7 @@ def test_formats_fields_and_splits(tmp_path):
     (b'{"prompt": "caf\xe9"}\n', "not UTF-8"),
     (b'{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "duplicate id '1'"),
     (b'{"prompt": "a"\n', "line 1 is not JSON"),
+    (b'[{"prompt": "a"}, {"prompt": "b"}]\n', "row 1 is not an object"),
 ])
 def test_bad_files_fail_in_one_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"

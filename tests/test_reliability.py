@@ -23,7 +23,7 @@ from cli_cases import run_cli
     ("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0),
     ("top_p", math.nan), ("top_p", math.inf), ("top_p", 0.0),
     ("top_k", math.nan), ("max_new_tokens", 0), ("max_new_tokens", -5), ("max_new_tokens", math.nan),
-    ("max_new_tokens", "8"), ("seed", 1.5), ("seed", 2**70), ("temperature", 1e-300), ("temperature", 1e-7),
+    ("max_new_tokens", "8"), ("seed", 1.5), ("seed", 2**70), ("seed", -2), ("temperature", 1e-300), ("temperature", 1e-7),
 ])
 def test_bad_generation_parameters_are_one_line_errors(field, value):
     with pytest.raises(ValueError) as e:
@@ -395,13 +395,16 @@ def test_torn_edited_or_foreign_journal_lines_are_skipped_with_a_warning(tmp_pat
     broken = {k: v for k, v in _row("b", "pb", made).items() if k not in ("latency_s", "steps")}
     lines = [json.dumps(good), json.dumps(broken), json.dumps([1, 2]), json.dumps({**good, "id": 7}),
              json.dumps({**_row("c", "pc", made), "new_tokens": True}), '{"id": "d", "te',
-             json.dumps({**_row("e", "pe", made), "settings": "{not json"})]
+             json.dumps({**_row("e", "pe", made), "settings": "{not json"}),
+             json.dumps({**_row("f", "pf", made), "new_tokens": -1}), json.dumps({**_row("g", "pg", made), "tokens": [1]}),
+             json.dumps({**_row("h", "ph", made), "similarity": math.nan}),
+             json.dumps({**_row("i", "pi", made), "similarity": -0.25})]  # a cosine may be negative: kept
     batch.progress_path(out).write_text("\n".join(lines))
     with caplog.at_level("WARNING"):
         done = batch.check_output(out, False, settings=made)
-    assert list(done) == ["a"]
-    assert "6 row(s) are not knnssd rows" in caplog.text
-    assert batch.summarize(list(done.values()), 0, out, None).rows == 1
+    assert list(done) == ["a", "i"]
+    assert "9 row(s) are not knnssd rows" in caplog.text
+    assert batch.summarize(list(done.values()), 0, out, None).rows == 2
 
 
 def test_drafter_arguments_are_checked():
@@ -560,6 +563,9 @@ def test_cli_refuses_drafter_and_search_values_that_cannot_work(tmp_path):
         (["calibrate", "--storage", f"sqlite:///{tmp_path / 'no' / 'o.db'}"], "does not exist"),
         (["calibrate", "--layer", "-99"], "pooling layer must be -1"),
         (["complete", "--prompt", "hi", "--mask", str(tmp_path)], "cannot read it (Is a directory)"),
+        (["complete", "--prompt", "hi", "--device", "cpu:99"], "unknown device 'cpu:99'"),
+        (["calibrate", "--seed", "-5"], "--seed must be an integer in [0, 2**32), got -5"),
+        (["calibrate", "--clusters", "5"], "--clusters sets an --unlabelled pool's clusters"),
         (["calibrate", "--alias", ""], "alias '' is not one MLflow takes"),
         (["calibrate", "--alias", "v1"], "alias 'v1' is reserved by MLflow"),
     ], _cli_env(tmp_path))

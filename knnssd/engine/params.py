@@ -47,7 +47,7 @@ class GenerateParams:
         if unknown:
             raise ValueError(f"unknown generation parameters: {sorted(unknown)} (known: {sorted(known)})")
         d = {k: _number(k, v) for k, v in d.items() if v is not None}
-        if isinstance(d.get("seed"), int) and d["seed"] < 0:  # seed -1: random
+        if d.get("seed") == -1:  # -1: a random seed (the signature's default); other negatives are refused
             del d["seed"]
         return cls(**d)
 

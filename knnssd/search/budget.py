@@ -47,7 +47,10 @@ class Budget:
                 if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                                           and v > 0):
                     raise ValueError(f"{st.flag} must be a number of minutes > 0, got {v!r}")
-            elif st.kind is int and st.name != "seed" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            elif st.name == "seed":  # what Optuna's and numpy's samplers take
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**32:
+                    raise ValueError(f"{st.flag} must be an integer in [0, 2**32), got {v!r}")
+            elif st.kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{st.flag} must be an integer >= 1, got {v!r}")
 
 

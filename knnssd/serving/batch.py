@@ -41,6 +41,8 @@ COLUMNS = ("id", "domain", "text", "tokens", "new_tokens", "cluster", "label", "
            "acceptance_rate", "mean_accepted", "steps", "drafted", "accepted", "latency_s", "route_ms", "tokens_per_s", "prompt_tokens",
            "truncated", "stop", "prompt_hash", "settings")
 RESUME_KEY = ("prompt_hash", "settings")  # the columns earlier versions did not write
+_COUNTS = ("new_tokens", "steps", "drafted", "accepted", "prompt_tokens", "latency_s", "route_ms", "tokens_per_s",
+           "acceptance_rate", "mean_accepted")
 _NUMBER, _INT = (int, float), (int,)
 _KINDS = {"id": (str,), "domain": (str, type(None)), "text": (str,), "tokens": (list,), "new_tokens": _INT,
           "cluster": (int, type(None)), "label": (str,), "similarity": (*_NUMBER, type(None)), "matched": (bool,),
@@ -289,9 +291,15 @@ def _take(done: dict[str, dict], rows: list, source: Path) -> None:
 
 
 def _is_row(row) -> bool:
-    return isinstance(row, dict) and all(
-        k in row and isinstance(row[k], kinds) and not (isinstance(row[k], bool) and bool not in kinds)
-        for k, kinds in _KINDS.items()) and _settings_of(row["settings"]) is not None
+    """Every column of its type, counts and times >= 0, numbers finite, as many tokens as ``new_tokens``
+    and settings that are an object (a hand-edited ``"new_tokens": -1`` skewed the summary)."""
+    if not (isinstance(row, dict) and all(
+            k in row and isinstance(row[k], kinds) and not (isinstance(row[k], bool) and bool not in kinds)
+            for k, kinds in _KINDS.items())):
+        return False
+    numbers = [row[k] for k, kinds in _KINDS.items() if kinds[0] in _NUMBER and row[k] is not None]
+    return (all(math.isfinite(v) for v in numbers) and all(row[k] >= 0 for k in _COUNTS)
+            and row["new_tokens"] == len(row["tokens"]) and _settings_of(row["settings"]) is not None)
 
 
 @functools.lru_cache(maxsize=64)  # every row of a run holds the same text

@@ -16,6 +16,7 @@ import sys
 import mlflow.pyfunc
 import pandas as pd
 
+
 def server_settings(env) -> dict:
     """The ``KNNSSD_*`` settings of ``env``, each checked in one line by the rules of the CLI's options
     (``--dtype``, ``--device``, ``--batch-size``); an empty value means its default."""
