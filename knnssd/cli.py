@@ -120,27 +120,33 @@ def _check_search(a):
 
 
 def _calibrate_params(a) -> dict:
-    from knnssd import tracking
-    from knnssd.routing.router import Pooling
-
-    params = dict(
+    return dict(
         model=a.model, dtype=a.dtype, device=a.device, inputs=a.input or [], domain_from_file=a.domain_from_file,
         labelled=not a.unlabelled, k_per_domain=a.k_per_domain, n_clusters=a.clusters, pooling=a.pooling,
         layer=a.layer, storage=a.storage, tracking_uri=a.tracking_uri, alias=a.alias, **budget_values(a),
     )
-    _check_inputs(params["inputs"])
+
+
+def _check_calibrate(a) -> None:
+    """Calibrate's and search-worker's checks past their parameters' own (made first: they cost nothing),
+    before any server starts."""
+    from knnssd import tracking
+    from knnssd.routing.router import Pooling
+
+    _check_inputs(a.input or [])
     if a.clusters is not None and not a.unlabelled:
         raise ValueError("--clusters sets an --unlabelled pool's clusters; labelled domains take --k-per-domain")
     tracking.check_alias(a.alias)
     pooling = Pooling(a.pooling, a.layer)
     pooling.check(_check_search(a).num_hidden_layers)
-    return params
 
 
 def cmd_calibrate(a) -> int:
     from knnssd.flows.calibrate import CalibrateParams, calibrate
 
-    print(json.dumps(_flow(calibrate, CalibrateParams(**_calibrate_params(a)))))
+    params = CalibrateParams(**_calibrate_params(a))
+    _check_calibrate(a)
+    print(json.dumps(_flow(calibrate, params)))
     return 0
 
 
@@ -148,6 +154,7 @@ def cmd_search_worker(a) -> int:
     from knnssd.flows.search_worker import WorkerParams, search_worker
 
     params = WorkerParams(**_calibrate_params(a), trials=a.worker_trials, clusters=a.cluster or [])
+    _check_calibrate(a)
     print(json.dumps(_flow(search_worker, params)))
     return 0
 
@@ -155,11 +162,11 @@ def cmd_search_worker(a) -> int:
 def cmd_add_domain(a) -> int:
     from knnssd.flows.add_domain import AddDomainParams, add_domain
 
-    _check_inputs(a.input)
-    _check_search(a)
     params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
                              device=a.device, k_per_domain=a.k_per_domain, warm=a.warm, storage=a.storage,
                              tracking_uri=a.tracking_uri, **budget_values(a))
+    _check_inputs(a.input)
+    _check_search(a)
     print(json.dumps(_flow(add_domain, params)))
     return 0
 
