@@ -297,6 +297,44 @@ def test_native_attention_step_is_exact_and_pools(arch, dtype):
     _packed_equals_own(dec, prompts, rows=(1, 4, 12, 2, 3), pooled=True)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "phi3"])  # a bias, a sliding window, a partial rotary
+def test_a_pass_in_one_native_call_has_the_per_op_bits(arch):
+    """``native.Layers``: a step's or a verify pass's layers in one C call give the logits and K/V of the
+    per-op path bit for bit, for T = 1..12 rows, under a skip mask, and over int8 draft weights."""
+    dec = Decoder(from_hf(tiny(arch, dtype=torch.bfloat16)))
+    dec.set_attention(NATIVE)
+    if dec._layers_call(dec.stack) is None:
+        pytest.skip("no one-call layers here (no C compiler, no avx512_bf16, or AMX)")
+    per_op = dec.slot()
+    per_op._layers_call = lambda stack: None
+    ids = torch.tensor(prompt_ids(arch, 0, 40))
+    for d in (dec, per_op):
+        d.reserve(64)
+        d.forward(ids[:25], 0)
+    mask = SkipMask.from_layers(dec.n_layers, attn=[1], mlp=[2])
+    for T, m, stack in ((1, None, None), (2, None, None), (5, mask, None), (12, None, None), (3, None, "int8")):
+        runs = []
+        for d in (dec, per_op):
+            out = d.forward(ids[25 : 25 + T], 25, mask=m, stack=d.int8_stack() if stack else None)
+            runs.append((out.logits, out.hidden, [c[:, :, 25 : 25 + T].clone() for c in d.cache.k + d.cache.v]))
+        (la, ha, ka), (lb, hb, kb) = runs
+        assert torch.equal(la, lb) and torch.equal(ha, hb), (T, m, stack)
+        assert all(torch.equal(x, y) for x, y in zip(ka, kb)), (T, m, stack)
+
+
+def test_native_silu_product_rounds_as_the_torch_ops_do():
+    if not native.available():
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(5)
+    gu = (torch.randn(3, 2 * 200, generator=g) * 6).to(torch.bfloat16)
+    got = native.silu_mul(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.98  # its exp is within about an ulp of torch's
+    assert torch.equal(native.silu_mul(gu[1:2]), got[1:2])  # rows alone
+
+
 def test_a_library_that_lacks_a_kernel_is_reported_removed_and_not_used(monkeypatch, tmp_path, caplog):
     if not native.available():
         pytest.skip("no C compiler here")

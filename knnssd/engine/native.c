@@ -857,3 +857,99 @@ int64_t built_with_openmp(void) {
     return 0;
 #endif
 }
+
+/* SiLU(gate) * up of rows of a gated MLP's fused projection, gu (rows, 2 I): gate is a row's first I
+   values, up its last I; out (rows, I). Rounded as torch's two ops round: silu(g) = g / (1 + exp(-g))
+   in fp32, rounded to the type, then the product rounded again. exp(-|g|) is ``softmax_exp``, so the
+   loop vectorises: for g < 0, g / (1 + exp(-g)) = g t / (1 + t) with t = exp(g). */
+#define SILU_MUL(NAME, T, LOAD, STORE)                                                             \
+    void NAME(const T *gu, T *out, int64_t rows, int64_t I) {                                      \
+        for (int64_t r = 0; r < rows; r++) {                                                       \
+            const T *g = gu + r * 2 * I, *u = g + I;                                               \
+            T *o = out + r * I;                                                                    \
+            for (int64_t i = 0; i < I; i++) {                                                      \
+                float x = LOAD(g[i]);                                                              \
+                float t = softmax_exp(x < 0.0f ? x : -x);                                          \
+                float s = STORE((x < 0.0f ? x * t : x) / (1.0f + t));                              \
+                o[i] = STORE(LOAD(s) * LOAD(u[i]));                                                \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+SILU_MUL(silu_mul_f32, float, SAME, SAME)
+
+/* One layer's weights for ``layers_bf16``: its norms' fp32 weights and eps, and its four projections in
+   ``native.Linear``'s packed layout (qkv, o, gate_up, down), each with its kind and scales and its fp32
+   bias (NULL: none), and its sliding window (0: none). */
+typedef struct {
+    const float *attn_norm, *mlp_norm;
+    double attn_eps, mlp_eps;
+    const void *w[4];
+    const float *scale[4], *bias[4];
+    int64_t window;
+    int64_t kind[4]; /* each projection's weights: 0 bf16, 1 int8 (scale: fp32 per column) */
+} fused_layer;
+
+/* The rows' pass through a decoder's layers in one call, exactly as the per-op calls of ``skip.Decoder``
+   compute it (each op here is the kernel it calls: rms_norm, linear, rope, the cache write, attention,
+   silu_mul, and the residual adds rounded as torch rounds a bf16 sum), so a row's bits are those of the
+   per-op path, and as invariant to the call's rows. h (R, E) is the residual stream, updated in place;
+   row r sits at position pos[r] of cache slot slots[r], and its K/V are written there. ``skip``: 2 n
+   bytes (attention bits, then MLP bits; a set one leaves the sub-layer out), or NULL. cos and sin:
+   the rotary tables, d values per position (sin signed), indexed by position. kc[i], vc[i]: layer i's
+   cache buffers (slots_n slots slot_stride apart, KV heads head_stride apart, L positions of D).
+   ``work``: R (2 E + 3 I + 3 (H + KV) D) bf16 values; ``scratch``: ``per`` floats a thread for the
+   attention. Returns 0, or -1 (a shape the kernels do not take, or a row outside the cache). */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+int64_t layers_bf16(const fused_layer *layers, int64_t n, const uint8_t *skip, uint16_t *h, int64_t R,
+                    int64_t E, int64_t H, int64_t KV, int64_t D, int64_t I, const uint16_t *cos, const uint16_t *sin,
+                    int64_t d, uint16_t *const *kc, uint16_t *const *vc, int64_t slots_n, int64_t slot_stride,
+                    int64_t L, int64_t head_stride, const int64_t *slots, const int64_t *pos, float scale,
+                    uint16_t *work, float *scratch, int64_t per, int64_t threads) {
+    int64_t QKVW = (H + 2 * KV) * D, QK = (H + KV) * D;
+    if (R <= 0) return 0;
+    if (KV <= 0 || H % KV || d % 2 || d > D || E % 2 || I % 2 || threads < 1) return -1;
+    for (int64_t r = 0; r < R; r++)
+        if (pos[r] < 0 || pos[r] >= L || slots[r] < 0 || slots[r] >= slots_n) return -1;
+    uint16_t *x = work, *qkv = x + R * E, *qk = qkv + R * QKVW, *att = qk + R * QK, *y = att + R * H * D;
+    uint16_t *gu = y + R * E, *act = gu + R * 2 * I;
+    for (int64_t i = 0; i < n; i++) {
+        const fused_layer *l = layers + i;
+        if (!skip || !skip[i]) {
+            rms_norm_bf16(h, l->attn_norm, x, R, E, (float)l->attn_eps);
+            if (linear_run(x, E, l->w[0], (int)l->kind[0], l->scale[0], l->bias[0], qkv, R, E, QKVW, threads)) return -1;
+            for (int64_t r = 0; r < R; r++) {
+                rope_bf16(qkv + r * QKVW, QKVW, cos + pos[r] * d, sin + pos[r] * d, qk + r * QK, 1, H + KV, D, d);
+                for (int64_t g = 0; g < KV; g++) {
+                    int64_t at = slots[r] * slot_stride + g * head_stride + pos[r] * D;
+                    memcpy(kc[i] + at, qk + r * QK + (H + g) * D, D * sizeof *h);
+                    memcpy(vc[i] + at, qkv + r * QKVW + (H + KV + g) * D, D * sizeof *h);
+                }
+            }
+            if (attention_bf16(qk, QK, kc[i], vc[i], slots_n, slot_stride, L, head_stride, slots, pos, att, R, H,
+                               KV, D, l->window, scale, scratch, per, threads)) return -1;
+            if (linear_run(att, H * D, l->w[1], (int)l->kind[1], l->scale[1], l->bias[1], y, R, H * D, E, threads))
+                return -1;
+            for (int64_t j = 0; j < R * E; j++) h[j] = f32_to_bf16(bf16_to_f32(h[j]) + bf16_to_f32(y[j]));
+        }
+        if (!skip || !skip[n + i]) {
+            rms_norm_bf16(h, l->mlp_norm, x, R, E, (float)l->mlp_eps);
+            if (linear_run(x, E, l->w[2], (int)l->kind[2], l->scale[2], l->bias[2], gu, R, E, 2 * I, threads))
+                return -1;
+            silu_mul_bf16(gu, act, R, I);
+            if (linear_run(act, I, l->w[3], (int)l->kind[3], l->scale[3], l->bias[3], y, R, I, E, threads)) return -1;
+            for (int64_t j = 0; j < R * E; j++) h[j] = f32_to_bf16(bf16_to_f32(h[j]) + bf16_to_f32(y[j]));
+        }
+    }
+    return 0;
+}
+#else
+int64_t layers_bf16(const fused_layer *layers, int64_t n, const uint8_t *skip, uint16_t *h, int64_t R,
+                    int64_t E, int64_t H, int64_t KV, int64_t D, int64_t I, const uint16_t *cos, const uint16_t *sin,
+                    int64_t d, uint16_t *const *kc, uint16_t *const *vc, int64_t slots_n, int64_t slot_stride,
+                    int64_t L, int64_t head_stride, const int64_t *slots, const int64_t *pos, float scale,
+                    uint16_t *work, float *scratch, int64_t per, int64_t threads) {
+    return -1;
+}
+#endif

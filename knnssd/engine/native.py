@@ -20,6 +20,10 @@ has OpenMP and the CPU has no AMX: its rows are row-invariant by construction as
 oneDNN's prepacked GEMM at every row count measured (see ``Linear``). Where it runs, a prefill's causal
 attention runs on its tiles too (``causal``). The step's bf16 attention runs the same arithmetic wherever
 the library has avx512_bf16 (``attention``), so a step row gets a prefill row's bits.
+
+Where all of those run, in bf16, a step's or a verify pass's layers are one call (``Layers``), which
+calls the same kernels in the same order with the same roundings: the per-op path's bits, without its
+two dozen torch and ctypes calls a layer (the step profile is in docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -63,7 +67,13 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
     # q, q's row stride, k, v, their head stride, start, T, H, KV, D, scale, out, threads; returns 0, or -1 (as
     # ``linear``'s, or out of memory)
     "causal": ("p", "i", "p", "p", "i", "i", "i", "i", "i", "i", "f", "p", "i"),
+    # gate and up (rows, 2 I), out (rows, I), rows, I
+    "silu_mul": ("p", "p", "i", "i"),
 }
+# layers_bf16 (bf16 only): layers, n, skip, h, R, E, H, KV, D, I, cos, sin, d, kc, vc, slots_n, slot_stride, L,
+# head_stride, slots, pos, scale, work, scratch, per, threads; returns 0, or -1 (as ``attention``'s)
+LAYERS = ("p", "i", "p", "p", "i", "i", "i", "i", "i", "i", "p", "p", "i", "p", "p", "i", "i", "i", "i", "p", "p", "f",
+          "p", "p", "i", "i")
 # the kernels that return something (the others: nothing)
 RESULTS = {family: ctypes.c_int64 for family in ("attention", "linear", "linear_int8", "causal")}
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
@@ -149,6 +159,8 @@ class Kernels:
     linear: dict[torch.dtype, Callable]
     linear_int8: dict[torch.dtype, Callable]
     causal: dict[torch.dtype, Callable]
+    silu_mul: dict[torch.dtype, Callable]
+    layers: Callable  # ``layers_bf16``
     attention_scratch: Callable  # (G, D, L) -> the floats of scratch an ``attention`` call needs per thread
     openmp: bool  # built with OpenMP: the kernels share their work among torch's threads
 
@@ -166,7 +178,9 @@ def _load(path: Path) -> Kernels:
             families[family][dtype] = f
     lib.built_with_openmp.restype = lib.attention_scratch.restype = ctypes.c_int64
     lib.attention_scratch.argtypes = [ctypes.c_int64] * 3
-    return Kernels(**families, attention_scratch=lib.attention_scratch, openmp=bool(lib.built_with_openmp()))
+    lib.layers_bf16.restype, lib.layers_bf16.argtypes = ctypes.c_int64, [CTYPES[a] for a in LAYERS]
+    return Kernels(**families, layers=lib.layers_bf16, attention_scratch=lib.attention_scratch,
+                   openmp=bool(lib.built_with_openmp()))
 
 
 @functools.cache
@@ -336,8 +350,11 @@ class Linear:
     library, another dtype or device, N not a multiple of 16 or K odd, a library built without
     avx512_bf16, a CPU with AMX, or a library without OpenMP (``linear_preferred``)."""
 
-    def __init__(self, kernel: Callable, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None):
-        self.kernel, self.packed, self.scale = kernel, packed, scale
+    KINDS = {"bf16": 0, "int8": 1}  # the weights' forms, as ``native.c``'s fused layers name them
+
+    def __init__(self, kernel: Callable, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                 kind: str = "bf16"):
+        self.kernel, self.packed, self.scale, self.kind = kernel, packed, scale, kind
         self.n, self.k = packed.shape[0] * 16, packed.shape[1] * 2
         self.bias = None if bias is None else bias.detach().float().contiguous()
         pointers = (packed.data_ptr(),) if scale is None else (packed.data_ptr(), scale.data_ptr())
@@ -369,7 +386,7 @@ class Linear:
         kernel = cls._kernel("linear_int8", q, torch.int8)
         if kernel is None:
             return None
-        return cls(kernel, cls._pack(q), scales.detach().float().contiguous(), bias)
+        return cls(kernel, cls._pack(q), scales.detach().float().contiguous(), bias, "int8")
 
     def __reduce__(self):  # as ``RMSNorm``'s: the library is loaded again
         if self.scale is None:
@@ -438,3 +455,108 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, star
               out.data_ptr(), torch.get_num_threads()):
         return None
     return out
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of a gated MLP's fused projection gu (..., 2 I) -> (..., I) in one call, rounded as
+    the two torch ops round (``native.c``'s ``silu_mul``, also the fused layers' own); None where the kernels
+    are not built, or for another dtype or device."""
+    lib = library() if gu.is_cpu else None
+    kernel = None if lib is None else lib.silu_mul.get(gu.dtype)
+    if kernel is None or gu.shape[-1] % 2:
+        return None
+    if not gu.is_contiguous():
+        gu = gu.contiguous()
+    I = gu.shape[-1] // 2
+    out = torch.empty(*gu.shape[:-1], I, dtype=gu.dtype)
+    kernel(gu.data_ptr(), out.data_ptr(), gu.numel() // (2 * I), I)
+    return out
+
+
+class _Layer(ctypes.Structure):  # ``native.c``'s ``fused_layer``
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("attn_eps", ctypes.c_double),
+                ("mlp_eps", ctypes.c_double), ("w", ctypes.c_void_p * 4), ("scale", ctypes.c_void_p * 4),
+                ("bias", ctypes.c_void_p * 4), ("window", ctypes.c_int64), ("kind", ctypes.c_int64 * 4)]
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """What ``Layers`` runs of one decoder layer: its two norms and four projections (qkv, o, gate_up,
+    down: ``Linear`` kernels, bf16 or int8) and its sliding window (None: none)."""
+
+    attn_norm: RMSNorm
+    mlp_norm: RMSNorm
+    linears: tuple[Linear, Linear, Linear, Linear]
+    window: int | None
+
+
+class Layers:
+    """A decoder's layers in one C call per pass (``native.c``'s ``layers_bf16``): for each layer, norm, QKV,
+    RoPE, the cache write, attention, output projection, residual, norm, gate/up, SiLU product, down and
+    residual, each by the same kernel and rounding as the per-op path (``skip.Decoder``'s, with ``Linear``,
+    ``RMSNorm``, ``rope``, ``attention`` and ``silu_mul``), so a row's bits do not change with the path, and
+    each row is computed alone as there. A skip mask leaves sub-layers out inside the call.
+
+    What a step spends between kernels (about 30 torch and ctypes calls a layer) is one call here: see the
+    step profile in docs/benchmarks.md. ``of`` returns None where it does not apply (the library lacks
+    avx512_bf16, or ``Linear`` is not used here)."""
+
+    def __init__(self, kernel: Callable, parts: list[LayerParts], heads: int, kv: int, head_dim: int):
+        self.kernel, self.parts = kernel, parts  # parts keep the weights the structs point to alive
+        self.n, self.H, self.KV, self.D = len(parts), heads, kv, head_dim
+        self.E, self.I = parts[0].linears[0].k, parts[0].linears[3].k
+        self.structs = (_Layer * self.n)()
+        for s, p in zip(self.structs, parts):
+            s.attn_norm, s.mlp_norm = p.attn_norm.weight_ptr, p.mlp_norm.weight_ptr
+            s.attn_eps, s.mlp_eps = p.attn_norm.eps, p.mlp_norm.eps
+            for j, lin in enumerate(p.linears):
+                s.w[j] = lin.packed.data_ptr()
+                s.scale[j] = 0 if lin.scale is None else lin.scale.data_ptr()
+                s.bias[j] = 0 if lin.bias is None else lin.bias.data_ptr()
+                s.kind[j] = Linear.KINDS[lin.kind]
+            s.window = p.window or 0
+        self._skips: dict[tuple, ctypes.Array | None] = {}
+        self._buffers: tuple | None = None  # (key, k pointers, v pointers) of the last cache
+
+    @classmethod
+    def of(cls, parts: list[LayerParts], heads: int, kv: int, head_dim: int) -> "Layers | None":
+        lib = library()
+        if lib is None or tiled("linear") is None or not parts or lib.layers(*(0,) * 26) != 0:
+            return None
+        return cls(lib.layers, parts, heads, kv, head_dim)
+
+    def _skip(self, skip: tuple[tuple[bool, ...], tuple[bool, ...]] | None):
+        if skip not in self._skips:
+            self._skips[skip] = None if skip is None else (ctypes.c_uint8 * (2 * self.n))(*skip[0], *skip[1])
+        return self._skips[skip]
+
+    def _pointers(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> tuple:
+        key = (k[0].data_ptr(), k[-1].data_ptr(), v[0].data_ptr(), v[-1].data_ptr(), len(k))
+        if self._buffers is None or self._buffers[0] != key:
+            self._buffers = (key, (ctypes.c_void_p * len(k))(*(t.data_ptr() for t in k)),
+                             (ctypes.c_void_p * len(v))(*(t.data_ptr() for t in v)))
+        return self._buffers[1:]
+
+    def __call__(self, h: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
+                 skip: tuple[tuple[bool, ...], tuple[bool, ...]] | None, scale: float) -> bool:
+        """Run rows h (R, E) bf16, contiguous, updated in place, at cache slots ``slots`` and positions ``pos``
+        (R,) int64; cos, sin (P, 1, d) the rotary tables by position; k[i], v[i] (S, KV, L, D) layer i's cache
+        buffers, one layout; ``skip``: a mask's (attention, MLP) bits. False (h untouched) where the call
+        does not take these tensors."""
+        S, KV, L, D = k[0].shape
+        R = h.shape[0]
+        if (h.dtype != torch.bfloat16 or not h.is_contiguous() or h.shape[1] != self.E or KV != self.KV
+                or D != self.D or k[0].dtype != torch.bfloat16 or k[0].stride(3) != 1 or k[0].stride(2) != D
+                or len(k) != self.n or cos.dtype != torch.bfloat16 or not cos.is_contiguous()
+                or not sin.is_contiguous() or cos.shape[0] < L):
+            return False
+        threads = torch.get_num_threads()
+        per = library().attention_scratch(self.H // KV, D, L)
+        scratch = torch.empty(threads * per, dtype=torch.float32)  # per call: passes may run in several threads
+        work = torch.empty(R * (2 * self.E + 3 * self.I + 3 * (self.H + KV) * D), dtype=torch.bfloat16)
+        kp, vp = self._pointers(k, v)
+        return self.kernel(self.structs, self.n, self._skip(skip), h.data_ptr(), R, self.E, self.H, KV, D, self.I,
+                           cos.data_ptr(), sin.data_ptr(), cos.shape[-1], kp, vp, S, k[0].stride(0), L,
+                           k[0].stride(1), slots.data_ptr(), pos.data_ptr(), scale, work.data_ptr(),
+                           scratch.data_ptr(), per, threads) == 0

@@ -12,6 +12,7 @@ Both never touch ``model.config``.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -22,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from knnssd.engine import native
-from knnssd.engine.attention import PREFILL_ROWS, SDPA, Attention, PositionMask, allowed, prefill_form
+from knnssd.engine.attention import NATIVE, PREFILL_ROWS, SDPA, Attention, PositionMask, allowed, prefill_form
 from knnssd.engine.cache import KVCache, SlotPool, Span
-from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf
+from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf, native_layers
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class Decoder:
         self.stack = stack.packed()
         self.exactness = None  # exactness.Exactness once probed
         self._shared: dict[str, Stack] = {}  # the int8 draft weights, shared with this decoder's slots
+        self._native: dict[int, tuple[Stack, native.Layers | None]] = {}  # by stack: its one-call layers
         self.set_attention(attention)
 
     def set_attention(self, attention: Attention) -> None:
@@ -182,7 +184,7 @@ class Decoder:
 
     def use_stack(self, stack: Stack) -> None:
         """Run other weights of the same shapes (e.g. row-invariant forms of the same linears)."""
-        self.stack, self._shared = stack, {}
+        self.stack, self._shared, self._native = stack, {}, {}
 
     @property
     def n_layers(self) -> int:
@@ -245,6 +247,9 @@ class Decoder:
             pos, at = torch.arange(start, start + T, device=ids.device), slice(start, start + T)
             spans = self._spans(start, T, attn)
         h = self._embed(s, ids)
+        if tap is None and not influence and isinstance(at, slice) and self._one_call(s, attn, h, pos, mask):
+            hidden = s.norm(h)[0]
+            return Output(_logits(s, hidden[-1:] if last else hidden), hidden)
         rope = self._rope(pos, h)
         masks: dict[int | None, object] = {}
         skip_a = mask.attn if mask is not None else None
@@ -267,6 +272,29 @@ class Decoder:
                 tapped = h[0]
         hidden = s.norm(h)[0]
         return Output(_logits(s, hidden[-1:] if last else hidden), hidden, tapped, sizes)
+
+    def _layers_call(self, s: Stack) -> native.Layers | None:
+        if id(s) not in self._native:
+            self._native[id(s)] = (s, native_layers(s))  # the stack kept: its id is not reused while here
+        return self._native[id(s)][1]
+
+    def _one_call(self, s: Stack, attn: Attention, h: torch.Tensor, pos: torch.Tensor, mask: SkipMask | None) -> bool:
+        """Run the layers of a step or verify pass as one native call (``native.Layers``) where it applies: the
+        native attention step, whose rows it computes bit for bit, at positions known on the host. h
+        (1, T, E) is updated in place; False where the call does not apply (h untouched)."""
+        if attn.name != NATIVE.name or h.shape[1] > PREFILL_ROWS or not s.rope_static:
+            return False
+        layers = self._layers_call(s)
+        if layers is None:
+            return False
+        cos, sin = self.tables()[s.rope_keys[0]]
+        skip = None if mask is None else (mask.attn, mask.mlp)
+        return layers(h[0], self._zeros(h.shape[1]), pos, cos, sin, self.cache.k, self.cache.v, skip, s.scale)
+
+    @staticmethod
+    @functools.cache
+    def _zeros(rows: int) -> torch.Tensor:
+        return torch.zeros(rows, dtype=torch.long)
 
     def _spans(self, start: int, rows: int, attn: Attention) -> tuple[Span, ...]:
         """The key lengths a call's rows read (``KVCache.spans``); a prefill's rows are never compared with
@@ -309,11 +337,17 @@ class Decoder:
         s = self.stack
         if not s.rope_static:  # e.g. dynamic NTK / longrope: cos/sin depend on the sequence length
             return {key: _rope_pair(*self._rotary(h, pos[None], key)) for key in s.rope_keys}
-        if not self._tables:
-            table_pos = torch.arange(self.cache.capacity, device=h.device)[None]
-            dummy = torch.empty(0, dtype=s.dtype, device=h.device)
+        return {key: (c[pos], si[pos]) for key, (c, si) in self.tables().items()}
+
+    def tables(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each rotary key's cos and signed sin (capacity, 1, d) by position, over the cache's whole capacity
+        (built again when it grows), for a stack whose tables depend on the position alone."""
+        if not self._tables or next(iter(self._tables.values()))[0].shape[0] < self.cache.capacity:
+            s = self.stack
+            table_pos = torch.arange(self.cache.capacity, device=s.device)[None]
+            dummy = torch.empty(0, dtype=s.dtype, device=s.device)
             self._tables = {key: _rope_pair(*self._rotary(dummy, table_pos, key)) for key in s.rope_keys}
-        return {key: (c[pos], si[pos]) for key, (c, si) in self._tables.items()}
+        return self._tables
 
     def _rotary(self, x: torch.Tensor, pos: torch.Tensor, key: str):
         if key == "all":
@@ -353,8 +387,12 @@ def _attn_out(layer: Layer, attended: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(layer: Layer, h: torch.Tensor) -> torch.Tensor:
-    gate, up = layer.gate_up(layer.mlp_norm(h)).chunk(2, dim=-1)
-    y = layer.down(layer.act(gate) * up)
+    gu = layer.gate_up(layer.mlp_norm(h))
+    a = native.silu_mul(gu) if layer.silu else None  # native.Layers' own rounding: the paths agree bitwise
+    if a is None:
+        gate, up = gu.chunk(2, dim=-1)
+        a = layer.act(gate) * up
+    y = layer.down(a)
     return layer.mlp_post_norm(y) if layer.mlp_post_norm is not None else y
 
 
@@ -403,6 +441,11 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
         per_call.append(_SlotCall(slot, pos, slice(start, start + ids.shape[0]), slot._spans(start, ids.shape[0], attn),
                                   slot._rope(pos, h), attn, {}))
     packed = _PooledAttention(per_call, pool) if pool is not None else None
+    if packed is not None and packed.attn.name == NATIVE.name:  # every row alone, as in its own pass
+        layers = slots[0]._layers_call(s)
+        if layers is not None and layers(h[0], packed.slots, packed.pos, *slots[0].tables()[s.rope_keys[0]],
+                                         pool.k, pool.v, None, s.scale):
+            return list(_logits(s, s.norm(h)[0]).split(sizes))
     for i, layer in enumerate(s.layers):
         qkv = layer.qkv(layer.attn_norm(h))[0]
         if packed is not None:

@@ -201,6 +201,7 @@ class Layer:
     k_norm: Norm | None = None
     attn_post_norm: Norm | None = None  # Gemma: norm on the attention output before the residual add
     mlp_post_norm: Norm | None = None
+    silu: bool = False  # act is SiLU: the MLP's activation and product run as one native call where built
 
 
 @dataclass
@@ -248,6 +249,25 @@ class Stack:
     def int8(self) -> "Stack":
         """A copy whose projections and head are int8; norms, rope and embeddings are shared."""
         return self.map_linears(lambda lin: lin.int8())
+
+
+def native_layers(s: Stack) -> "native.Layers | None":
+    """The stack's layers as one native call a pass (``native.Layers``), where it runs every layer: bf16 on
+    the CPU, each projection on ``native.Linear`` (bf16 or int8) and each norm on the native kernel, a SiLU
+    MLP, no per-head or post norms, and one rotary table set by position alone."""
+    if s.dtype != torch.bfloat16 or s.device.type != "cpu" or len(s.rope_keys) != 1 or not s.rope_static:
+        return None
+    parts = []
+    for layer in s.layers:
+        if (layer.q_norm is not None or layer.attn_post_norm is not None or layer.mlp_post_norm is not None
+                or not layer.silu):
+            return None
+        norms = (layer.attn_norm.kernel, layer.mlp_norm.kernel)
+        kernels = tuple(getattr(getattr(layer, name), "kernel", None) for name in PROJECTIONS)
+        if None in norms or not all(isinstance(k, native.Linear) for k in kernels):
+            return None
+        parts.append(native.LayerParts(*norms, kernels, layer.window))
+    return native.Layers.of(parts, s.n_heads, s.n_kv, s.head_dim)
 
 
 def _norm(module: torch.nn.Module) -> Norm:
@@ -318,6 +338,7 @@ def _layer(layer: torch.nn.Module, rope_key: str, default_window: int | None) ->
         k_norm=_norm(attn.k_norm) if hasattr(attn, "k_norm") else None,
         attn_post_norm=_norm(layer.post_attention_layernorm) if gemma else None,
         mlp_post_norm=_norm(layer.post_feedforward_layernorm) if gemma else None,
+        silu=type(act).__name__ in ("SiLU", "SiLUActivation"),
     )
 
 

@@ -1,0 +1,149 @@
+"""One plain decoding step, op by op: where a token's time goes, in one process.
+
+    .venv/bin/python benchmarks/step_profile.py --dtype bfloat16 --context 300
+
+Times, at one position after a prefill of ``--context`` tokens, the decoder's whole one-token step
+(``Decoder.forward(..., last=True)``), with its layers in one native call (``native.Layers``) where it
+runs and on the per-op path, and each op of the per-op path as it calls them, swept over every
+layer as a step sweeps them (so the weights stream from memory as they do in a step), each the
+median of ``--repeats`` sweeps. For the linears it also times the bare C call (preallocated output,
+no Python wrapper) where the native kernel runs. The gap between the step and the sum of its ops is
+the glue: views, slices, masks, the cache write's indexing and the Python between calls.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from knnssd import models
+from knnssd.engine import native
+from knnssd.engine.skip import _heads, _span_masks
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    lm = models.load(a.model, dtype=a.dtype)
+    dec = lm.decoder
+    s = dec.stack
+    torch.manual_seed(0)
+    ids = torch.randint(0, s.embed.shape[0], (a.context + 1,))
+    dec.reserve(a.context + 64)
+    dec.forward(ids[: a.context], 0, last=True)
+    tok, start = ids[a.context :], a.context
+    layers = s.layers
+    L = len(layers)
+
+    one_call = dec._layers_call(dec.stack) is not None
+    fused = median_ms(lambda: dec.forward(tok, start, last=True), a.repeats) if one_call else None
+    dec._layers_call = lambda stack: None  # the per-op path from here on
+    step = median_ms(lambda: dec.forward(tok, start, last=True), a.repeats)
+
+    # the step's own intermediate values, one per layer, to call each op on
+    with torch.inference_mode():
+        pos, at = torch.arange(start, start + 1), slice(start, start + 1)
+        attn = dec._attention_for(1)
+        spans = dec._spans(start, 1, attn)
+        h = dec._embed(s, tok)
+        x = layers[0].attn_norm(h)
+        qkv = layers[0].qkv(x)[0]
+        rope = dec._rope(pos, h)
+        masks = _span_masks(attn, pos, spans, layers[0].window)
+        q, k, v = _heads(s, layers[0], qkv, rope[layers[0].rope])
+        kc, vc = dec.cache.write(0, at, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        (sp, m), = masks
+        att = attn.attend(q, kc[:, :, : sp.keys], vc[:, :, : sp.keys], m, s.scale)
+        gu = layers[0].gate_up(x)
+        gate, up = gu.chunk(2, dim=-1)
+        act = layers[0].act(gate) * up
+        hidden = s.norm(h)[0]
+
+        def sweep(fn):
+            return lambda: [fn(i, layer) for i, layer in enumerate(layers)]
+
+        rows = []  # (op, calls per step, ms per step)
+
+        def add(name, calls, fn):
+            rows.append((name, calls, median_ms(fn, a.repeats)))
+
+        add("embed", 1, lambda: dec._embed(s, tok))
+        add("rope tables", 1, lambda: dec._rope(pos, h))
+        add("attention masks", 1, lambda: _span_masks(attn, pos, spans, layers[0].window))
+        add("norms (attn, mlp)", 2 * L, sweep(lambda i, ly: (ly.attn_norm(h), ly.mlp_norm(h))))
+        add("qkv linear", L, sweep(lambda i, ly: ly.qkv(x)))
+        add("heads: view + RoPE", L, sweep(lambda i, ly: _heads(s, ly, qkv, rope[ly.rope])))
+        add("cache write", L, sweep(lambda i, ly: dec.cache.write(i, at, k.transpose(0, 1)[None],
+                                                                  v.transpose(0, 1)[None])))
+        add("attention", L, sweep(lambda i, ly: attn.attend(q, dec.cache.k[i][:, :, : sp.keys],
+                                                            dec.cache.v[i][:, :, : sp.keys], m, s.scale)))
+        add("o linear", L, sweep(lambda i, ly: ly.o(att)))
+        add("residual adds", 2 * L, sweep(lambda i, ly: (h + h, h + h)))
+        add("gate_up linear", L, sweep(lambda i, ly: ly.gate_up(x)))
+        if layers[0].silu and native.silu_mul(gu) is not None:
+            add("SiLU product (native)", L, sweep(lambda i, ly: native.silu_mul(gu)))
+        else:
+            add("chunk + act + mul", L, sweep(lambda i, ly: (lambda g, u: ly.act(g) * u)(*gu.chunk(2, dim=-1))))
+        add("down linear", L, sweep(lambda i, ly: ly.down(act)))
+        add("final norm", 1, lambda: s.norm(h))
+        add("lm_head", 1, lambda: s.lm_head(hidden[-1:]))
+        head = s.lm_head(hidden[-1:])
+        add("logits to fp32", 1, lambda: head.float())
+
+        bare = {}
+        kernel = native.tiled("linear")
+        if kernel is not None and all(hasattr(getattr(layers[0], n), "kernel") for n in ("qkv", "o", "gate_up", "down")):
+            threads = torch.get_num_threads()
+            for name, inp in (("qkv", x), ("o", att), ("gate_up", x), ("down", act)):
+                kern = [getattr(ly, name).kernel for ly in layers]
+                xin = inp.reshape(-1, inp.shape[-1]).contiguous()
+                outs = [torch.empty(1, kk.n, dtype=torch.bfloat16) for kk in kern]
+                bare[f"{name} linear"] = median_ms(
+                    lambda: [kk.kernel(xin.data_ptr(), xin.stride(0), *kk.weights, o.data_ptr(), 1, kk.k, kk.n, threads)
+                             for kk, o in zip(kern, outs)], a.repeats)
+            head = s.lm_head.kernel
+            hin = hidden[-1:].contiguous()
+            hout = torch.empty(1, head.n, dtype=torch.bfloat16)
+            bare["lm_head"] = median_ms(lambda: head.kernel(hin.data_ptr(), hin.stride(0), *head.weights,
+                                                            hout.data_ptr(), 1, head.k, head.n, threads), a.repeats)
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    total = sum(ms for _, _, ms in rows)
+    print(f"{a.model} {a.dtype}, {a.threads} threads, context {a.context}, step '{dec.exactness.step}', "
+          f"weights {weight_bytes / 1e6:.0f} MB")
+    print("| op | calls per step | ms per step | share of step | bare C call, ms |")
+    print("|---|---|---|---|---|")
+    for name, calls, ms in rows:
+        b = f"{bare[name]:.2f}" if name in bare else ""
+        print(f"| {name} | {calls} | {ms:.2f} | {ms / step:.0%} | {b} |")
+    print(f"| sum of the ops | | {total:.2f} | {total / step:.0%} | |")
+    print(f"| glue (step less the ops) | | {step - total:.2f} | {(step - total) / step:.0%} | |")
+    print(f"| **whole step, per-op path** | | **{step:.2f}** | 100% | |")
+    if fused is not None:
+        print(f"| **whole step, one native call for the layers** (``native.Layers``) | | **{fused:.2f}** | "
+              f"{fused / step:.0%} | |")
+    if bare:
+        print(f"bare C linears, head included: {sum(bare.values()):.2f} ms a step "
+              f"({weight_bytes / sum(bare.values()) / 1e6:.1f} GB/s of weights)")
+
+
+if __name__ == "__main__":
+    main()
