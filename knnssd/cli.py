@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+from knnssd.settings import DTYPES
+
 for _key, _value in {"HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true",
                      "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
                      # a tracking server that stops answering mid-run fails in seconds, not after minutes of retries
@@ -20,7 +22,7 @@ for _key, _value in {"HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 | gemma3-270m | local folder | .gguf | hub id")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
     _device_arg(p)
 
 
@@ -292,7 +294,7 @@ def cmd_generate(a) -> int:
         limits.check(params)
         if slots is not None:  # each sequence takes its new tokens at least (the prompts' tokens count after the load)
             limits.check_slots(min(slots, len(rows)), params.max_new_tokens + 1, "--batch-size")
-        dtype = models.dtype_name(models.resolve_dtype(a.dtype, models.resolve_device(a.device)))
+        dtype = models.precision_name(a.dtype, a.device)
         check_output(output, a.overwrite, run_settings(params, dtype, bank))  # a resume asks the same as before
         summary = _flow(generate, a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri,
                         slots, a.device)
@@ -428,7 +430,7 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--champion", default="champion", help="alias or version")
     o.add_argument("--input", action="append", help="prompt files (eval rows; default: the five domains)")
     o.add_argument("--per-file", type=int, default=4)
-    o.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    o.add_argument("--dtype", default="auto", choices=DTYPES)
     o.add_argument("--max-new-tokens", type=int, default=64)
     o.add_argument("--tolerance", type=float, default=0.03, help="promote when candidate >= (1 - tolerance) x champion speed")
     o.add_argument("--tracking-uri", default=None)
@@ -439,7 +441,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default="smollm2")
     t.add_argument("--min-prompts", type=int, default=20)
     t.add_argument("--no-unmatched", action="store_true", help="ignore the unmatched-prompts log")
-    t.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    t.add_argument("--dtype", default="auto", choices=DTYPES)
     t.add_argument("--search", default="{}", help='add-domain settings as JSON, e.g. \'{"proxy_trials": 16}\'')
     t.add_argument("--promote", default="{}", help='promote settings as JSON, e.g. \'{"per_file": 2}\'')
     t.add_argument("--tracking-uri", default=None)
@@ -458,7 +460,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--output", required=True, help="parquet file; an existing one is resumed (finished ids skipped)")
     g.add_argument("--overwrite", action="store_true", help="start the output over instead of resuming it")
     g.add_argument("--split", default=None, help="only rows of this split (e.g. eval)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    g.add_argument("--dtype", default="auto", choices=DTYPES)
     _device_arg(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--max-prompt-tokens", type=int, default=4096, help="longer prompts keep their last tokens (warned)")
@@ -485,7 +487,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--masks-bank", default=None, help="layer-skip-only bank (calibrate --kinds layer_skip --no-int8)")
     e.add_argument("--static-bank", default=None, help="single-cluster bank (calibrate --unlabelled --clusters 1)")
     e.add_argument("--model", default=None, help="default: the bank's model")
-    e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    e.add_argument("--dtype", default="auto", choices=DTYPES)
     _device_arg(e)
     e.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
     e.add_argument("--domains", default=",".join(DOMAINS))
@@ -507,7 +509,7 @@ def parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("bench-throughput", help="batch tokens/s: routed b=1, batched plain and routed, auto")
     t.add_argument("--bank", required=True, help="routed-drafters bank: models:/... URI or bank folder")
-    t.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    t.add_argument("--dtype", default="auto", choices=DTYPES)
     _device_arg(t)
     t.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
     t.add_argument("--prompts", type=int, default=64, help="mixed eval prompts, round-robin over the domains")
@@ -531,7 +533,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--prompts", type=int, default=None, help="eval prompts per domain (default all)")
     r.add_argument("--timed", type=int, default=2, help="prompts per domain generated to time the overhead")
     r.add_argument("--max-new-tokens", type=int, default=128)
-    r.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    r.add_argument("--dtype", default="auto", choices=DTYPES)
     r.set_defaults(fn=cmd_route_eval)
     return p
 

@@ -33,7 +33,7 @@ import torch
 from knnssd.engine import exactness
 from knnssd.engine.params import Limits
 from knnssd.engine.skip import Decoder, HFDecoder, make_decoder
-from knnssd.settings import cache_dir
+from knnssd.settings import DTYPES, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +78,18 @@ class LoadedModel:
     # One decoder (weights, KV cache) per loaded model: a generation holds ``busy`` from its prefill
     # to its last token, so concurrent callers (serving threads) take turns and never share decode state.
     busy: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    gguf: Path | None = None  # --dtype gguf: the file whose 4-bit blocks the projections run on
 
     @cached_property
     def decoder(self) -> Decoder | HFDecoder:
         """The decoder over this model, built on first use and shared by everything that runs it (its
         weights are packed and its verify pass probed once; the probe's choice is remembered under
         ``cache_dir()/exactness`` for later loads on this machine)."""
-        return make_decoder(self.model, record=self._record("json"))
+        if self.gguf is None:
+            return make_decoder(self.model, record=self._record("json"))
+        from knnssd.engine.quantized import gguf_stack
+
+        return make_decoder(self.model, record=self._record("json"), weights=lambda s: gguf_stack(s, self.gguf)[0])
 
     @property
     def batch_record(self) -> Path:
@@ -107,19 +112,22 @@ class LoadedModel:
 
     @property
     def dtype_name(self) -> str:
-        return dtype_name(self.dtype)
+        return "gguf" if self.gguf is not None else dtype_name(self.dtype)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
 
-DTYPES = ("auto", "bfloat16", "float32")  # what --dtype and $KNNSSD_DTYPE take
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``float32``/``bfloat16``/...: a dtype as banks, reports and outputs record it."""
     return str(dtype).replace("torch.", "")
+
+
+def precision_name(spec: str, device: str = "auto") -> str:
+    """What a load with ``--dtype spec`` records as its precision (``LoadedModel.dtype_name``)."""
+    return "gguf" if spec == "gguf" else dtype_name(resolve_dtype(spec, resolve_device(device)))
 
 
 def config_limits(config, dtype: torch.dtype) -> Limits:
@@ -184,6 +192,10 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     """auto = bfloat16 on CUDA or on a CPU with avx512_bf16/AMX, else float32. float16 is refused: the
     engine's native CPU kernels do not take it (it failed deep in the first attention call)."""
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if spec == "gguf":  # the 4-bit blocks multiply bf16 activations, on the CPU's native kernel
+        if device.type != "cpu":
+            raise ModelError("--dtype gguf runs on the CPU's native kernels: use --device cpu")
+        return torch.bfloat16
     if spec == "auto":
         fast = device.type == "cuda" or cpu_has_fast_bf16()
         return torch.bfloat16 if fast else torch.float32
@@ -302,6 +314,7 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -
 
     dev = resolve_device(device)  # before a GGUF's conversion: a bad device or dtype fails in a second
     dt = resolve_dtype(dtype, dev)
+    gguf = gguf_weights(name) if dtype == "gguf" else None
     label, src = _source(name)
     try:
         config = AutoConfig.from_pretrained(src)
@@ -317,7 +330,21 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -
         raise ModelError(f"cannot load model '{name}' from {src}: {_first_line(e)}{hint}") from None
     model.to(dev).eval()
     model.requires_grad_(False)
-    return LoadedModel(label, model, tok, src, weights_fingerprint(model))
+    return LoadedModel(label, model, tok, src, weights_fingerprint(model), gguf=gguf)
+
+
+def gguf_weights(name: str) -> Path:
+    """The GGUF file whose 4-bit blocks ``--dtype gguf`` runs: an embedded model's or a .gguf path; a one-line
+    ``ModelError`` for a model that has none, or where the native 4-bit kernel does not run."""
+    from knnssd.engine import native
+
+    path = embedded_gguf(name) if name in EMBEDDED and EMBEDDED[name].gguf else Path(name).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ModelError(f"--dtype gguf runs a GGUF file's own 4-bit blocks; model '{name}' is not one")
+    if native.tiled("linear_q4") is None:
+        raise ModelError("--dtype gguf needs the native 4-bit kernel: a C compiler and a CPU with avx512_bf16 and "
+                         "no AMX")
+    return path
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:

@@ -13,6 +13,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# What --dtype and $KNNSSD_DTYPE take: auto (bf16 where the CPU or GPU runs it fast, else fp32), bf16, fp32,
+# or gguf: a GGUF model's own 4-bit blocks for its projections (``engine.quantized``), bf16 elsewhere
+DTYPES = ("auto", "bfloat16", "float32", "gguf")
+
 
 def work_dir() -> Path:
     return Path(os.environ.get("KNNSSD_WORK") or Path.cwd() / "artifacts")  # set but empty: the default too

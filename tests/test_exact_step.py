@@ -474,6 +474,88 @@ def test_smollm2_fp32_step_is_row_invariant(smollm2):
     assert equal == total
 
 
+@pytest.fixture(scope="module")
+def smol_gguf(data_dir):
+    """SmolLM2 with ``--dtype gguf``: its projections on the GGUF file's own Q4_1 blocks."""
+    from knnssd import models
+    from knnssd import prompts as prompt_sets
+
+    try:
+        models.gguf_weights("smollm2")
+    except models.ModelError as e:
+        pytest.skip(str(e))
+    lm = models.load("smollm2", dtype="gguf")
+    dec = lm.decoder
+    rows = prompt_sets.load_domains(data_dir, prompt_sets.DOMAINS, "eval", 1)
+    ids = [lm.tokenizer(r.prompt).input_ids[:SMOL_PROMPT] for r in rows]
+    cfg = GenerationConfig(max_new_tokens=SMOL_NEW, eos_ids=models.eos_ids(lm))
+    ref = [generate(dec, x, None, cfg)[0] for x in ids]
+    return lm, dec, ids, cfg, ref
+
+
+@pytest.mark.integration
+def test_smollm2_gguf_runs_the_files_blocks_exactly(smol_gguf):
+    """Every projection runs on the file's 4-bit blocks, which de-quantize to the weights transformers loaded
+    (bit for bit, in bf16); the layers run as one native call; the probe finds the step exact, and it is."""
+    from knnssd.engine.stack import PROJECTIONS
+
+    lm, dec = smol_gguf[:2]
+    assert lm.dtype_name == "gguf" and dec._layers_call(dec.stack) is not None
+    for layer in dec.stack.layers:
+        for name in PROJECTIONS:
+            linear = getattr(layer, name)
+            assert linear.kernel.kind == "q4" and torch.equal(linear.kernel.dense(), linear.weight), name
+    exact_or_skip(dec, "bfloat16")
+    equal, total = exactness.row_check(dec, exactness.MAX_T, STRADDLE, seed=13)
+    assert equal == total
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("i", range(5))  # every real prompt (one per domain), a drawn drafter each
+@settings(max_examples=1)
+@given(data=st.data())
+def test_smollm2_gguf_speculative_greedy_equals_own_plain_decoding(smol_gguf, i, data):
+    _, dec, ids, cfg, ref = smol_gguf
+    exact_or_skip(dec, "bfloat16")
+    drafter = data.draw(_drafters(dec.n_layers).filter(lambda c: c.kind == "ngram" or c.int8 or c.mask["skip_attn"]
+                                                       or c.mask["skip_mlp"]))
+    out, _ = generate(dec, ids[i], build(drafter, dec.n_layers), cfg)
+    assert out == ref[i], drafter.describe()
+
+
+def test_native_4bit_linear_sums_blocks_in_fp32_row_by_row():
+    """``native.Linear.q4``: w = d q + m per block of 32 inputs, the product within a bf16 rounding of fp64's,
+    each row's bits the same whatever the call's rows; its packing round-trips and survives a pickle."""
+    g = torch.Generator().manual_seed(0)
+    N, K = 96, 256
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    d = (torch.rand(N, K // 32, generator=g) * 0.02).half()
+    m = (-torch.rand(N, K // 32, generator=g) * 0.1).half()
+    b = torch.randn(N, generator=g)
+    lin = native.Linear.q4(q, d, m, b)
+    if lin is None:
+        pytest.skip("no native 4-bit linear here (no C compiler, no avx512_bf16, or AMX)")
+    assert all(torch.equal(x, y) for x, y in zip(lin.q4_parts(), (q, d, m)))
+    w = (q.double().view(N, -1, 32) * d.double()[..., None] + m.double()[..., None]).view(N, K)
+    x = torch.randn(13, K, generator=g).to(torch.bfloat16)
+    y = lin(x)
+    want = x.double() @ w.T + b.double()
+    assert ((y.double() - want).abs() <= want.abs() * 2**-8 + 1e-3).all()
+    assert all(torch.equal(lin(x[i : i + 1]), y[i : i + 1]) for i in range(13)) and torch.equal(lin(x[3:9]), y[3:9])
+    assert torch.equal(pickle.loads(pickle.dumps(lin))(x), y)
+    assert native.Linear.q4(q[:, :48], d[:, :1], m[:, :1], None) is None  # K not a multiple of 32
+
+
+def test_gguf_precision_needs_a_gguf_file_and_the_cpu(tmp_path):
+    from knnssd import models
+
+    with pytest.raises(models.ModelError, match="not one"):
+        models.gguf_weights(str(tmp_path))
+    with pytest.raises(models.ModelError, match="--device cpu"):
+        models.resolve_dtype("gguf", torch.device("cuda"))
+    assert models.precision_name("gguf") == "gguf" and models.resolve_dtype("gguf", torch.device("cpu")) == torch.bfloat16
+
+
 # Several sequences in one pass (the batched engine's verify): each call's rows equal its own forward's.
 
 def _packed_equals_own(dec: Decoder, prompts: list[list[int]], rows: tuple[int, ...], pooled: bool = False) -> None:

@@ -485,8 +485,125 @@ static void linear_columns(const uint16_t *x, int64_t xs, const void *wp, int64_
     }
 }
 
+/* The same product over 4-bit weights in blocks of 32 inputs (GGUF's Q4_1, and Q4_0 as Q4_1 with m = -8 d):
+   w = d q + m per block and column, q in 0..15, d and m fp16. Each column's sum is taken block by block,
+   d (sum of q x over the block) + m (sum of x over the block), in fp32, in a fixed order: the q x products
+   by ``vdpbf16ps`` (a nibble is a bf16 exactly, looked up by ``vpermw``), the block sums of x once per row
+   before the columns (``xsum``), so a row's outputs do not depend on the call's rows. Packed
+   (``native.Linear.q4``) per 16 columns and block: 16 pairs of inputs x 16 bytes, byte j holding column
+   j / 2's input 2 p + j % 2 in its low nibble and column 8 + j / 2's in its high one; then the 16 d and
+   the 16 m. */
+#define Q4_MR 2
+#define Q4_NR 4
+static const uint16_t Q4_TABLE[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110,
+                                      0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040,
+                                      0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150,
+                                      0x4160, 0x4170};
+
+static inline __attribute__((always_inline)) __m512bh q4_weights(const uint8_t *p, __m512i table) {
+    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(w, 4);
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), table);
+}
+
+static inline __attribute__((always_inline)) void q4_tile(const uint16_t *x, int64_t xs, const float *xsum,
+        int64_t nb, const uint8_t *nib, const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int mr,
+        int nr) {
+    const __m512i table = _mm512_loadu_si512(Q4_TABLE);
+    __m512 acc[Q4_MR][Q4_NR];
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) acc[m][n] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 part[Q4_MR][Q4_NR];
+        for (int m = 0; m < mr; m++)
+            for (int n = 0; n < nr; n++) part[m][n] = _mm512_setzero_ps();
+        for (int p = 0; p < 16; p++) {
+            __m512bh w[Q4_NR];
+            for (int n = 0; n < nr; n++) w[n] = q4_weights(nib + ((n * nb + b) * 16 + p) * 16, table);
+            for (int m = 0; m < mr; m++) {
+                int32_t two;
+                memcpy(&two, x + m * xs + b * 32 + 2 * p, sizeof two);
+                __m512bh v = (__m512bh)_mm512_set1_epi32(two);
+                for (int n = 0; n < nr; n++) part[m][n] = _mm512_dpbf16_ps(part[m][n], v, w[n]);
+            }
+        }
+        for (int n = 0; n < nr; n++) {
+            const uint16_t *at = dm + (n * nb + b) * 32;
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 16)));
+            for (int m = 0; m < mr; m++) {
+                acc[m][n] = _mm512_fmadd_ps(part[m][n], d, acc[m][n]);
+                acc[m][n] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * nb + b]), mn, acc[m][n]);
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) {
+            __m512 s = acc[m][n];
+            if (bias) s = _mm512_add_ps(s, _mm512_loadu_ps(bias + n * 16));
+            _mm256_storeu_si256((__m256i *)(out + m * os + n * 16), (__m256i)_mm512_cvtneps_pbh(s));
+        }
+}
+
+#define Q4_CASE(a, b) case a * 8 + b: q4_tile(xm, xs, xsum + m0 * nb, nb, nibc, dmc, bc, om, os, a, b); break;
+static void q4_columns(const uint16_t *x, int64_t xs, const float *xsum, int64_t nb, const uint8_t *nib,
+                       const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int64_t M, int64_t b0,
+                       int64_t b1) {
+    for (int64_t c = b0; c < b1; c += Q4_NR) {
+        int nr = b1 - c < Q4_NR ? (int)(b1 - c) : Q4_NR;
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_MR) {
+            int mr = M - m0 < Q4_MR ? (int)(M - m0) : Q4_MR;
+            const uint16_t *xm = x + m0 * xs;
+            uint16_t *om = out + m0 * os + c * 16;
+            const uint8_t *nibc = nib + c * nb * 256;
+            const uint16_t *dmc = dm + c * nb * 32;
+            const float *bc = bias ? bias + c * 16 : 0;
+            switch (mr * 8 + nr) {
+                Q4_CASE(1, 1) Q4_CASE(1, 2) Q4_CASE(1, 3) Q4_CASE(1, 4)
+                Q4_CASE(2, 1) Q4_CASE(2, 2) Q4_CASE(2, 3) Q4_CASE(2, 4)
+            }
+        }
+    }
+}
+
+static int64_t linear_q4_run(const uint16_t *x, int64_t x_stride, const uint8_t *nib, const uint16_t *dm,
+                             const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    if (N % 16 || K % 32) return -1;
+    if (M <= 0) return 0;
+    int64_t blocks = N / 16, nb = K / 32;
+    float *xsum = malloc(M * nb * sizeof *xsum);
+    if (!xsum) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < 32; j++) s += bf16_to_f32(x[m * x_stride + b * 32 + j]);
+            xsum[m * nb + b] = s;
+        }
+    if (threads > blocks) threads = blocks;
+    if (threads < 1) threads = 1;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+#if defined(_OPENMP)
+        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        int64_t t = 0, T = 1;
+#endif
+        q4_columns(x, x_stride, xsum, nb, nib, dm, bias, out, N, M, blocks * t / T, blocks * (t + 1) / T);
+    }
+    free(xsum);
+    return 0;
+}
+
+int64_t linear_q4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *nib, const uint16_t *dm, const float *bias,
+                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return linear_q4_run(x, x_stride, nib, dm, bias, out, M, K, N, threads);
+}
+
 static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, int int8, const float *scale,
                           const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    if (int8 == 2) return linear_q4_run(x, x_stride, wp, (const uint16_t *)scale, bias, out, M, K, N, threads);
     if (N % 16 || K % 2) return -1;
     if (M <= 0) return 0; /* the probe's call: nothing to do */
     int64_t blocks = N / 16, pairs = K / 2;
@@ -808,6 +925,11 @@ int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, con
     return -1;
 }
 
+int64_t linear_q4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *nib, const uint16_t *dm, const float *bias,
+                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return -1;
+}
+
 int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, const float *scale,
                          const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
     return -1;
@@ -888,7 +1010,8 @@ typedef struct {
     const void *w[4];
     const float *scale[4], *bias[4];
     int64_t window;
-    int64_t kind[4]; /* each projection's weights: 0 bf16, 1 int8 (scale: fp32 per column) */
+    int64_t kind[4]; /* each projection's weights: 0 bf16, 1 int8 (scale: fp32 per column), 2 4-bit blocks (scale:
+                        their fp16 d and m, ``linear_q4_bf16``) */
 } fused_layer;
 
 /* The rows' pass through a decoder's layers in one call, exactly as the per-op calls of ``skip.Decoder``

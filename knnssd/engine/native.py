@@ -64,6 +64,9 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
     "linear": ("p", "i", "p", "p", "p", "i", "i", "i", "i"),
     # the same with int8 weights: x, x's row stride, packed weight, scales (fp32), bias, out, M, K, N, threads
     "linear_int8": ("p", "i", "p", "p", "p", "p", "i", "i", "i", "i"),
+    # the same with 4-bit blocks (``Linear.q4``): x, x's row stride, packed nibbles, their fp16 d and m, bias, out,
+    # M, K, N, threads
+    "linear_q4": ("p", "i", "p", "p", "p", "p", "i", "i", "i", "i"),
     # q, q's row stride, k, v, their head stride, start, T, H, KV, D, scale, out, threads; returns 0, or -1 (as
     # ``linear``'s, or out of memory)
     "causal": ("p", "i", "p", "p", "i", "i", "i", "i", "i", "i", "f", "p", "i"),
@@ -75,12 +78,13 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
 LAYERS = ("p", "i", "p", "p", "i", "i", "i", "i", "i", "i", "p", "p", "i", "p", "p", "i", "i", "i", "i", "p", "p", "f",
           "p", "p", "i", "i")
 # the kernels that return something (the others: nothing)
-RESULTS = {family: ctypes.c_int64 for family in ("attention", "linear", "linear_int8", "causal")}
+RESULTS = {family: ctypes.c_int64 for family in ("attention", "linear", "linear_int8", "linear_q4", "causal")}
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the dtypes the kernels take
 # The families on the linear's tiles, bf16 only (fp32 keeps oneDNN's), and each one's call with nothing to do: it
 # returns 0 where the library was built with avx512_bf16, else -1
 PROBES = {"linear": (0,) * 5 + (0, 16, 16, 1), "linear_int8": (0,) * 6 + (0, 16, 16, 1),
+          "linear_q4": (0,) * 6 + (0, 32, 16, 1),
           "causal": (0,) * 7 + (1, 1, 16, 1.0, 0, 1)}
 # /proc/cpuinfo lines that say what -march=native may use (x86 "flags"; ARM "Features" and the part)
 PROCESSOR_LINES = ("flags", "Features", "model name", "CPU implementer", "CPU part")
@@ -158,6 +162,7 @@ class Kernels:
     attention: dict[torch.dtype, Callable]
     linear: dict[torch.dtype, Callable]
     linear_int8: dict[torch.dtype, Callable]
+    linear_q4: dict[torch.dtype, Callable]
     causal: dict[torch.dtype, Callable]
     silu_mul: dict[torch.dtype, Callable]
     layers: Callable  # ``layers_bf16``
@@ -350,12 +355,13 @@ class Linear:
     library, another dtype or device, N not a multiple of 16 or K odd, a library built without
     avx512_bf16, a CPU with AMX, or a library without OpenMP (``linear_preferred``)."""
 
-    KINDS = {"bf16": 0, "int8": 1}  # the weights' forms, as ``native.c``'s fused layers name them
+    KINDS = {"bf16": 0, "int8": 1, "q4": 2}  # the weights' forms, as ``native.c``'s fused layers name them
 
     def __init__(self, kernel: Callable, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                  kind: str = "bf16"):
         self.kernel, self.packed, self.scale, self.kind = kernel, packed, scale, kind
-        self.n, self.k = packed.shape[0] * 16, packed.shape[1] * 2
+        per_pair = 32 if kind == "q4" else 2  # inputs per packed index of dim 1
+        self.n, self.k = packed.shape[0] * 16, packed.shape[1] * per_pair
         self.bias = None if bias is None else bias.detach().float().contiguous()
         pointers = (packed.data_ptr(),) if scale is None else (packed.data_ptr(), scale.data_ptr())
         self.weights = (*pointers, 0 if self.bias is None else self.bias.data_ptr())  # the kernel's arguments
@@ -373,7 +379,11 @@ class Linear:
         return weight.detach().reshape(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
 
     def dense(self) -> torch.Tensor:
-        """The weights (N, K) unpacked (a copy)."""
+        """The weights (N, K) unpacked (a copy; 4-bit blocks as d q + m in fp32, then bf16)."""
+        if self.kind == "q4":
+            q, d, m = self.q4_parts()
+            w = q.float().view(self.n, -1, 32) * d.float()[..., None] + m.float()[..., None]
+            return w.reshape(self.n, self.k).to(torch.bfloat16)
         return self.packed.permute(0, 2, 1, 3).reshape(self.n, self.k)
 
     @classmethod
@@ -388,7 +398,33 @@ class Linear:
             return None
         return cls(kernel, cls._pack(q), scales.detach().float().contiguous(), bias, "int8")
 
+    @classmethod
+    def q4(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> "Linear | None":
+        """4-bit weights in blocks of 32 inputs, w = d q + m (GGUF's Q4_1; Q4_0 is m = -8 d): q (N, K) uint8 in
+        0..15, d and m (N, K / 32) fp16. None where the kernel does not apply (as ``of``, or K % 32)."""
+        N, K = q.shape
+        kernel = tiled("linear_q4")
+        if kernel is None or N % 16 or K % 32 or d.shape != (N, K // 32) or m.shape != d.shape:
+            return None
+        g = q.to(torch.uint8).reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4)  # (NB, KB, pair, col, parity)
+        lo, hi = (g[:, :, :, half].reshape(N // 16, K // 32, 16, 16) for half in (slice(0, 8), slice(8, 16)))
+        nibbles = (lo | (hi << 4)).contiguous()
+        dm = torch.stack([t.to(torch.float16).reshape(N // 16, 16, K // 32).transpose(1, 2) for t in (d, m)], 2)
+        return cls(kernel, nibbles, dm.contiguous().view(torch.int16), bias, "q4")
+
+    def q4_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, d, m) as ``q4`` takes them, unpacked (copies)."""
+        NB, KB = self.packed.shape[:2]
+        lo, hi = self.packed & 15, self.packed >> 4
+        g = torch.cat((lo.view(NB, KB, 16, 8, 2), hi.view(NB, KB, 16, 8, 2)), 3)  # (NB, KB, pair, col, parity)
+        q = g.permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
+        dm = self.scale.view(torch.float16)  # (NB, KB, 2, 16)
+        d, m = (dm[:, :, j].transpose(1, 2).reshape(self.n, KB) for j in (0, 1))
+        return q, d, m
+
     def __reduce__(self):  # as ``RMSNorm``'s: the library is loaded again
+        if self.kind == "q4":
+            return Linear.q4, (*self.q4_parts(), self.bias)
         if self.scale is None:
             return Linear.of, (self.dense(), self.bias)
         return Linear.int8, (self.dense(), self.scale, self.bias)

@@ -15,6 +15,7 @@ import copy
 import functools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -586,18 +587,23 @@ class HFDecoder:
         return Output(out.logits[0].float(), out.hidden_states[-1][0], tapped)
 
 
-def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None = None) -> Decoder | HFDecoder:
+def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None = None,
+                 weights: Callable[[Stack], Stack] | None = None) -> Decoder | HFDecoder:
     """The lean ``Decoder`` when the architecture is known and matches HF on a probe, else ``HFDecoder``.
 
     Either way the verify pass is probed for exactness (``exactness.py``) and the result kept in
     ``decoder.exactness``; the lean decoder also takes the exact attention the probe ranks first.
     With a ``record``, a lean decoder that is exact and agrees with HF is remembered, and the next
     load on the same machine key takes both from the record instead of measuring them again.
+    ``weights``: what the lean decoder runs instead of the model's own weights (``quantized.gguf_stack``); the
+    probe measures them, and they must agree with HF as the model's own weights must.
     """
     from knnssd.engine import exactness
 
     try:
         dec = Decoder(from_hf(model))
+        if weights is not None:
+            dec.use_stack(weights(dec.stack))
     except UnsupportedArchitecture as e:
         log.warning("lean forward unavailable (%s); using plain HF forwards (no layer skipping)", e)
         return _fallback(model)

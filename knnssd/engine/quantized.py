@@ -1,0 +1,98 @@
+"""A GGUF file's own 4-bit blocks as a decoder's weights (``--weights gguf``).
+
+transformers reads a GGUF by de-quantizing every tensor to the torch dtype: SmolLM2's Q4_1 file
+(92 MiB) becomes 269 MB of bf16, and each token then reads 2.9x the bytes the file holds. Here the
+projections whose tensors are Q4_0 or Q4_1 run on ``native.Linear.q4`` over the file's blocks as they
+are (w = d q + m per 32 inputs; Q4_0's m is -8 d), with bf16 activations and fp32 sums: no activation
+is quantized. Every other tensor (norms, embeddings, the head, a projection of another type) keeps
+the de-quantized weights transformers loaded.
+
+The precision is its own: plain decoding over these weights is the reference that speculative
+decoding equals, and the exactness probe measures it as it measures bf16. A de-quantized block is the
+value transformers computes (``gguf``'s d * q + m in fp32, then rounded to bf16), so a projection's
+weights are the bf16 model's within that last rounding, and the tests check it.
+
+Terms: N outputs, K inputs, KB = K / 32 blocks per output.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from knnssd.engine import native
+from knnssd.engine.stack import PROJECTIONS, NativeLinear, Stack
+
+BLOCK = 32
+# GGUF tensor names of a layer's projections, in the order ``stack.Layer``'s fused ones concatenate them
+SOURCES = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+           "down": ("ffn_down",)}
+
+
+class QuantizedWeightsError(ValueError):
+    """The GGUF file cannot give this model its 4-bit weights (one line, for the user)."""
+
+
+def blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(q (N, K) uint8 in 0..15, d, m (N, KB) float16) of a ``gguf.ReaderTensor`` of type Q4_0 or Q4_1; None for
+    another type."""
+    kind = tensor.tensor_type.name
+    if kind not in ("Q4_0", "Q4_1"):
+        return None
+    K = int(tensor.shape[0])  # GGUF lists dims fastest first
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, K // BLOCK, 18 if kind == "Q4_0" else 20)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0]
+    if kind == "Q4_0":
+        m, qs = (-8 * d.astype(np.float32)).astype(np.float16), raw[..., 2:]  # 8 d is exact in fp16 below overflow
+    else:
+        m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 4:]
+    q = np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(raw.shape[0], K)  # byte j: inputs j and j + 16
+    return q, d, m
+
+
+def _unpermute(a: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the rotary halves of each q and k head; transformers undoes it on
+    the rows (``LlamaTensorProcessor``), so the blocks' rows are put back the same way."""
+    dim = a.shape[0] // heads // 2
+    return a.reshape(heads, dim, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def gguf_stack(stack: Stack, path: Path) -> tuple[Stack, int]:
+    """A copy of ``stack`` whose projections run on the 4-bit blocks of the GGUF file ``path`` (the file the
+    model was loaded from), and how many of them do. Raises ``QuantizedWeightsError`` where the file has
+    none, or the native kernel does not run here (it needs avx512_bf16 and no AMX)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    field = reader.fields.get("general.architecture")
+    architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    unpermute = {"attn_q": stack.n_heads, "attn_k": stack.n_kv} if architecture == "llama" else {}
+    layers, count = [], 0
+    for i, layer in enumerate(stack.layers):
+        changes = {}
+        for name in PROJECTIONS:
+            parts = [blocks(tensors[f"blk.{i}.{src}.weight"]) if f"blk.{i}.{src}.weight" in tensors else None
+                     for src in SOURCES[name]]
+            if any(p is None for p in parts):
+                continue  # another type (or a name this map does not know): the de-quantized weights stay
+            arrays = [[_unpermute(a, unpermute[src]) if src in unpermute else a for a in p]
+                      for src, p in zip(SOURCES[name], parts)]
+            q, d, m = (torch.from_numpy(np.concatenate([p[j] for p in arrays])) for j in range(3))
+            linear = getattr(layer, name)
+            if tuple(q.shape) != tuple(linear.weight.shape):
+                raise QuantizedWeightsError(f"{path.name}: blk.{i} {name} holds {tuple(q.shape)} weights, the model "
+                                            f"{tuple(linear.weight.shape)}")
+            kernel = native.Linear.q4(q, d, m, linear.bias)
+            if kernel is None:
+                raise QuantizedWeightsError("4-bit weights run on the native kernel, which needs a CPU with "
+                                            "avx512_bf16 and no AMX, and a C compiler")
+            changes[name] = NativeLinear(linear.weight, linear.bias, kernel)  # the dense weight: shapes, int8 drafts
+            count += 1
+        layers.append(dataclasses.replace(layer, **changes))
+    if not count:
+        raise QuantizedWeightsError(f"{path.name} holds no Q4_0 or Q4_1 projections")
+    return dataclasses.replace(stack, layers=layers), count
+
