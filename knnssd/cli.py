@@ -309,6 +309,9 @@ def cmd_ui(a) -> int:
     from knnssd.settings import tracking_uri
 
     uri = a.tracking_uri or tracking_uri()
+    if not 0 < a.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {a.port}")
+    _check_tracking(uri)  # a mistyped sqlite path is an error, not a new database
     print(f"MLflow UI for {uri} on http://{a.host}:{a.port}  (Ctrl-C stops it)", file=sys.stderr)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
     # a group of its own (its server, workers and job consumers), stopped whole however this command ends

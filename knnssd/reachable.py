@@ -33,8 +33,9 @@ def database_error(url: str, timeout: float) -> str | None:
         args = {"connect_timeout": int(timeout)} if backend in ("postgresql", "mysql") else {}
         engine = sqlalchemy.create_engine(u, connect_args=args)
         try:
-            with engine.connect():
-                pass
+            with engine.connect() as con:
+                if backend == "sqlite":  # opening reads nothing: a file that is not a database fails here
+                    con.exec_driver_sql("PRAGMA schema_version")
         finally:
             engine.dispose()
     except Exception as e:  # noqa: BLE001 - a dialect, driver or server that is not there

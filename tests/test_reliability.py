@@ -617,3 +617,35 @@ def test_aliases_follow_mlflows_rules(alias):
     except tracking.RegistryError:
         ours = False
     assert ours == mlflow_takes, alias
+
+
+def test_storages_that_are_not_studies_are_refused_untouched(tmp_path):
+    """Trial 3, D1-D3: a prompt file or a note given as ``--storage`` had an Optuna line appended (or a
+    traceback after the model load); a sqlite file that is not a database gave a 168-line traceback."""
+    from knnssd.search.study import check_storage
+
+    for text in ('{"id": "a", "prompt": "x"}\n', "precious line\n"):
+        note = tmp_path / "note.txt"
+        note.write_text(text)
+        with pytest.raises(ValueError, match="is not an Optuna journal"):
+            check_storage(str(note))
+        assert note.read_text() == text
+    garbage = tmp_path / "bad.db"
+    garbage.write_text("garbage\n" * 100)
+    with pytest.raises(ValueError, match="cannot be opened"):
+        check_storage(f"sqlite:///{garbage}")
+    journal = tmp_path / "j.log"
+    journal.write_text('{"op_code": 0, "worker_id": "w", "study_name": "s", "directions": [1]}\n')
+    check_storage(str(journal))  # a journal, a new file and a new sqlite file pass
+    check_storage(str(tmp_path / "new.log"))
+    check_storage(f"sqlite:///{tmp_path / 'new.db'}")
+
+
+def test_ui_checks_its_port_and_store_before_starting(tmp_path):
+    """Trial 3, D4 and D6: a port out of range gave a traceback and exit 0; a mistyped sqlite folder was made."""
+    missing = tmp_path / "no" / "x.db"
+    cases = run_cli([["ui", "--port", "99999"], ["ui", "--tracking-uri", f"sqlite:///{missing}"]],
+                    env={**os.environ, "KNNSSD_WORK": str(tmp_path / "work")})
+    assert [c.code for c in cases] == [2, 2] and all(len(c.stderr) == 1 for c in cases), cases
+    assert "--port" in cases[0].stderr[0] and "does not exist" in cases[1].stderr[0]
+    assert not missing.parent.exists()

@@ -2,6 +2,8 @@
 trial parameters."""
 from __future__ import annotations
 
+import json
+
 import warnings
 from pathlib import Path
 
@@ -64,6 +66,14 @@ def check_storage(url_or_path: str | None, timeout_s: int = 5) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"--storage {path}: its folder cannot be made ({e.strerror or e})") from None
+        if path.is_file() and path.stat().st_size:  # Optuna appends to any file: a prompt file was written to
+            try:
+                with path.open("rb") as f:
+                    first = json.loads(f.readline())
+            except (OSError, ValueError):
+                first = None
+            if not isinstance(first, dict) or "op_code" not in first:
+                raise ValueError(f"--storage {path} is not an Optuna journal: give a new file's path, or a journal")
         return
     from knnssd.reachable import database_error
 
