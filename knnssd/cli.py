@@ -30,6 +30,32 @@ def _device_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (the GPU where CUDA has one, else the CPU) | cpu | cuda[:N]")
 
 
+def _counts(a, *names: str) -> None:
+    """Options that count something: integers >= 1, one line otherwise (0 or a negative one once meant
+    'all', or a slice from the end, and ran for minutes)."""
+    for name in names:
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value}")
+
+
+def _sizes(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise ValueError(f"{option} takes integers separated by commas, got '{text}'") from None
+
+
+def _json_option(text: str, option: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{option} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} takes a JSON object, got {text!r:.60}")
+    return value
+
+
 def _check_tracking(uri: str | None) -> None:
     """The tracking store answers and can be written: checked in seconds, before any slow work."""
     from knnssd import tracking
@@ -51,6 +77,7 @@ def _flow(fn, *args):
 def cmd_bench_engine(a) -> int:
     from knnssd.bench import engine as bench_engine
 
+    _counts(a, "prompts", "max_new_tokens")
     cfg = bench_engine.EngineBench(
         model=a.model, dtype=a.dtype, device=a.device, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
         domains=tuple(a.domains.split(",")), data=Path(a.data) if a.data else bench_engine.prompt_sets.default_data_dir(),
@@ -155,6 +182,7 @@ def cmd_calibrate(a) -> int:
 def cmd_search_worker(a) -> int:
     from knnssd.flows.search_worker import WorkerParams, search_worker
 
+    _counts(a, "worker_trials")  # before the model's own check, which names calibrate's --trials
     params = WorkerParams(**_calibrate_params(a), trials=a.worker_trials, clusters=a.cluster or [])
     _check_calibrate(a)
     print(json.dumps(_flow(search_worker, params)))
@@ -196,7 +224,7 @@ def cmd_watch(a) -> int:
         raise FileNotFoundError(f"drop folder not found: {a.drop}")
     _check_tracking(a.tracking_uri)
     params = WatchParams(drop=a.drop, model=a.model, min_prompts=a.min_prompts, use_unmatched=not a.no_unmatched,
-                         dtype=a.dtype, search=json.loads(a.search), promote=json.loads(a.promote),
+                         dtype=a.dtype, search=_json_option(a.search, "--search"), promote=_json_option(a.promote, "--promote"),
                          tracking_uri=a.tracking_uri)
     print(json.dumps(_flow(watch, params), default=str))
     return 0
@@ -213,6 +241,7 @@ def _check_inputs(paths: list[str]) -> None:
 def cmd_bench(a) -> int:
     from knnssd.bench.bank import BenchConfig, markdown, run
 
+    _counts(a, "prompts", "max_new_tokens")
     cfg = BenchConfig(
         bank=a.bank, masks_bank=a.masks_bank, static_bank=a.static_bank, model=a.model, dtype=a.dtype,
         data=Path(a.data) if a.data else BenchConfig.__dataclass_fields__["data"].default_factory(),
@@ -220,7 +249,7 @@ def cmd_bench(a) -> int:
         ood_prompts=a.ood_prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
         ratios=tuple(float(x) for x in a.ratios.split(",")), hf=not a.no_hf, seed=a.seed, out=Path(a.out),
         tracking_uri=a.tracking_uri, device=a.device, throughput=a.throughput,
-        throughput_sizes=tuple(int(x) for x in a.throughput_sizes.split(",") if x),
+        throughput_sizes=_sizes(a.throughput_sizes, "--throughput-sizes"),
     )
     cfg.check()
     if a.flow:
@@ -235,7 +264,7 @@ def cmd_bench(a) -> int:
 def cmd_bench_throughput(a) -> int:
     from knnssd.bench import throughput
 
-    sizes = tuple(int(x) for x in a.sizes.split(",") if x)
+    sizes = _sizes(a.sizes, "--sizes")
     cfg = throughput.ThroughputBench(bank=a.bank, dtype=a.dtype, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
                                      sizes=sizes, repeats=a.repeats, tracking_uri=a.tracking_uri, device=a.device,
                                      data=Path(a.data) if a.data else throughput.prompts.default_data_dir())
@@ -327,6 +356,7 @@ def cmd_ui(a) -> int:
 def cmd_route_eval(a) -> int:
     from knnssd.serving.evaluate import routing_accuracy
 
+    _counts(a, "prompts", "max_new_tokens")
     print(json.dumps(routing_accuracy(a.model_uri, Path(a.data) if a.data else None, a.prompts, a.dtype,
                                       a.max_new_tokens, a.timed), indent=2))
     return 0

@@ -649,3 +649,20 @@ def test_ui_checks_its_port_and_store_before_starting(tmp_path):
     assert [c.code for c in cases] == [2, 2] and all(len(c.stderr) == 1 for c in cases), cases
     assert "--port" in cases[0].stderr[0] and "does not exist" in cases[1].stderr[0]
     assert not missing.parent.exists()
+
+
+def test_counts_sizes_and_json_options_are_checked_by_name(tmp_path):
+    """Trial 3, D12, D13, D16, D18, D22: ``--prompts 0`` or ``-3`` ran every prompt (or a slice from the end)
+    for minutes; ``--max-new-tokens 0`` failed in transformers after the load; a bad ``--sizes`` or ``--search``
+    gave Python's message without the option's name; ``--worker-trials 0`` named calibrate's ``--trials``."""
+    bank = ["--bank", str(tmp_path)]
+    cases = run_cli([["bench-engine", "--prompts", "0"], ["bench-engine", "--prompts", "-3"],
+                     ["bench-engine", "--max-new-tokens", "0"], ["route-eval", "--model-uri", "x", "--prompts", "-1"],
+                     ["search-worker", "--worker-trials", "0"],
+                     ["bench-throughput", *bank, "--sizes", "0,abc"], ["watch", "--drop", str(tmp_path), "--search", "not json"],
+                     ["watch", "--drop", str(tmp_path), "--promote", "[1]"]],
+                    env={**os.environ, "KNNSSD_WORK": str(tmp_path / "work")})
+    assert all(c.code == 2 for c in cases), cases
+    for c, option in zip(cases, ["--prompts", "--prompts", "--max-new-tokens", "--prompts", "--worker-trials",
+                                 "--sizes", "--search", "--promote"]):
+        assert option in c.stderr[-1] and c.seconds < 30, (option, c)
