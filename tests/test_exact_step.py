@@ -432,16 +432,20 @@ SMOL_NEW, SMOL_PROMPT = (64, None) if cpu_has_fast_bf16() else (24, 256)
 
 @pytest.fixture(scope="module")
 def smol_bf16(data_dir):
+    return _smol_plain(data_dir, "bfloat16")[1:]
+
+
+def _smol_plain(data_dir, dtype: str):
+    """SmolLM2 loaded in ``dtype``: (model, decoder, one eval prompt per domain, config, plain decoding's tokens)."""
     from knnssd import models
     from knnssd import prompts as prompt_sets
 
-    lm = models.load("smollm2", dtype="bfloat16")
+    lm = models.load("smollm2", dtype=dtype)
     dec = lm.decoder
     rows = prompt_sets.load_domains(data_dir, prompt_sets.DOMAINS, "eval", 1)
     ids = [lm.tokenizer(r.prompt).input_ids[:SMOL_PROMPT] for r in rows]
     cfg = GenerationConfig(max_new_tokens=SMOL_NEW, eos_ids=models.eos_ids(lm))
-    ref = [generate(dec, x, None, cfg)[0] for x in ids]
-    return dec, ids, cfg, ref
+    return lm, dec, ids, cfg, [generate(dec, x, None, cfg)[0] for x in ids]
 
 
 @pytest.mark.integration
@@ -457,7 +461,11 @@ def test_smollm2_bf16_step_is_row_invariant(smol_bf16):
 @settings(max_examples=1)
 @given(data=st.data())
 def test_smollm2_bf16_speculative_greedy_equals_own_plain_decoding(smol_bf16, i, data):
-    dec, ids, cfg, ref = smol_bf16
+    _speculative_equals_plain(*smol_bf16, i, data)
+
+
+def _speculative_equals_plain(dec, ids, cfg, ref, i: int, data) -> None:
+    """Prompt ``i`` with a drawn drafter that drafts (n-gram, int8, or a mask that skips) gives plain decoding's tokens."""
     assert len(ids) == 5
     exact_or_skip(dec, "bfloat16")
     drafter = data.draw(_drafters(dec.n_layers).filter(lambda c: c.kind == "ngram" or c.int8 or c.mask["skip_attn"]
@@ -478,19 +486,12 @@ def test_smollm2_fp32_step_is_row_invariant(smollm2):
 def smol_gguf(data_dir):
     """SmolLM2 with ``--dtype gguf``: its projections on the GGUF file's own Q4_1 blocks."""
     from knnssd import models
-    from knnssd import prompts as prompt_sets
 
     try:
         models.gguf_weights("smollm2")
     except models.ModelError as e:
         pytest.skip(str(e))
-    lm = models.load("smollm2", dtype="gguf")
-    dec = lm.decoder
-    rows = prompt_sets.load_domains(data_dir, prompt_sets.DOMAINS, "eval", 1)
-    ids = [lm.tokenizer(r.prompt).input_ids[:SMOL_PROMPT] for r in rows]
-    cfg = GenerationConfig(max_new_tokens=SMOL_NEW, eos_ids=models.eos_ids(lm))
-    ref = [generate(dec, x, None, cfg)[0] for x in ids]
-    return lm, dec, ids, cfg, ref
+    return _smol_plain(data_dir, "gguf")
 
 
 @pytest.mark.integration
@@ -515,12 +516,7 @@ def test_smollm2_gguf_runs_the_files_blocks_exactly(smol_gguf):
 @settings(max_examples=1)
 @given(data=st.data())
 def test_smollm2_gguf_speculative_greedy_equals_own_plain_decoding(smol_gguf, i, data):
-    _, dec, ids, cfg, ref = smol_gguf
-    exact_or_skip(dec, "bfloat16")
-    drafter = data.draw(_drafters(dec.n_layers).filter(lambda c: c.kind == "ngram" or c.int8 or c.mask["skip_attn"]
-                                                       or c.mask["skip_mlp"]))
-    out, _ = generate(dec, ids[i], build(drafter, dec.n_layers), cfg)
-    assert out == ref[i], drafter.describe()
+    _speculative_equals_plain(*smol_gguf[1:], i, data)
 
 
 def test_native_4bit_linear_sums_blocks_in_fp32_row_by_row():

@@ -485,6 +485,27 @@ static void linear_columns(const uint16_t *x, int64_t xs, const void *wp, int64_
     }
 }
 
+/* Runs CALL on each of up to ``threads`` OpenMP threads (``threads``: a variable, clamped to 1..blocks) with its
+   share b0..b1 of ``blocks`` column blocks, contiguous and in order: a column's sum is one thread's alone. */
+#if defined(_OPENMP)
+#define SHARE_COLUMNS(threads, blocks, CALL)                                                       \
+    do {                                                                                           \
+        if (threads > blocks) threads = blocks;                                                    \
+        if (threads < 1) threads = 1;                                                              \
+        _Pragma("omp parallel num_threads(threads)") {                                             \
+            int64_t t_ = omp_get_thread_num(), T_ = omp_get_num_threads();                         \
+            int64_t b0 = blocks * t_ / T_, b1 = blocks * (t_ + 1) / T_;                            \
+            CALL;                                                                                  \
+        }                                                                                          \
+    } while (0)
+#else
+#define SHARE_COLUMNS(threads, blocks, CALL)                                                       \
+    do {                                                                                           \
+        int64_t b0 = 0, b1 = blocks;                                                               \
+        CALL;                                                                                      \
+    } while (0)
+#endif
+
 /* The same product over 4-bit weights in blocks of 32 inputs (GGUF's Q4_1, and Q4_0 as Q4_1 with m = -8 d):
    w = d q + m per block and column, q in 0..15, d and m fp16. Each column's sum is taken block by block,
    d (sum of q x over the block) + m (sum of x over the block), in fp32, in a fixed order: the q x products
@@ -579,19 +600,7 @@ static int64_t linear_q4_run(const uint16_t *x, int64_t x_stride, const uint8_t 
             for (int j = 0; j < 32; j++) s += bf16_to_f32(x[m * x_stride + b * 32 + j]);
             xsum[m * nb + b] = s;
         }
-    if (threads > blocks) threads = blocks;
-    if (threads < 1) threads = 1;
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads)
-#endif
-    {
-#if defined(_OPENMP)
-        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-        int64_t t = 0, T = 1;
-#endif
-        q4_columns(x, x_stride, xsum, nb, nib, dm, bias, out, N, M, blocks * t / T, blocks * (t + 1) / T);
-    }
+    SHARE_COLUMNS(threads, blocks, q4_columns(x, x_stride, xsum, nb, nib, dm, bias, out, N, M, b0, b1));
     free(xsum);
     return 0;
 }
@@ -607,20 +616,8 @@ static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, i
     if (N % 16 || K % 2) return -1;
     if (M <= 0) return 0; /* the probe's call: nothing to do */
     int64_t blocks = N / 16, pairs = K / 2;
-    if (threads > blocks) threads = blocks;
-    if (threads < 1) threads = 1;
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads)
-#endif
-    {
-#if defined(_OPENMP)
-        int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-        int64_t t = 0, T = 1;
-#endif
-        linear_columns(x, x_stride, wp, pairs, pairs, scale, bias, out, 0, 0, N, M, blocks * t / T,
-                       blocks * (t + 1) / T, int8 ? LIN_INT8 : LIN_BF16);
-    }
+    SHARE_COLUMNS(threads, blocks, linear_columns(x, x_stride, wp, pairs, pairs, scale, bias, out, 0, 0, N, M, b0, b1,
+                                                  int8 ? LIN_INT8 : LIN_BF16));
     return 0;
 }
 
