@@ -1,4 +1,4 @@
-"""A GGUF file's own 4-bit blocks as a decoder's weights (``--weights gguf``).
+"""A GGUF file's own 4-bit blocks as a decoder's weights (``--dtype gguf``).
 
 transformers reads a GGUF by de-quantizing every tensor to the torch dtype: SmolLM2's Q4_1 file
 (92 MiB) becomes 269 MB of bf16, and each token then reads 2.9x the bytes the file holds. Here the
