@@ -333,14 +333,26 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -
     return LoadedModel(label, model, tok, src, weights_fingerprint(model), gguf=gguf)
 
 
+def gguf_file(name: str) -> Path | None:
+    """The GGUF file a model is loaded from (an embedded model's, or a .gguf path); None for a Hugging Face
+    folder or hub id."""
+    if name in EMBEDDED:
+        return embedded_gguf(name)
+    path = Path(name).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def gguf_weights(name: str) -> Path:
     """The GGUF file whose 4-bit blocks ``--dtype gguf`` runs: an embedded model's or a .gguf path; a one-line
     ``ModelError`` for a model that has none, or where the native 4-bit kernel does not run."""
     from knnssd.engine import native
 
-    path = embedded_gguf(name) if name in EMBEDDED and EMBEDDED[name].gguf else Path(name).expanduser()
-    if path.suffix != ".gguf" or not path.is_file():
-        raise ModelError(f"--dtype gguf runs a GGUF file's own 4-bit blocks; model '{name}' is not one")
+    from knnssd.engine.quantized import holds_blocks
+
+    path = gguf_file(name)
+    if path is None or not holds_blocks(path):
+        raise ModelError(f"--dtype gguf runs a GGUF file's own 4-bit blocks (Q4_0, Q4_1); model '{name}' is not one "
+                         "that holds them")
     if native.tiled("linear_q4") is None:
         raise ModelError("--dtype gguf needs the native 4-bit kernel: a C compiler and a CPU with avx512_bf16 and "
                          "no AMX")

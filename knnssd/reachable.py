@@ -39,5 +39,7 @@ def database_error(url: str, timeout: float) -> str | None:
         finally:
             engine.dispose()
     except Exception as e:  # noqa: BLE001 - a dialect, driver or server that is not there
-        return next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        from knnssd.console import first_line
+
+        return first_line(e)
     return None

@@ -95,7 +95,7 @@ def test_the_llama_cpp_peer_decodes_the_same_gguf_with_and_without_lookup():
     ids = [lm.tokenizer("The capital of France is").input_ids, lm.tokenizer("Count: 1, 2, 3, 4,").input_ids]
     eos = models.eos_ids(lm)
     for lookup in (False, True):
-        out = peers.generate(peers.gguf_of("smollm2"), ids, 12, eos, 2, lookup)
+        out = peers.generate(models.gguf_file("smollm2"), ids, 12, eos, 2, lookup)
         assert len(out) == 2
         for tokens, seconds in out:
             assert 1 <= len(tokens) <= 12 and seconds > 0

@@ -31,15 +31,6 @@ def available() -> bool:
     return True
 
 
-def gguf_of(model: str) -> Path | None:
-    """The GGUF file a bank's model was loaded from (an embedded model's, or a .gguf path); None for a
-    Hugging Face folder or hub id, which llama.cpp cannot read as they are."""
-    if model in models.EMBEDDED:
-        return models.embedded_gguf(model)
-    path = Path(model)
-    return path if path.suffix == ".gguf" and path.is_file() else None
-
-
 def generate(gguf: Path, prompt_ids: list[list[int]], max_new_tokens: int, eos: tuple[int, ...], threads: int,
              lookup: bool) -> list[tuple[list[int], float]]:
     """(tokens, seconds) of each prompt, one after another, each from an empty cache, on one llama.cpp

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from knnssd import prompts
+from knnssd import models, prompts
 from knnssd.bench import peers
 from knnssd.engine import batched
 from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
@@ -120,7 +120,7 @@ def measure(gen, cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stder
     params = GenerateParams(max_new_tokens=cfg.max_new_tokens)
     ids = [gen.tokenize(r.prompt, params)[0] for r in rows]
     positions = max(len(x) for x in ids) + cfg.max_new_tokens
-    gguf = peers.gguf_of(gen.lm.name) if peers.available() else None
+    gguf = models.gguf_file(gen.lm.name) if peers.available() else None
     auto = batched.auto_slots(dec, positions, len(rows))
     plans = {n: gen.plan(n, positions) for n in sorted({*cfg.sizes, auto}) if n > 1}
     best: dict[str, dict] = {}

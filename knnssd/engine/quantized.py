@@ -52,6 +52,13 @@ def blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     return q, d, m
 
 
+def holds_blocks(path: Path) -> bool:
+    """Does the GGUF file hold a Q4_0 or Q4_1 tensor (read from its header: the file is mapped, not loaded)?"""
+    import gguf
+
+    return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in gguf.GGUFReader(str(path)).tensors)
+
+
 def _unpermute(a: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter interleaves the rotary halves of each q and k head; transformers undoes it on
     the rows (``LlamaTensorProcessor``), so the blocks' rows are put back the same way."""
