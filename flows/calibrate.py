@@ -24,7 +24,7 @@ class CalibrateParams(SearchParams):
     alias: str = Field("candidate", description="alias of the new version (e.g. a baseline's own name)")
 
     def paths(self) -> list[str]:
-        return self.inputs or [str(prompts.default_data_dir() / f"{d}.jsonl") for d in prompts.DOMAINS]
+        return self.inputs or prompts.domain_files()
 
 
 def prepare(params: CalibrateParams):

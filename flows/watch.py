@@ -2,7 +2,7 @@
 -> add-domain for each -> promote the result. Each input is processed once (a state file records it)."""
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from prefect import flow
 
 from knnssd.flows.add_domain import AddDomainParams, add_domain
@@ -20,6 +20,33 @@ class WatchParams(BaseModel):
     search: dict = Field(default_factory=dict, description="add-domain settings (proxy_trials, k_per_domain, ...)")
     promote: dict = Field(default_factory=dict, description="promote settings (per_file, tolerance, inputs, ...)")
     tracking_uri: str | None = None
+
+    @field_validator("search")
+    @classmethod
+    def _search(cls, search: dict) -> dict:
+        _check_keys(search, AddDomainParams, OWN_SEARCH, "add-domain")
+        AddDomainParams(name="check", inputs=[], **search).budget()  # each value, as add-domain will take it
+        return search
+
+    @field_validator("promote")
+    @classmethod
+    def _promote(cls, promote: dict) -> dict:
+        _check_keys(promote, PromoteParams, OWN_PROMOTE, "promote")
+        PromoteParams(**promote)
+        return promote
+
+
+# what watch sets itself in each flow's parameters (an unknown key was once ignored unsaid)
+OWN_SEARCH = {"name", "inputs", "model", "model_uri", "dtype", "tracking_uri"}
+OWN_PROMOTE = {"model", "candidate", "dtype", "tracking_uri", "extra_inputs"}
+
+
+def _check_keys(given: dict, params: type[BaseModel], own: set[str], what: str) -> None:
+    takes = set(params.model_fields) - own
+    wrong = sorted(set(given) - takes)
+    if wrong:
+        why = "set by watch" if set(wrong) <= own else "unknown"
+        raise ValueError(f"{what} setting(s) {', '.join(wrong)}: {why}; it takes {', '.join(sorted(takes))}")
 
 
 @flow(name="watch-drop-folder", log_prints=True)

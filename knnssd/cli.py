@@ -62,7 +62,7 @@ def _check_tracking(uri: str | None) -> None:
 
     from knnssd.settings import tracking_uri
 
-    tracking.check_reachable(uri or tracking_uri())
+    tracking.check_reachable(tracking_uri(uri))
 
 
 def _flow(fn, *args):
@@ -103,6 +103,8 @@ def cmd_complete(a) -> int:
     check_prompt(a.prompt)
     cfg = DrafterConfig(kind=a.drafter, max_len=a.max_draft, threshold=a.threshold, int8=a.int8)
     mask = SkipMask.from_json(_read(a.mask, "--mask")) if a.mask else None
+    if mask is not None:  # the model's config has its layer count: a mask for another model fails before the load
+        mask.validate(models.config(a.model).num_hidden_layers)
     models.limits(a.model, a.dtype, a.device).check(p)
     lm = models.load(a.model, a.dtype, a.device)
     dec = lm.decoder
@@ -182,9 +184,14 @@ def cmd_calibrate(a) -> int:
 def cmd_search_worker(a) -> int:
     from knnssd.flows.search_worker import WorkerParams, search_worker
 
+    from knnssd.search.calibration import load_prompts
+
     _counts(a, "worker_trials")  # before the model's own check, which names calibrate's --trials
     params = WorkerParams(**_calibrate_params(a), trials=a.worker_trials, clusters=a.cluster or [])
     _check_calibrate(a)
+    if params.clusters and params.labelled:  # a labelled pool's clusters are its domains (the flow checks the rest)
+        rows = load_prompts(params.paths(), "calib", domain_from_file=params.domain_from_file)
+        params.check_clusters({r.domain for r in rows if r.domain})
     print(json.dumps(_flow(search_worker, params)))
     return 0
 
@@ -192,11 +199,19 @@ def cmd_search_worker(a) -> int:
 def cmd_add_domain(a) -> int:
     from knnssd.flows.add_domain import AddDomainParams, add_domain
 
+    from knnssd import tracking
+    from knnssd.routing import bank as banks
+    from knnssd.search.extend import check_name
+    from knnssd.serving.promote import version_uri
+
     params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
                              device=a.device, k_per_domain=a.k_per_domain, warm=a.warm, storage=a.storage,
                              tracking_uri=a.tracking_uri, **budget_values(a))
     _check_inputs(a.input)
     _check_search(a)
+    # the base version is fetched here (the flow reuses it): a wrong URI or a name it holds fails in seconds
+    base = banks.load(tracking.bank_folder(a.model_uri or version_uri(a.model, "champion"), a.tracking_uri))
+    check_name(base, a.name)
     print(json.dumps(_flow(add_domain, params)))
     return 0
 
@@ -204,14 +219,19 @@ def cmd_add_domain(a) -> int:
 def cmd_promote(a) -> int:
     from knnssd.flows.promote import PromoteParams, promote
 
-    from knnssd import models
+    from knnssd import models, prompts, tracking
     from knnssd.engine.params import GenerateParams
+    from knnssd.serving import promote as promotion
 
-    _check_inputs(a.input or [])
-    _check_tracking(a.tracking_uri)
     params = PromoteParams(model=a.model, candidate=a.candidate, champion=a.champion, inputs=a.input or [],
                            per_file=a.per_file, dtype=a.dtype, max_new_tokens=a.max_new_tokens,
                            tolerance=a.tolerance, tracking_uri=a.tracking_uri)
+    files = a.input or prompts.domain_files()
+    if not promotion.eval_rows(files, a.per_file):
+        raise ValueError(f"no eval rows to time on in {', '.join(files)}")
+    _check_tracking(a.tracking_uri)
+    for ref in (a.candidate, a.champion):  # an unknown alias or version fails in seconds, not after the server
+        tracking.resolve(promotion.version_uri(a.model, ref), a.tracking_uri)
     models.limits(a.model, a.dtype).check(GenerateParams(max_new_tokens=a.max_new_tokens))
     print(json.dumps(_flow(promote, params), default=str))
     return 0
@@ -290,10 +310,12 @@ def cmd_plant(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    from knnssd.demo import DemoConfig, run
+    from knnssd.demo import DemoConfig, calibrate_params, run
 
-    _flow(run, DemoConfig(model=a.model, dtype=a.dtype, device=a.device, trials=a.trials, candidates=a.candidates,
-                          max_new_tokens=a.max_new_tokens))
+    cfg = DemoConfig(model=a.model, dtype=a.dtype, device=a.device, trials=a.trials, candidates=a.candidates,
+                     max_new_tokens=a.max_new_tokens)
+    calibrate_params(cfg).budget()  # bad counts fail here, before the Prefect server starts
+    _flow(run, cfg)
     return 0
 
 
@@ -337,9 +359,12 @@ def cmd_ui(a) -> int:
     from knnssd import processes
     from knnssd.settings import tracking_uri
 
-    uri = a.tracking_uri or tracking_uri()
-    if not 0 < a.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {a.port}")
+    from knnssd.reachable import listen_error
+
+    uri = tracking_uri(a.tracking_uri)
+    reason = listen_error(a.host, a.port)
+    if reason is not None:
+        raise ValueError(f"--host {a.host} --port {a.port}: cannot serve there ({reason})")
     _check_tracking(uri)  # a mistyped sqlite path is an error, not a new database
     print(f"MLflow UI for {uri} on http://{a.host}:{a.port}  (Ctrl-C stops it)", file=sys.stderr)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
@@ -666,7 +691,10 @@ def _error(e) -> int:
     errors = getattr(e, "errors", None)  # pydantic's ValidationError: a line per field and its input
     if callable(errors) and type(e).__name__ == "ValidationError":
         first = errors()[0]
-        e = f"{'.'.join(map(str, first['loc']))}: {first['msg']} (got {first.get('input')!r})"
+        if first["type"] == "value_error":  # a validator's own message, which names what it got
+            e = f"{'.'.join(map(str, first['loc']))}: {first['msg'].removeprefix('Value error, ')}"
+        else:
+            e = f"{'.'.join(map(str, first['loc']))}: {first['msg']} (got {first.get('input')!r})"
     print(f"knnssd: error: {e}", file=sys.stderr)
     return 2
 

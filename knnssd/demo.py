@@ -6,6 +6,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from knnssd import prompts
 
@@ -25,21 +26,28 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def calibrate_params(cfg: DemoConfig):
+    """The demo's calibration, on the bundled prompts; made (and so checked) before any server starts."""
+    from knnssd.flows.calibrate import CalibrateParams
+
+    files = sorted(prompts.samples_dir().glob("*.jsonl"))
+    return CalibrateParams(model=cfg.model, dtype=cfg.dtype, device=cfg.device, inputs=[str(f) for f in files],
+                           k_per_domain=2, proxy_trials=cfg.trials, real_candidates=cfg.candidates, proxy_prompts=4,
+                           real_prompts=2, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+
+
 def run(cfg: DemoConfig) -> dict:
-    from knnssd.flows.calibrate import CalibrateParams, calibrate
+    from knnssd.flows.calibrate import calibrate
 
     from knnssd.engine.decode import GenerationConfig, decode, prefill
     from knnssd.engine.params import GenerateParams
     from knnssd.serving.routed import RoutedGenerator
 
     t0 = time.time()
-    files = sorted(prompts.samples_dir().glob("*.jsonl"))
-    domains = [f.stem for f in files]
-    say(f"[1/3] calibrating a small skip bank for {cfg.model} on {len(files)} domains of bundled prompts "
+    params = calibrate_params(cfg)
+    domains = [Path(f).stem for f in params.inputs]
+    say(f"[1/3] calibrating a small skip bank for {cfg.model} on {len(domains)} domains of bundled prompts "
         f"({', '.join(domains)}) ...")
-    params = CalibrateParams(model=cfg.model, dtype=cfg.dtype, device=cfg.device, inputs=[str(f) for f in files],
-                             k_per_domain=2, proxy_trials=cfg.trials, real_candidates=cfg.candidates, proxy_prompts=4,
-                             real_prompts=2, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     reg = calibrate(params)
     t1 = time.time()
     say(f"      registered {reg['name']} version {reg['version']} (aliases: {', '.join(reg['aliases'])}) in {t1 - t0:.0f} s")

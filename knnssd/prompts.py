@@ -156,6 +156,11 @@ def default_data_dir() -> Path:
     return shared if shared.is_dir() else samples_dir()
 
 
+def domain_files() -> list[str]:
+    """The five domains' files of the data folder: what calibration and promotion use when given none."""
+    return [str(default_data_dir() / f"{d}.jsonl") for d in DOMAINS]
+
+
 def samples_dir() -> Path:
     return Path(__file__).resolve().parent / "samples"
 

@@ -1,5 +1,6 @@
 """Does a server answer? One quick check for the services a command depends on: an HTTP server
-(``error``) or a database behind an SQLAlchemy URL (``database_error``)."""
+(``error``) or a database behind an SQLAlchemy URL (``database_error``); and can a server of ours
+listen where it is told to (``listen_error``)."""
 from __future__ import annotations
 
 import urllib.error
@@ -42,4 +43,22 @@ def database_error(url: str, timeout: float) -> str | None:
         from knnssd.console import first_line
 
         return first_line(e)
+    return None
+
+
+def listen_error(host: str, port: int) -> str | None:
+    """None when a TCP server can listen on ``host``:``port`` now, else why not (one line): a host that is
+    no address of this machine, a port in use or not allowed. A server started there failed with its own
+    traceback, and MLflow's UI still exited with status 0."""
+    import socket
+
+    if not 0 < port < 65536:
+        return f"port {port} is not in 1..65535"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+            s.bind(address)
+    except OSError as e:  # socket.gaierror included
+        return e.strerror or str(e)
     return None

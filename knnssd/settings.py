@@ -30,7 +30,11 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{work_dir() / 'mlflow.db'}"
 
 
-def tracking_uri() -> str:
+def tracking_uri(given: str | None = None) -> str:
+    """The tracking URI an option gave, else ``$MLFLOW_TRACKING_URI``, else the default. An empty one is
+    kept, for ``tracking.check_reachable`` to refuse: it once fell back to the default unsaid."""
+    if given is not None:
+        return given
     return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
 

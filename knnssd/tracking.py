@@ -70,10 +70,19 @@ def check_reachable(uri: str) -> None:
     for minutes, or fails with a long traceback. Checked once per process and URI."""
     if uri in _reachable:
         return
+    use = "use sqlite:///<path>/mlflow.db or http(s)://<server>"
+    if not uri.strip():
+        raise RegistryError(f"the tracking URI is empty ({use}, or leave the option out for the default)")
     scheme = uri.partition(":")[0].partition("+")[0].lower() if re.match(r"^[A-Za-z][\w+.-]+:", uri) else ""
     if scheme and scheme not in SCHEMES:
-        raise RegistryError(f"tracking URI '{uri}': MLflow does not take '{scheme}:' (use sqlite:///<path>/mlflow.db "
-                            "or http(s)://<server>)")
+        raise RegistryError(f"tracking URI '{uri}': MLflow does not take '{scheme}:' ({use})")
+    if scheme in ("file", "") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        # MLflow 3 refuses its file store only when a run or the registry is first used, after the model loads
+        raise RegistryError(f"tracking URI '{uri}' is a file store, which MLflow 3 no longer opens ({use}; "
+                            "`mlflow migrate-filestore` moves an old one)")
+    if scheme == "sqlite" and uri.partition(":")[2].lstrip("/") in ("", ":memory:"):
+        raise RegistryError(f"tracking URI '{uri}' is an in-memory database, which keeps nothing past this command "
+                            f"({use})")
     if scheme in ("http", "https"):
         reason = reachable.error(uri.rstrip("/") + "/health", CONNECT_TIMEOUT_S)
         if reason is not None:
@@ -127,7 +136,7 @@ def _check_sqlite(path: Path, create: bool) -> None:
 def setup(uri: str | None = None, experiment: str = EXPERIMENT) -> str:
     import mlflow
 
-    uri = uri or tracking_uri()
+    uri = tracking_uri(uri)
     check_reachable(uri)
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
@@ -236,7 +245,7 @@ def resolve(model_uri: str, uri: str | None = None):
         return client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
     except Exception as e:  # noqa: BLE001
         what = f"alias '{alias}'" if alias else f"version {version}"
-        raise RegistryError(f"{model_uri}: no {what} of registered model '{name}' at {tracking_uri() if uri is None else uri}"
+        raise RegistryError(f"{model_uri}: no {what} of registered model '{name}' at {tracking_uri(uri)}"
                             f" ({type(e).__name__})") from None
 
 

@@ -49,8 +49,7 @@ def merge_bank(bank_dir: str, clusters: list[router.Cluster], results: list[bank
 @task(retries=2, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def eval_prompts(paths: list[str], per_file: int | None, extra: list[str] = ()) -> list[prompts.Prompt]:
     """Eval rows of each file (default: the five domains of the data folder) and of ``extra``."""
-    paths = paths or [str(prompts.default_data_dir() / f"{d}.jsonl") for d in prompts.DOMAINS]
-    return promote.eval_rows([*paths, *extra], per_file)
+    return promote.eval_rows([*(paths or prompts.domain_files()), *extra], per_file)
 
 
 @task(retries=1, retry_condition_fn=transient, cache_policy=NO_CACHE)

@@ -36,11 +36,11 @@ class Case:
     seconds: float
 
 
-def run_cli(cases: list[list[str]], env: dict | None = None, timeout: float = 300) -> list[Case]:
+def run_cli(cases: list[list[str]], env: dict | None = None, timeout: float = 300, cwd=None) -> list[Case]:
     """``cases``: argument lists (a ``bytes`` argument is passed as the OS would: surrogate-escaped)."""
     argvs = [[os.fsdecode(a) for a in argv] for argv in cases]
     out = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(argvs), env=env, capture_output=True,
-                         text=True, timeout=timeout)
+                         text=True, timeout=timeout, cwd=cwd)
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr[-3000:]
     return [Case(code, [line for line in err.strip().splitlines() if line.strip()], s)
             for code, err, s in json.loads(out.stdout.strip().splitlines()[-1])]

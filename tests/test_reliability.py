@@ -666,3 +666,38 @@ def test_counts_sizes_and_json_options_are_checked_by_name(tmp_path):
     for c, option in zip(cases, ["--prompts", "--prompts", "--max-new-tokens", "--prompts", "--worker-trials",
                                  "--sizes", "--search", "--promote"]):
         assert option in c.stderr[-1] and c.seconds < 30, (option, c)
+
+
+def test_more_bad_values_fail_in_seconds_before_any_server(tmp_path):
+    """Trial 3, D5, D9-D11, D14, D17, D19-D21: each failed only after a server started or the model loaded
+    (or not at all: a UI on an address it cannot take exited 0, an unknown --search key was ignored, an
+    unknown --cluster printed [], ``sqlite:///:memory:`` left a file named ``:memory:``)."""
+    (tmp_path / "drop").mkdir()
+    mask = tmp_path / "mask.json"
+    mask.write_text(json.dumps({"n_layers": 3, "skip_attn": [1], "skip_mlp": []}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "hi", "domain": "code", "split": s}) + "\n" for s in ("calib", "eval")))
+    (tmp_path / "file").write_text("")
+    store = ["--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
+    watch = ["watch", "--drop", str(tmp_path / "drop")]
+    cases = {
+        "--host 999.1.1.1 --port 5999: cannot serve there": ["ui", "--host", "999.1.1.1", "--port", "5999"],
+        "is empty": [*watch, "--tracking-uri", ""],
+        "is a file store": [*watch, "--tracking-uri", f"file://{tmp_path}/mlruns"],
+        "in-memory database": [*watch, "--tracking-uri", "sqlite:///:memory:"],
+        "search: add-domain setting(s) proxy_trial: unknown": [*watch, "--search", '{"proxy_trial": 3}'],
+        "promote: promote setting(s) candidate: set by watch": [*watch, "--promote", '{"candidate": "3"}'],
+        "--trials must be an integer >= 1, got 0": ["demo", "--trials", "0"],
+        "skip mask is for 3 layers; the model has 30": ["complete", "--prompt", "hi", "--mask", str(mask)],
+        "--cluster nosuch: no such cluster here; the clusters are code": [
+            "search-worker", "--input", str(prompts), "--cluster", "nosuch", "--storage", str(tmp_path / "j.log"),
+            *store],
+        "no alias 'nosuch' of registered model 'knnssd-smollm2'": [
+            "promote", "--candidate", "nosuch", "--input", str(prompts), *store],
+        f"{tmp_path / 'file'} is a file, not a folder": [
+            "generate", "--model-uri", "models:/x@y", "--input", str(prompts), "--output", str(tmp_path / "file" / "o.parquet")],
+    }
+    results = run_cli(list(cases.values()), env={**os.environ, "KNNSSD_WORK": str(tmp_path / "work")}, cwd=tmp_path)
+    for (want, argv), c in zip(cases.items(), results):
+        assert c.code == 2 and len(c.stderr) == 1 and want in c.stderr[0] and c.seconds < 30, (argv, c)
+    assert not (tmp_path / ":memory:").exists()

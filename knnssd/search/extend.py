@@ -19,12 +19,16 @@ from knnssd.search import optimize
 def new_clusters(bank: banks.Bank, vectors: Path, name: str, k_per_domain: int = 10, seed: int = 0
                  ) -> list[router.Cluster]:
     """One cluster for domain ``name`` (``k_per_domain`` anchors), its id after the bank's last."""
-    if any(c.label == name for c in bank.clusters):
-        raise banks.BankError(f"domain '{name}' is already in the bank; pick another name or recalibrate")
+    check_name(bank, name)
     ids, _, x = router.load_vectors(vectors)
     anchors, _ = router.kmeans(router.centered(x, bank.center), k_per_domain, seed)
     cid = max(c.id for c in bank.clusters) + 1
     return [router.Cluster(cid, name, anchors, list(ids), {name: len(ids)})]
+
+
+def check_name(bank: banks.Bank, name: str) -> None:
+    if any(c.label == name for c in bank.clusters):
+        raise banks.BankError(f"domain '{name}' is already in the bank; pick another name or recalibrate")
 
 
 def nearest(bank: banks.Bank, cluster: router.Cluster, n: int = 3) -> list[tuple[int, float]]:
