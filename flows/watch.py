@@ -1,5 +1,6 @@
 """watch-drop-folder (scheduled): new domain files in the drop folder, or enough unmatched prompts,
--> add-domain for each -> promote the result. Each input is processed once (a state file records it)."""
+-> add-domain for each -> promote the result. Each input is processed once (a state file records it),
+and a version added by a run stopped before its promotion ended is promoted by the next run."""
 from __future__ import annotations
 
 from pydantic import BaseModel, Field, field_validator
@@ -7,7 +8,7 @@ from prefect import flow
 
 from knnssd.flows.add_domain import AddDomainParams, add_domain
 from knnssd.flows.promote import PromoteParams, promote
-from knnssd.tasks.extend import mark_done, pending_inputs
+from knnssd.tasks.extend import mark_done, mark_promoted, pending_inputs, unpromoted
 
 
 class WatchParams(BaseModel):
@@ -53,16 +54,18 @@ def _check_keys(given: dict, params: type[BaseModel], own: set[str], what: str) 
 def watch(params: WatchParams) -> dict:
     state = params.state or f"{params.drop.rstrip('/')}/.knnssd-processed.json"
     items = pending_inputs(params.drop, state, params.model, params.min_prompts, params.use_unmatched)
-    if not items:
+    waiting = unpromoted(state)  # added by a run that was stopped before its promotion ended
+    if not items and waiting is None:
         return {"added": [], "promotion": None}
-    added, base_uri = [], None
+    added, base_uri = [], waiting and waiting["uri"]
     for it in items:
         reg = add_domain(AddDomainParams(name=it["name"], inputs=[it["path"]], model=params.model, model_uri=base_uri,
                                          dtype=params.dtype, tracking_uri=params.tracking_uri, **params.search))
         mark_done(state, [it], reg)
         added.append({"name": it["name"], **reg})
         base_uri = reg["uri"]  # the next domain extends this version
-    result = promote(PromoteParams(model=params.model, candidate=added[-1]["version"], dtype=params.dtype,
-                                   tracking_uri=params.tracking_uri, extra_inputs=[it["path"] for it in items],
-                                   **params.promote))
+    waiting = unpromoted(state)
+    result = promote(PromoteParams(model=params.model, candidate=waiting["version"], dtype=params.dtype,
+                                   tracking_uri=params.tracking_uri, extra_inputs=waiting["inputs"], **params.promote))
+    mark_promoted(state)
     return {"added": added, "promotion": result}

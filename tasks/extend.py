@@ -81,3 +81,13 @@ def pending_inputs(drop: str, state: str, model: str, min_prompts: int, use_unma
 @task(retries=2, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def mark_done(state: str, items: list[dict], result: dict) -> None:
     watch.mark(Path(state), [watch.Item(**x) for x in items], result)
+
+
+@task(cache_policy=NO_CACHE)
+def unpromoted(state: str) -> dict | None:
+    return watch.unpromoted(Path(state))
+
+
+@task(retries=2, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def mark_promoted(state: str) -> None:
+    watch.promoted(Path(state))

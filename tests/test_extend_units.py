@@ -51,8 +51,10 @@ def test_drop_folder_record(tmp_path):
     state = drop / ".state.json"
     items = watch.pending(drop, state, "m", min_prompts=3, use_unmatched=False, work=work)
     assert [(i.name, i.rows) for i in items] == [("code-set", 5)]
-    watch.mark(state, items, {"version": "7"})
+    watch.mark(state, items, {"uri": "models:/k/7", "version": "7"})
     assert watch.pending(drop, state, "m", 3, False, work) == []  # processed once
+    # added, not yet promoted: a watch stopped now promotes version 7 on its next run
+    assert watch.unpromoted(state) == {"uri": "models:/k/7", "version": "7", "inputs": [items[0].path]}
     (drop / "Code Set.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(5)))
     assert len(watch.pending(drop, state, "m", 3, False, work)) == 1  # changed content is new again
 
@@ -67,8 +69,11 @@ def test_drop_folder_record(tmp_path):
     items = watch.pending(drop, state, "m", 3, True, work)
     un = [i for i in items if i.kind == "unmatched"]
     assert len(un) == 1 and un[0].rows == 4 and len(un[0].sources) == 2
-    watch.mark(state, un, {})
+    watch.mark(state, un, {"uri": "models:/k/8", "version": "8"})  # extends 7: both wait for one promotion
+    assert watch.unpromoted(state) == {"uri": "models:/k/8", "version": "8", "inputs": [items[0].path, un[0].path]}
     assert [i.kind for i in watch.pending(drop, state, "m", 3, True, work)] == ["file"]
+    watch.promoted(state)
+    assert watch.unpromoted(state) is None
     state.write_text("{torn")
     with pytest.raises(ValueError, match="corrupt"):
         watch.pending(drop, state, "m", 3, True, work)

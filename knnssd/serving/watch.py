@@ -91,13 +91,39 @@ def pending(drop: Path, state: Path, model: str, min_prompts: int, use_unmatched
     return out
 
 
+# The state's record of the newest version added and not yet through promotion (no drop-folder file
+# is named with a leading dot, so the key is no file's): a watch killed before or during promotion
+# promotes it on the next run, and new domains extend it rather than the champion.
+UNPROMOTED = ".unpromoted"
+
+
 def mark(state: Path, items: list[Item], result: dict) -> None:
+    """Record ``items`` as added, in version ``result`` (``uri``, ``version``), which waits for promotion."""
     done = load_state(state)
     when = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     for it in items:
         for key in it.sources:
             done[key] = {"sha256": it.sha256 if it.kind == "file" else None, "name": it.name, "at": when,
                          "result": result}
+    waiting = done.get(UNPROMOTED, {}).get("inputs", [])
+    done[UNPROMOTED] = {"uri": result["uri"], "version": result["version"],
+                        "inputs": [*waiting, *(it.path for it in items)]}
+    _write(state, done)
+
+
+def unpromoted(state: Path) -> dict | None:
+    """The version waiting for promotion (``uri``, ``version`` and the ``inputs`` of its new domains)."""
+    return load_state(state).get(UNPROMOTED)
+
+
+def promoted(state: Path) -> None:
+    """Promotion has decided on the waiting version (moved the champion to it, or not)."""
+    done = load_state(state)
+    if done.pop(UNPROMOTED, None) is not None:
+        _write(state, done)
+
+
+def _write(state: Path, done: dict) -> None:
     state.parent.mkdir(parents=True, exist_ok=True)
     tmp = state.with_name(state.name + ".tmp")
     tmp.write_text(json.dumps(done, indent=2))
