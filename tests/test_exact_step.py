@@ -335,6 +335,17 @@ def test_native_silu_product_rounds_as_the_torch_ops_do():
     assert torch.equal(native.silu_mul(gu[1:2]), got[1:2])  # rows alone
 
 
+def test_silu_mul_vector_lanes_give_the_scalar_loops_bits_for_every_bf16_gate():
+    """17 values a row: the first 16 take the SIMD loop, the last the scalar one; every bf16 bit pattern
+    as the gate (NaNs, infinities and subnormals included) gives the same product both ways."""
+    if not native.available():
+        pytest.skip("no C compiler here")
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)[:, None].expand(-1, 17)
+    up = (torch.randn(65536, 1, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16).expand(-1, 17)
+    out = native.silu_mul(torch.cat([gate, up], 1)).view(torch.int16)
+    assert torch.equal(out[:, 0], out[:, 16]) and torch.equal(out[:, 0], out[:, 7])
+
+
 def test_a_library_that_lacks_a_kernel_is_reported_removed_and_not_used(monkeypatch, tmp_path, caplog):
     if not native.available():
         pytest.skip("no C compiler here")
