@@ -6,6 +6,11 @@ The engine of git revision ``--rev`` is extracted into a temporary package ``knn
 both decoders are built over one loaded model. Each eval prompt runs own AR, n-gram and hybrid
 (the engine bench's fixed configurations) on both, interleaved, the order rotating per prompt.
 Prints tok/s, speedups vs each engine's own AR, and agreement with its own AR.
+
+With ``--batched N``, all the prompts are also decoded together, N slots at a time, by each engine's
+``batched.decode_batch`` (what ``bench-throughput``'s batched and ``auto`` rows and the served
+batches run), plain and with n-gram drafts, twice with the engines' order swapped; each keeps its
+best tokens/s, and each output is compared with its own AR's.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompts", type=int, default=2, help="eval prompts per domain")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batched", type=int, default=0, metavar="N", help="also decode all prompts N at a time (0: no)")
     a = ap.parse_args()
     from knnssd import models
     from knnssd import prompts as prompt_sets
@@ -100,7 +106,56 @@ def main() -> None:
                 t = sum(t for _, t in res[(eng, m)])
                 agree = sum(o == ao for (o, _), (ao, _) in zip(res[(eng, m)], res[(eng, "ar")])) / len(rows)
                 report[eng][m] = {"speedup_vs_own_ar": ar_t / t, "agreement_with_own_ar": agree}
+        if a.batched:
+            own_ar = {eng: [o for o, _ in res[(eng, "ar")]] for eng in engines}
+            for eng, row in batched_runs(engines, configs, rows, lm, a).items():
+                for m, (tok_s, outs) in row.items():
+                    report[eng][f"batched {m} b={a.batched}"] = {
+                        "tokens_per_s": tok_s, "agreement_with_own_ar": sum(
+                            o == ar for o, ar in zip(outs, own_ar[eng])) / len(rows)}
+            for m in ("ar", "ngram"):
+                key = f"batched {m} b={a.batched}"
+                report[f"{key}: new / old"] = report["new"][key]["tokens_per_s"] / report["old"][key]["tokens_per_s"]
         print(json.dumps(report, indent=1))
+
+
+def batched_runs(engines: dict, configs: dict, rows, lm, a) -> dict:
+    """{engine: {"ar" | "ngram": (best tokens/s of two runs, outputs in prompt order)}}, the engines alternating."""
+    import time
+
+    import knnssd_rev.batched as old_batched
+
+    from knnssd import models
+    from knnssd.engine import batched as new_batched
+    from knnssd.engine.decode import GenerationConfig
+    from knnssd.engine.drafters import build
+
+    mods = {"old": old_batched, "new": new_batched}
+    ids = [lm.tokenizer(r.prompt).input_ids for r in rows]
+    positions = max(map(len, ids)) + a.max_new_tokens
+    plans = {eng: mods[eng].plan(engines[eng][0], a.batched, positions) for eng in engines}
+    out: dict = {eng: {} for eng in engines}
+    for rep in range(2):
+        for eng in ("old", "new") if rep == 0 else ("new", "old"):
+            dec, dmod, drmod = engines[eng]
+            for m in ("ar", "ngram"):
+                if dmod is None:
+                    cfg = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_ids=models.eos_ids(lm))
+                    drafter = (lambda: build(configs[m], dec.n_layers)) if m != "ar" else (lambda: None)
+                else:
+                    cfg = dmod.GenerationConfig(max_new_tokens=a.max_new_tokens, eos_ids=models.eos_ids(lm))
+                    drafter = ((lambda: drmod.build(drmod.DrafterConfig(**configs[m].to_dict()), dec.n_layers))
+                               if m != "ar" else (lambda: None))
+                jobs = [mods[eng].PromptJob(x, drafter(), cfg) for x in ids]
+                t0 = time.perf_counter()
+                done = {id(f.job): f for f in mods[eng].decode_batch(dec, jobs, plans[eng])}
+                wall = time.perf_counter() - t0
+                outs = [list(done[id(j)].tokens) for j in jobs]
+                tok_s = sum(map(len, outs)) / wall
+                if m not in out[eng] or tok_s > out[eng][m][0]:
+                    out[eng][m] = (tok_s, outs)
+                print(f"batched {eng} {m}: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+    return out
 
 
 if __name__ == "__main__":
