@@ -507,8 +507,9 @@ def smol_gguf(data_dir):
 
 @pytest.mark.integration
 def test_smollm2_gguf_runs_the_files_blocks_exactly(smol_gguf):
-    """Every projection runs on the file's 4-bit blocks, which de-quantize to the weights transformers loaded
-    (bit for bit, in bf16); the layers run as one native call; the probe finds the step exact, and it is."""
+    """Every projection runs on the file's 4-bit blocks and the head on its 8-bit ones, which de-quantize to the
+    weights transformers loaded (bit for bit, in bf16); the layers run as one native call; the probe finds the
+    step exact, and it is."""
     from knnssd.engine.stack import PROJECTIONS
 
     lm, dec = smol_gguf[:2]
@@ -517,6 +518,8 @@ def test_smollm2_gguf_runs_the_files_blocks_exactly(smol_gguf):
         for name in PROJECTIONS:
             linear = getattr(layer, name)
             assert linear.kernel.kind == "q4" and torch.equal(linear.kernel.dense(), linear.weight), name
+    head = dec.stack.lm_head  # tied to token_embd, a Q8_0 tensor
+    assert head.kernel.kind == "q8" and torch.equal(head.kernel.dense(), head.weight)
     exact_or_skip(dec, "bfloat16")
     equal, total = exactness.row_check(dec, exactness.MAX_T, STRADDLE, seed=13)
     assert equal == total
@@ -551,6 +554,28 @@ def test_native_4bit_linear_sums_blocks_in_fp32_row_by_row():
     assert all(torch.equal(lin(x[i : i + 1]), y[i : i + 1]) for i in range(13)) and torch.equal(lin(x[3:9]), y[3:9])
     assert torch.equal(pickle.loads(pickle.dumps(lin))(x), y)
     assert native.Linear.q4(q[:, :48], d[:, :1], m[:, :1], None) is None  # K not a multiple of 32
+
+
+def test_native_8bit_linear_sums_blocks_in_fp32_row_by_row():
+    """``native.Linear.q8``: w = d q per block of 32 inputs (GGUF's Q8_0), as the 4-bit one: within a bf16
+    rounding of fp64's, rows alone, its packing round-trips and survives a pickle."""
+    g = torch.Generator().manual_seed(1)
+    N, K = 80, 192
+    q = torch.randint(-128, 128, (N, K), generator=g).to(torch.int8)
+    d = (torch.rand(N, K // 32, generator=g) * 0.01).half()
+    lin = native.Linear.q8(q, d, None)
+    if lin is None:
+        pytest.skip("no native 8-bit linear here (no C compiler, no avx512_bf16, or AMX)")
+    assert all(torch.equal(x, y) for x, y in zip(lin.q8_parts(), (q, d)))
+    w = (q.double().view(N, -1, 32) * d.double()[..., None]).view(N, K)
+    assert torch.equal(lin.dense(), w.float().to(torch.bfloat16))
+    x = torch.randn(11, K, generator=g).to(torch.bfloat16)
+    y = lin(x)
+    want = x.double() @ w.T
+    assert ((y.double() - want).abs() <= want.abs() * 2**-8 + 1e-3).all()
+    assert all(torch.equal(lin(x[i : i + 1]), y[i : i + 1]) for i in range(11)) and torch.equal(lin(x[2:7]), y[2:7])
+    assert torch.equal(pickle.loads(pickle.dumps(lin))(x), y)
+    assert native.Linear.q8(q[:, :48], d[:, :1], None) is None  # K not a multiple of 32
 
 
 def test_gguf_precision_needs_a_gguf_file_and_the_cpu(tmp_path):

@@ -527,9 +527,13 @@ static inline __attribute__((always_inline)) __m512bh q4_weights(const uint8_t *
     return (__m512bh)_mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), table);
 }
 
-static inline __attribute__((always_inline)) void q4_tile(const uint16_t *x, int64_t xs, const float *xsum,
-        int64_t nb, const uint8_t *nib, const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int mr,
-        int nr) {
+/* One tile of ``q4`` (4-bit, ``bits`` 4) or ``q8`` (8-bit, ``bits`` 8) blocks: up to Q4_MR rows x Q4_NR column
+   blocks. Q8_0's blocks (GGUF's: w = d q, q in -128..127, d fp16) are packed as the 4-bit ones are, one byte a
+   weight (16 pairs of inputs x 16 columns x 2 per block and 16 columns), then the 16 d: an int8 is a bf16
+   exactly, so the block's products are vdpbf16ps's, summed and scaled as the 4-bit ones, with no m. */
+static inline __attribute__((always_inline)) void quant_tile(const uint16_t *x, int64_t xs, const float *xsum,
+        int64_t nb, const uint8_t *w8, const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int mr,
+        int nr, int bits) {
     const __m512i table = _mm512_loadu_si512(Q4_TABLE);
     __m512 acc[Q4_MR][Q4_NR];
     for (int m = 0; m < mr; m++)
@@ -540,7 +544,9 @@ static inline __attribute__((always_inline)) void q4_tile(const uint16_t *x, int
             for (int n = 0; n < nr; n++) part[m][n] = _mm512_setzero_ps();
         for (int p = 0; p < 16; p++) {
             __m512bh w[Q4_NR];
-            for (int n = 0; n < nr; n++) w[n] = q4_weights(nib + ((n * nb + b) * 16 + p) * 16, table);
+            for (int n = 0; n < nr; n++)
+                w[n] = bits == 4 ? q4_weights(w8 + ((n * nb + b) * 16 + p) * 16, table)
+                                 : linear_weights(w8, ((n * nb + b) * 16 + p) * 32, 1);
             for (int m = 0; m < mr; m++) {
                 int32_t two;
                 memcpy(&two, x + m * xs + b * 32 + 2 * p, sizeof two);
@@ -549,12 +555,13 @@ static inline __attribute__((always_inline)) void q4_tile(const uint16_t *x, int
             }
         }
         for (int n = 0; n < nr; n++) {
-            const uint16_t *at = dm + (n * nb + b) * 32;
+            const uint16_t *at = dm + (n * nb + b) * (bits == 4 ? 32 : 16);
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
-            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 16)));
-            for (int m = 0; m < mr; m++) {
-                acc[m][n] = _mm512_fmadd_ps(part[m][n], d, acc[m][n]);
-                acc[m][n] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * nb + b]), mn, acc[m][n]);
+            for (int m = 0; m < mr; m++) acc[m][n] = _mm512_fmadd_ps(part[m][n], d, acc[m][n]);
+            if (bits == 4) {
+                __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 16)));
+                for (int m = 0; m < mr; m++)
+                    acc[m][n] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * nb + b]), mn, acc[m][n]);
             }
         }
     }
@@ -566,18 +573,22 @@ static inline __attribute__((always_inline)) void q4_tile(const uint16_t *x, int
         }
 }
 
-#define Q4_CASE(a, b) case a * 8 + b: q4_tile(xm, xs, xsum + m0 * nb, nb, nibc, dmc, bc, om, os, a, b); break;
-static void q4_columns(const uint16_t *x, int64_t xs, const float *xsum, int64_t nb, const uint8_t *nib,
-                       const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int64_t M, int64_t b0,
-                       int64_t b1) {
+#define Q4_CASE(a, b)                                                                              \
+    case a * 8 + b:                                                                                \
+        if (bits == 4) quant_tile(xm, xs, xsum + m0 * nb, nb, wc, dmc, bc, om, os, a, b, 4);       \
+        else quant_tile(xm, xs, 0, nb, wc, dmc, bc, om, os, a, b, 8);                              \
+        break;
+static void quant_columns(const uint16_t *x, int64_t xs, const float *xsum, int64_t nb, const uint8_t *w8,
+                          const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int64_t M, int64_t b0,
+                          int64_t b1, int bits) {
     for (int64_t c = b0; c < b1; c += Q4_NR) {
         int nr = b1 - c < Q4_NR ? (int)(b1 - c) : Q4_NR;
         for (int64_t m0 = 0; m0 < M; m0 += Q4_MR) {
             int mr = M - m0 < Q4_MR ? (int)(M - m0) : Q4_MR;
             const uint16_t *xm = x + m0 * xs;
             uint16_t *om = out + m0 * os + c * 16;
-            const uint8_t *nibc = nib + c * nb * 256;
-            const uint16_t *dmc = dm + c * nb * 32;
+            const uint8_t *wc = w8 + c * nb * (bits == 4 ? 256 : 512);
+            const uint16_t *dmc = dm + c * nb * (bits == 4 ? 32 : 16);
             const float *bc = bias ? bias + c * 16 : 0;
             switch (mr * 8 + nr) {
                 Q4_CASE(1, 1) Q4_CASE(1, 2) Q4_CASE(1, 3) Q4_CASE(1, 4)
@@ -587,32 +598,42 @@ static void q4_columns(const uint16_t *x, int64_t xs, const float *xsum, int64_t
     }
 }
 
-static int64_t linear_q4_run(const uint16_t *x, int64_t x_stride, const uint8_t *nib, const uint16_t *dm,
-                             const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+static int64_t linear_quant_run(const uint16_t *x, int64_t x_stride, const uint8_t *w8, const uint16_t *dm,
+                                const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads,
+                                int bits) {
     if (N % 16 || K % 32) return -1;
     if (M <= 0) return 0;
     int64_t blocks = N / 16, nb = K / 32;
-    float *xsum = malloc(M * nb * sizeof *xsum);
-    if (!xsum) return -1;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < nb; b++) {
-            float s = 0.0f;
-            for (int j = 0; j < 32; j++) s += bf16_to_f32(x[m * x_stride + b * 32 + j]);
-            xsum[m * nb + b] = s;
-        }
-    SHARE_COLUMNS(threads, blocks, q4_columns(x, x_stride, xsum, nb, nib, dm, bias, out, N, M, b0, b1));
+    float *xsum = 0;
+    if (bits == 4) { /* the m term's block sums of x, once per row */
+        xsum = malloc(M * nb * sizeof *xsum);
+        if (!xsum) return -1;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t b = 0; b < nb; b++) {
+                float s = 0.0f;
+                for (int j = 0; j < 32; j++) s += bf16_to_f32(x[m * x_stride + b * 32 + j]);
+                xsum[m * nb + b] = s;
+            }
+    }
+    SHARE_COLUMNS(threads, blocks, quant_columns(x, x_stride, xsum, nb, w8, dm, bias, out, N, M, b0, b1, bits));
     free(xsum);
     return 0;
 }
 
 int64_t linear_q4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *nib, const uint16_t *dm, const float *bias,
                        uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return linear_q4_run(x, x_stride, nib, dm, bias, out, M, K, N, threads);
+    return linear_quant_run(x, x_stride, nib, dm, bias, out, M, K, N, threads, 4);
+}
+
+int64_t linear_q8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *q, const uint16_t *d, const float *bias,
+                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return linear_quant_run(x, x_stride, (const uint8_t *)q, d, bias, out, M, K, N, threads, 8);
 }
 
 static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, int int8, const float *scale,
                           const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    if (int8 == 2) return linear_q4_run(x, x_stride, wp, (const uint16_t *)scale, bias, out, M, K, N, threads);
+    if (int8 >= 2)
+        return linear_quant_run(x, x_stride, wp, (const uint16_t *)scale, bias, out, M, K, N, threads, int8 == 2 ? 4 : 8);
     if (N % 16 || K % 2) return -1;
     if (M <= 0) return 0; /* the probe's call: nothing to do */
     int64_t blocks = N / 16, pairs = K / 2;
@@ -927,6 +948,11 @@ int64_t linear_q4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *nib, 
     return -1;
 }
 
+int64_t linear_q8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *q, const uint16_t *d, const float *bias,
+                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return -1;
+}
+
 int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, const float *scale,
                          const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
     return -1;
@@ -1057,7 +1083,8 @@ typedef struct {
     const float *scale[4], *bias[4];
     int64_t window;
     int64_t kind[4]; /* each projection's weights: 0 bf16, 1 int8 (scale: fp32 per column), 2 4-bit blocks (scale:
-                        their fp16 d and m, ``linear_q4_bf16``) */
+                        their fp16 d and m, ``linear_q4_bf16``), 3 8-bit blocks (scale: their fp16 d,
+                        ``linear_q8_bf16``) */
 } fused_layer;
 
 /* The rows' pass through a decoder's layers in one call, exactly as the per-op calls of ``skip.Decoder``

@@ -67,6 +67,9 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
     # the same with 4-bit blocks (``Linear.q4``): x, x's row stride, packed nibbles, their fp16 d and m, bias, out,
     # M, K, N, threads
     "linear_q4": ("p", "i", "p", "p", "p", "p", "i", "i", "i", "i"),
+    # the same with 8-bit blocks (``Linear.q8``): x, x's row stride, packed int8, their fp16 d, bias, out, M, K, N,
+    # threads
+    "linear_q8": ("p", "i", "p", "p", "p", "p", "i", "i", "i", "i"),
     # q, q's row stride, k, v, their head stride, start, T, H, KV, D, scale, out, threads; returns 0, or -1 (as
     # ``linear``'s, or out of memory)
     "causal": ("p", "i", "p", "p", "i", "i", "i", "i", "i", "i", "f", "p", "i"),
@@ -78,13 +81,14 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
 LAYERS = ("p", "i", "p", "p", "i", "i", "i", "i", "i", "i", "p", "p", "i", "p", "p", "i", "i", "i", "i", "p", "p", "f",
           "p", "p", "i", "i")
 # the kernels that return something (the others: nothing)
-RESULTS = {family: ctypes.c_int64 for family in ("attention", "linear", "linear_int8", "linear_q4", "causal")}
+RESULTS = {family: ctypes.c_int64 for family in ("attention", "linear", "linear_int8", "linear_q4", "linear_q8",
+                                                 "causal")}
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the dtypes the kernels take
 # The families on the linear's tiles, bf16 only (fp32 keeps oneDNN's), and each one's call with nothing to do: it
 # returns 0 where the library was built with avx512_bf16, else -1
 PROBES = {"linear": (0,) * 5 + (0, 16, 16, 1), "linear_int8": (0,) * 6 + (0, 16, 16, 1),
-          "linear_q4": (0,) * 6 + (0, 32, 16, 1),
+          "linear_q4": (0,) * 6 + (0, 32, 16, 1), "linear_q8": (0,) * 6 + (0, 32, 16, 1),
           "causal": (0,) * 7 + (1, 1, 16, 1.0, 0, 1)}
 # /proc/cpuinfo lines that say what -march=native may use (x86 "flags"; ARM "Features" and the part)
 PROCESSOR_LINES = ("flags", "Features", "model name", "CPU implementer", "CPU part")
@@ -163,6 +167,7 @@ class Kernels:
     linear: dict[torch.dtype, Callable]
     linear_int8: dict[torch.dtype, Callable]
     linear_q4: dict[torch.dtype, Callable]
+    linear_q8: dict[torch.dtype, Callable]
     causal: dict[torch.dtype, Callable]
     silu_mul: dict[torch.dtype, Callable]
     layers: Callable  # ``layers_bf16``
@@ -355,12 +360,12 @@ class Linear:
     library, another dtype or device, N not a multiple of 16 or K odd, a library built without
     avx512_bf16, a CPU with AMX, or a library without OpenMP (``linear_preferred``)."""
 
-    KINDS = {"bf16": 0, "int8": 1, "q4": 2}  # the weights' forms, as ``native.c``'s fused layers name them
+    KINDS = {"bf16": 0, "int8": 1, "q4": 2, "q8": 3}  # the weights' forms, as ``native.c``'s fused layers name them
 
     def __init__(self, kernel: Callable, packed: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                  kind: str = "bf16"):
         self.kernel, self.packed, self.scale, self.kind = kernel, packed, scale, kind
-        per_pair = 32 if kind == "q4" else 2  # inputs per packed index of dim 1
+        per_pair = 32 if kind in ("q4", "q8") else 2  # inputs per packed index of dim 1
         self.n, self.k = packed.shape[0] * 16, packed.shape[1] * per_pair
         self.bias = None if bias is None else bias.detach().float().contiguous()
         pointers = (packed.data_ptr(),) if scale is None else (packed.data_ptr(), scale.data_ptr())
@@ -379,10 +384,11 @@ class Linear:
         return weight.detach().reshape(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
 
     def dense(self) -> torch.Tensor:
-        """The weights (N, K) unpacked (a copy; 4-bit blocks as d q + m in fp32, then bf16)."""
-        if self.kind == "q4":
-            q, d, m = self.q4_parts()
-            w = q.float().view(self.n, -1, 32) * d.float()[..., None] + m.float()[..., None]
+        """The weights (N, K) unpacked (a copy; blocks as d q (+ m) in fp32, then bf16)."""
+        if self.kind in ("q4", "q8"):
+            q, d, *m = self.q4_parts() if self.kind == "q4" else self.q8_parts()
+            w = q.float().view(self.n, -1, 32) * d.float()[..., None]
+            w = w + m[0].float()[..., None] if m else w
             return w.reshape(self.n, self.k).to(torch.bfloat16)
         return self.packed.permute(0, 2, 1, 3).reshape(self.n, self.k)
 
@@ -422,9 +428,30 @@ class Linear:
         d, m = (dm[:, :, j].transpose(1, 2).reshape(self.n, KB) for j in (0, 1))
         return q, d, m
 
+    @classmethod
+    def q8(cls, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None) -> "Linear | None":
+        """8-bit weights in blocks of 32 inputs, w = d q (GGUF's Q8_0): q (N, K) int8, d (N, K / 32) fp16. Packed
+        as ``q4`` packs, a byte a weight. None where the kernel does not apply (as ``q4``)."""
+        N, K = q.shape
+        kernel = tiled("linear_q8")
+        if kernel is None or N % 16 or K % 32 or d.shape != (N, K // 32):
+            return None
+        g = q.to(torch.int8).reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4)  # (NB, KB, pair, col, parity)
+        ds = d.to(torch.float16).reshape(N // 16, 16, K // 32).transpose(1, 2)  # (NB, KB, 16)
+        return cls(kernel, g.reshape(N // 16, K // 32, 16, 32).contiguous(), ds.contiguous().view(torch.int16), bias,
+                   "q8")
+
+    def q8_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, d) as ``q8`` takes them, unpacked (copies)."""
+        NB, KB = self.packed.shape[:2]
+        q = self.packed.view(NB, KB, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
+        return q, self.scale.view(torch.float16).transpose(1, 2).reshape(self.n, KB)
+
     def __reduce__(self):  # as ``RMSNorm``'s: the library is loaded again
         if self.kind == "q4":
             return Linear.q4, (*self.q4_parts(), self.bias)
+        if self.kind == "q8":
+            return Linear.q8, (*self.q8_parts(), self.bias)
         if self.scale is None:
             return Linear.of, (self.dense(), self.bias)
         return Linear.int8, (self.dense(), self.scale, self.bias)

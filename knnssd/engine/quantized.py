@@ -1,11 +1,13 @@
-"""A GGUF file's own 4-bit blocks as a decoder's weights (``--dtype gguf``).
+"""A GGUF file's own blocks as a decoder's weights (``--dtype gguf``).
 
 transformers reads a GGUF by de-quantizing every tensor to the torch dtype: SmolLM2's Q4_1 file
 (92 MiB) becomes 269 MB of bf16, and each token then reads 2.9x the bytes the file holds. Here the
-projections whose tensors are Q4_0 or Q4_1 run on ``native.Linear.q4`` over the file's blocks as they
-are (w = d q + m per 32 inputs; Q4_0's m is -8 d), with bf16 activations and fp32 sums: no activation
-is quantized. Every other tensor (norms, embeddings, the head, a projection of another type) keeps
-the de-quantized weights transformers loaded.
+projections and the head whose tensors are Q4_0 or Q4_1 run on ``native.Linear.q4`` over the file's
+blocks as they are (w = d q + m per 32 inputs; Q4_0's m is -8 d), and those that are Q8_0 (w = d q) on
+``native.Linear.q8``, with bf16 activations and fp32 sums: no activation is quantized. A head tied to
+the embeddings runs on the embeddings' tensor (SmolLM2's is Q8_0: 30 MB a token instead of 57).
+Every other tensor (norms, the embedding lookup, a projection of another type) keeps the de-quantized
+weights transformers loaded.
 
 The precision is its own: plain decoding over these weights is the reference that speculative
 decoding equals, and the exactness probe measures it as it measures bf16. A de-quantized block is the
@@ -35,15 +37,20 @@ class QuantizedWeightsError(ValueError):
     """The GGUF file cannot give this model its 4-bit weights (one line, for the user)."""
 
 
-def blocks(tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(q (N, K) uint8 in 0..15, d, m (N, KB) float16) of a ``gguf.ReaderTensor`` of type Q4_0 or Q4_1; None for
-    another type."""
+TYPES = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8"}  # GGUF block types -> ``native.Linear``'s kinds
+
+
+def blocks(tensor) -> tuple[np.ndarray, ...] | None:
+    """A ``gguf.ReaderTensor``'s blocks as ``native.Linear.q4`` (Q4_0, Q4_1: q (N, K) uint8 in 0..15, d, m (N, KB)
+    float16) or ``native.Linear.q8`` (Q8_0: q (N, K) int8, d) takes them; None for another type."""
     kind = tensor.tensor_type.name
-    if kind not in ("Q4_0", "Q4_1"):
+    if kind not in TYPES:
         return None
     K = int(tensor.shape[0])  # GGUF lists dims fastest first
-    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, K // BLOCK, 18 if kind == "Q4_0" else 20)
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, K // BLOCK, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind])
     d = raw[..., 0:2].copy().view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        return raw[..., 2:].copy().view(np.int8).reshape(raw.shape[0], K), d
     if kind == "Q4_0":
         m, qs = (-8 * d.astype(np.float32)).astype(np.float16), raw[..., 2:]  # 8 d is exact in fp16 below overflow
     else:
@@ -66,8 +73,25 @@ def _unpermute(a: np.ndarray, heads: int) -> np.ndarray:
     return a.reshape(heads, dim, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
 
 
+def _native(tensors: list, arrays: list[tuple[np.ndarray, ...]], linear, where: str) -> NativeLinear | None:
+    """``linear`` on the blocks of ``tensors`` (concatenated by rows, as the fused projection concatenates
+    them; ``arrays`` their blocks), or None where they are not all of one kind of blocks."""
+    kinds = {TYPES.get(t.tensor_type.name) for t in tensors}
+    if len(kinds) != 1 or None in kinds:
+        return None  # another type (or a mix): the de-quantized weights stay
+    parts = [torch.from_numpy(np.concatenate([a[j] for a in arrays])) for j in range(len(arrays[0]))]
+    if tuple(parts[0].shape) != tuple(linear.weight.shape):
+        raise QuantizedWeightsError(f"{where} holds {tuple(parts[0].shape)} weights, the model "
+                                    f"{tuple(linear.weight.shape)}")
+    kernel = getattr(native.Linear, kinds.pop())(*parts, linear.bias)
+    if kernel is None:
+        raise QuantizedWeightsError("GGUF blocks run on the native kernel, which needs a CPU with avx512_bf16 and "
+                                    "no AMX, and a C compiler")
+    return NativeLinear(linear.weight, linear.bias, kernel)  # the dense weight: shapes, int8 drafts
+
+
 def gguf_stack(stack: Stack, path: Path) -> tuple[Stack, int]:
-    """A copy of ``stack`` whose projections run on the 4-bit blocks of the GGUF file ``path`` (the file the
+    """A copy of ``stack`` whose projections and head run on the blocks of the GGUF file ``path`` (the file the
     model was loaded from), and how many of them do. Raises ``QuantizedWeightsError`` where the file has
     none, or the native kernel does not run here (it needs avx512_bf16 and no AMX)."""
     import gguf
@@ -81,25 +105,22 @@ def gguf_stack(stack: Stack, path: Path) -> tuple[Stack, int]:
     for i, layer in enumerate(stack.layers):
         changes = {}
         for name in PROJECTIONS:
-            parts = [blocks(tensors[f"blk.{i}.{src}.weight"]) if f"blk.{i}.{src}.weight" in tensors else None
-                     for src in SOURCES[name]]
-            if any(p is None for p in parts):
+            sources = [tensors.get(f"blk.{i}.{src}.weight") for src in SOURCES[name]]
+            if any(t is None or blocks(t) is None for t in sources):
                 continue  # another type (or a name this map does not know): the de-quantized weights stay
-            arrays = [[_unpermute(a, unpermute[src]) if src in unpermute else a for a in p]
-                      for src, p in zip(SOURCES[name], parts)]
-            q, d, m = (torch.from_numpy(np.concatenate([p[j] for p in arrays])) for j in range(3))
-            linear = getattr(layer, name)
-            if tuple(q.shape) != tuple(linear.weight.shape):
-                raise QuantizedWeightsError(f"{path.name}: blk.{i} {name} holds {tuple(q.shape)} weights, the model "
-                                            f"{tuple(linear.weight.shape)}")
-            kernel = native.Linear.q4(q, d, m, linear.bias)
-            if kernel is None:
-                raise QuantizedWeightsError("4-bit weights run on the native kernel, which needs a CPU with "
-                                            "avx512_bf16 and no AMX, and a C compiler")
-            changes[name] = NativeLinear(linear.weight, linear.bias, kernel)  # the dense weight: shapes, int8 drafts
-            count += 1
+            arrays = [tuple(_unpermute(a, unpermute[src]) if src in unpermute else a for a in blocks(t))
+                      for src, t in zip(SOURCES[name], sources)]
+            linear = _native(sources, arrays, getattr(layer, name), f"{path.name}: blk.{i} {name}")
+            if linear is not None:
+                changes[name] = linear
+                count += 1
         layers.append(dataclasses.replace(layer, **changes))
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))  # no output.weight: tied to the embeddings
+    lm_head = stack.lm_head
+    if head is not None and blocks(head) is not None:
+        lm_head = _native([head], [blocks(head)], stack.lm_head, f"{path.name}: {head.name}") or lm_head
+        count += lm_head is not stack.lm_head
     if not count:
-        raise QuantizedWeightsError(f"{path.name} holds no Q4_0 or Q4_1 projections")
-    return dataclasses.replace(stack, layers=layers), count
+        raise QuantizedWeightsError(f"{path.name} holds no Q4_0, Q4_1 or Q8_0 projections")
+    return dataclasses.replace(stack, layers=layers, lm_head=lm_head), count
 
