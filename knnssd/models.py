@@ -33,7 +33,7 @@ import torch
 from knnssd.engine import exactness
 from knnssd.engine.params import Limits
 from knnssd.engine.skip import Decoder, HFDecoder, make_decoder
-from knnssd.settings import DTYPES, cache_dir
+from knnssd.settings import BLOCKS, DTYPES, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +78,23 @@ class LoadedModel:
     # One decoder (weights, KV cache) per loaded model: a generation holds ``busy`` from its prefill
     # to its last token, so concurrent callers (serving threads) take turns and never share decode state.
     busy: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    gguf: Path | None = None  # --dtype gguf: the file whose 4-bit blocks the projections run on
+    gguf: Path | None = None  # --dtype gguf: the file whose blocks the projections and head run on
+    blocks: str | None = None  # --dtype gguf, q4_1 or q8_0 (``settings.BLOCKS``): weights in blocks
 
     @cached_property
     def decoder(self) -> Decoder | HFDecoder:
         """The decoder over this model, built on first use and shared by everything that runs it (its
         weights are packed and its verify pass probed once; the probe's choice is remembered under
         ``cache_dir()/exactness`` for later loads on this machine)."""
-        if self.gguf is None:
+        if self.blocks is None:
             return make_decoder(self.model, record=self._record("json"))
-        from knnssd.engine.quantized import gguf_stack
+        from knnssd.engine import quantized
 
-        return make_decoder(self.model, record=self._record("json"), weights=lambda s: gguf_stack(s, self.gguf)[0])
+        if self.blocks == "gguf":
+            weights = lambda s: quantized.gguf_stack(s, self.gguf)[0]  # noqa: E731
+        else:
+            weights = lambda s: quantized.quantize_stack(s, self.blocks)[0]  # noqa: E731
+        return make_decoder(self.model, record=self._record("json"), weights=weights)
 
     @property
     def batch_record(self) -> Path:
@@ -112,7 +117,7 @@ class LoadedModel:
 
     @property
     def dtype_name(self) -> str:
-        return "gguf" if self.gguf is not None else dtype_name(self.dtype)
+        return self.blocks or dtype_name(self.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -127,7 +132,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def precision_name(spec: str, device: str = "auto") -> str:
     """What a load with ``--dtype spec`` records as its precision (``LoadedModel.dtype_name``)."""
-    return "gguf" if spec == "gguf" else dtype_name(resolve_dtype(spec, resolve_device(device)))
+    return spec if spec in BLOCKS else dtype_name(resolve_dtype(spec, resolve_device(device)))
 
 
 def config_limits(config, dtype: torch.dtype) -> Limits:
@@ -192,9 +197,9 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     """auto = bfloat16 on CUDA or on a CPU with avx512_bf16/AMX, else float32. float16 is refused: the
     engine's native CPU kernels do not take it (it failed deep in the first attention call)."""
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if spec == "gguf":  # the 4-bit blocks multiply bf16 activations, on the CPU's native kernel
+    if spec in BLOCKS:  # the blocks multiply bf16 activations, on the CPU's native kernels
         if device.type != "cpu":
-            raise ModelError("--dtype gguf runs on the CPU's native kernels: use --device cpu")
+            raise ModelError(f"--dtype {spec} runs on the CPU's native kernels: use --device cpu")
         return torch.bfloat16
     if spec == "auto":
         fast = device.type == "cuda" or cpu_has_fast_bf16()
@@ -315,6 +320,8 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -
     dev = resolve_device(device)  # before a GGUF's conversion: a bad device or dtype fails in a second
     dt = resolve_dtype(dtype, dev)
     gguf = gguf_weights(name) if dtype == "gguf" else None
+    if dtype in BLOCKS[1:]:
+        check_blocks(dtype)
     label, src = _source(name)
     try:
         config = AutoConfig.from_pretrained(src)
@@ -330,7 +337,11 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -
         raise ModelError(f"cannot load model '{name}' from {src}: {_first_line(e)}{hint}") from None
     model.to(dev).eval()
     model.requires_grad_(False)
-    return LoadedModel(label, model, tok, src, weights_fingerprint(model), gguf=gguf)
+    if dtype in BLOCKS[1:]:  # said, not silent: the outputs are this precision's, not the checkpoint's
+        log.warning("--dtype %s: %s's weights are quantized to %s blocks at load%s", dtype, label, dtype.upper(),
+                    " (the head to Q8_0)" if dtype != "q8_0" else "")
+    return LoadedModel(label, model, tok, src, weights_fingerprint(model), gguf=gguf,
+                       blocks=dtype if dtype in BLOCKS else None)
 
 
 def gguf_file(name: str) -> Path | None:
@@ -357,6 +368,15 @@ def gguf_weights(name: str) -> Path:
         raise ModelError("--dtype gguf needs the native 4-bit kernel: a C compiler and a CPU with avx512_bf16 and "
                          "no AMX")
     return path
+
+
+def check_blocks(dtype: str) -> None:
+    """A one-line ``ModelError`` where ``--dtype q4_1`` or ``q8_0`` cannot run: its native kernel is not used here."""
+    from knnssd.engine import native
+
+    if native.tiled("linear_q4") is None or native.tiled("linear_q8") is None:
+        raise ModelError(f"--dtype {dtype} needs the native block kernels: a C compiler and a CPU with avx512_bf16 "
+                         "and no AMX")
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:

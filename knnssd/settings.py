@@ -14,8 +14,9 @@ import os
 from pathlib import Path
 
 # What --dtype and $KNNSSD_DTYPE take: auto (bf16 where the CPU or GPU runs it fast, else fp32), bf16, fp32,
-# or gguf: a GGUF model's own 4-bit blocks for its projections (``engine.quantized``), bf16 elsewhere
-DTYPES = ("auto", "bfloat16", "float32", "gguf")
+# or weights in blocks (``BLOCKS``), each a precision of its own with bf16 activations (``engine.quantized``)
+BLOCKS = ("gguf", "q4_1", "q8_0")  # a GGUF model's own blocks; any model's weights quantized at load
+DTYPES = ("auto", "bfloat16", "float32", *BLOCKS)
 
 
 def work_dir() -> Path:

@@ -578,6 +578,45 @@ def test_native_8bit_linear_sums_blocks_in_fp32_row_by_row():
     assert native.Linear.q8(q[:, :48], d[:, :1], None) is None  # K not a multiple of 32
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_quantize_makes_llama_cpps_blocks(kind):
+    """Each weight is within half a step of its block's de-quantized value, and the step is llama.cpp's:
+    (max - min) / 15 for Q4_1, max |w| / 127 for Q8_0."""
+    from knnssd.engine.quantized import quantize
+
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x = w.float().view(48, 3, 32)
+    q, d, *m = quantize(w, kind)
+    if kind == "q8_0":
+        assert q.dtype == torch.int8 and torch.equal(d, (x.abs().amax(-1) / 127).half())
+        back = q.float().view(48, 3, 32) * d.float()[..., None]
+    else:
+        assert int(q.max()) <= 15 and torch.equal(d, ((x.amax(-1) - x.amin(-1)) / 15).half())
+        back = q.float().view(48, 3, 32) * d.float()[..., None] + m[0].float()[..., None]
+    assert ((back - x).abs() <= d.float()[..., None] * 0.51 + x.abs() * 2e-3).all()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_blocks_made_at_load_run_rows_alone_and_speculation_equals_plain(kind):
+    """``--dtype q4_1`` / ``q8_0`` on a tiny Llama: every projection and the head on block kernels, the step
+    row-invariant, and drafted decoding token-identical to plain decoding in that precision."""
+    from knnssd.engine.quantized import quantize_stack
+
+    if native.tiled("linear_q4") is None or native.tiled("linear_q8") is None:
+        pytest.skip("no native block kernels here (no C compiler, no avx512_bf16, or AMX)")
+    dec = make_decoder(tiny("llama", dtype=torch.bfloat16), weights=lambda s: quantize_stack(s, kind)[0])
+    want = {"q4_1": "q4", "q8_0": "q8"}[kind]
+    assert all(getattr(layer, n).kernel.kind == want for layer in dec.stack.layers for n in ("qkv", "o", "gate_up", "down"))
+    assert dec.stack.lm_head.kernel.kind == "q8"
+    exact_or_skip(dec, "bfloat16")
+    equal, total = exactness.row_check(dec, exactness.MAX_T, STRADDLE, seed=17)
+    assert equal == total
+    ids, cfg = prompt_ids("llama", 1, 12), GenerationConfig(max_new_tokens=MAX_NEW)
+    plain, _ = generate(dec, ids, None, cfg)
+    for drafter in (DrafterConfig(kind="ngram", max_len=4), DrafterConfig(kind="layer_skip", int8=True, max_len=3)):
+        assert generate(dec, ids, build(drafter, dec.n_layers), cfg)[0] == plain, drafter.describe()
+
+
 def test_gguf_precision_needs_a_gguf_file_and_the_cpu(tmp_path):
     from knnssd import models
 

@@ -417,7 +417,7 @@ def test_mlflow_models_serve_refuses_bad_settings_in_one_line(registered, tmp_pa
     lines = run.stderr.splitlines()
     assert run.returncode != 0 and "Return code = 2" in run.stderr, run.stderr[-3000:]
     assert [x for x in lines if x.startswith("knnssd")] == [
-        "knnssd: error: KNNSSD_DTYPE='float16' is not one of auto, bfloat16, float32, gguf"], run.stderr[-3000:]
+        "knnssd: error: KNNSSD_DTYPE='float16' is not one of auto, bfloat16, float32, gguf, q4_1, q8_0"], run.stderr[-3000:]
     frames = [x for x in lines if x.strip().startswith('File "')]
     assert not [x for x in frames if "uvicorn" in x or "/knnssd/" in x], run.stderr[-3000:]  # MLflow's report alone
     assert not any("Loading weights" in x for x in lines)

@@ -9,6 +9,10 @@ the embeddings runs on the embeddings' tensor (SmolLM2's is Q8_0: 30 MB a token 
 Every other tensor (norms, the embedding lookup, a projection of another type) keeps the de-quantized
 weights transformers loaded.
 
+``--dtype q4_1`` and ``q8_0`` make such blocks from any model's weights at load (``quantize_stack``), as
+llama.cpp's reference quantizers do: the projections in that format, the head in Q8_0 (llama.cpp keeps
+the output tensor at 6 bits or more too).
+
 The precision is its own: plain decoding over these weights is the reference that speculative
 decoding equals, and the exactness probe measures it as it measures bf16. A de-quantized block is the
 value transformers computes (``gguf``'s d * q + m in fp32, then rounded to bf16), so a projection's
@@ -124,3 +128,49 @@ def gguf_stack(stack: Stack, path: Path) -> tuple[Stack, int]:
         raise QuantizedWeightsError(f"{path.name} holds no Q4_0, Q4_1 or Q8_0 projections")
     return dataclasses.replace(stack, layers=layers, lm_head=lm_head), count
 
+
+
+def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
+    """w (N, K) in blocks of 32 inputs as llama.cpp's ``quantize_row_q4_1_ref`` / ``quantize_row_q8_0_ref`` make
+    them, in the form ``native.Linear.q4`` / ``q8`` take: Q4_1 d = (max - min) / 15, m = min, q = the nearest
+    step from min (0..15); Q8_0 d = max |w| / 127, q = w / d rounded half away from zero. The steps use the
+    fp32 d, the file keeps it in fp16, as llama.cpp's do."""
+    N, K = w.shape
+    x = w.float().reshape(N, K // BLOCK, BLOCK)
+    if kind == "q8_0":
+        d = x.abs().amax(-1) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        scaled = x * inv[..., None]
+        q = (scaled.sign() * (scaled.abs() + 0.5).floor()).clamp(-128, 127).to(torch.int8)
+        return q.reshape(N, K), d.half()
+    lo, hi = x.amin(-1), x.amax(-1)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = ((x - lo[..., None]) * inv[..., None] + 0.5).floor().clamp(0, 15).to(torch.uint8)
+    return q.reshape(N, K), d.half(), lo.half()
+
+
+def quantize_stack(stack: Stack, kind: str) -> tuple[Stack, int]:
+    """A copy of ``stack`` whose projections run on ``kind`` (``q4_1`` or ``q8_0``) blocks made from its weights,
+    and its head on Q8_0 ones, and how many do (a projection whose inputs are not a multiple of 32 keeps its
+    weights). Raises ``QuantizedWeightsError`` where the native kernels do not run here."""
+    def blocked(linear, form: str):
+        w = linear.weight
+        if w.shape[1] % BLOCK or w.shape[0] % 16:
+            return None
+        parts = quantize(w, form)
+        kernel = (native.Linear.q8 if form == "q8_0" else native.Linear.q4)(*parts, linear.bias)
+        if kernel is None:
+            raise QuantizedWeightsError(f"--dtype {kind} runs on the native block kernels, which need a CPU with "
+                                        "avx512_bf16 and no AMX, and a C compiler")
+        return NativeLinear(w, linear.bias, kernel)
+
+    layers, count = [], 0
+    for layer in stack.layers:
+        changes = {name: blocked(getattr(layer, name), kind) for name in PROJECTIONS}
+        changes = {name: lin for name, lin in changes.items() if lin is not None}
+        count += len(changes)
+        layers.append(dataclasses.replace(layer, **changes))
+    head = blocked(stack.lm_head, "q8_0")
+    count += head is not None
+    return dataclasses.replace(stack, layers=layers, lm_head=head or stack.lm_head), count

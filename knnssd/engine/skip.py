@@ -595,20 +595,29 @@ def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None
     ``decoder.exactness``; the lean decoder also takes the exact attention the probe ranks first.
     With a ``record``, a lean decoder that is exact and agrees with HF is remembered, and the next
     load on the same machine key takes both from the record instead of measuring them again.
-    ``weights``: what the lean decoder runs instead of the model's own weights (``quantized.gguf_stack``); the
-    probe measures them, and they must agree with HF as the model's own weights must.
+    ``weights``: what the lean decoder runs instead of the model's own weights (``quantized``'s blocks); the
+    lean forward is checked against HF on the model's own weights first (blocks made at load differ from them
+    by design: a tiny model's Q4_1 logits moved by 1.8), and the probe measures the blocks.
     """
     from knnssd.engine import exactness
 
     try:
         dec = Decoder(from_hf(model))
-        if weights is not None:
-            dec.use_stack(weights(dec.stack))
     except UnsupportedArchitecture as e:
         log.warning("lean forward unavailable (%s); using plain HF forwards (no layer skipping)", e)
         return _fallback(model)
+    checked = False
+    if weights is not None:
+        if check:
+            err = probe_error(dec, model)
+            if err is not None:
+                log.warning("lean forward differs from HF on %s (%s); using plain HF forwards", type(model).__name__,
+                            err)
+                return _fallback(model)
+            checked = True
+        dec.use_stack(weights(dec.stack))
     dec.exactness = exactness.choose(dec, record=record, packed=forward_slots)
-    if check and not dec.exactness.recalled:  # a record is written only after this check has passed
+    if check and not checked and not dec.exactness.recalled:  # a record is written only after this check has passed
         err = probe_error(dec, model)
         if err is not None:
             log.warning("lean forward differs from HF on %s (%s); using plain HF forwards", type(model).__name__, err)
