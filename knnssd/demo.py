@@ -96,7 +96,7 @@ def run(cfg: DemoConfig) -> dict:
     total = sum(d["ar_s"] for d in per.values()) / sum(d["spec_s"] for d in per.values())
     lines.append(f"{'all':<14} {'':<22} {'':<44} {total:>7.2f}x")
     print("\n".join(lines))
-    print(f"\n{cfg.model} · {gen.lm.dtype} · {len(rows)} eval prompts x {cfg.max_new_tokens} tokens · "
+    print(f"\n{cfg.model} · {gen.lm.dtype_name} · {len(rows)} eval prompts x {cfg.max_new_tokens} tokens · "
           f"calibration {t1 - t0:.0f} s, stream {t2 - t1:.0f} s")
     ex = gen.decoder.exactness
     if ex is not None:
