@@ -86,7 +86,7 @@ def main() -> None:
 def serving(model_uri: str, env: dict) -> Iterator[int]:
     """A fresh server on a free port, answering and warmed up by one request that is none of the timed
     prompts; stopped at the end, however the block ends. Each run gets its own: a server's free slots
-    keep the prompts they last held for the next prompts to reuse (``batched.Prefixes``), so a run
+    keep the prompts they last held for the next prompts to reuse (``prefixes.Prefixes``), so a run
     after another on one server would reuse that run's prompts, its very own among them."""
     port = free_port()
     log = tempfile.TemporaryFile()

@@ -98,7 +98,7 @@ class LoadedModel:
 
     @property
     def batch_record(self) -> Path:
-        """Where ``engine.batched.plan`` keeps what its checks found for this model on this machine key (as
+        """Where ``engine.batch_plan.plan`` keeps what its checks found for this model on this machine key (as
         it is now: a plan may run on other threads than the load)."""
         return self._record("batched.json")
 

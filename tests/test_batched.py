@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
-from knnssd.engine import batched
+from knnssd.engine import batch_plan, draft_lengths, prefixes
 from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
-from knnssd.engine.batched import BatchPlan, BatchStats, PassCosts, PromptJob, choose_lengths, decode_batch
+from knnssd.engine.batch_plan import BatchPlan
+from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
+from knnssd.engine.draft_lengths import PassCosts, choose_lengths
 from knnssd.engine.decode import GenerationConfig, Reused, generate, prefill, reusable, reuse_unit_of
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.sampling import Warp
@@ -50,11 +52,11 @@ def mixed_jobs(dec, arch: str, n: int, max_new: int) -> list[PromptJob]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
     dec = decoder(arch, dtype)
-    plan = batched.plan(dec, slots=4)
+    plan = batch_plan.plan(dec, slots=4)
     if dtype == "bfloat16" and not (dec.exactness.exact and plan.exact):
         pytest.skip(f"no exact packed bf16 pass here: {dec.exactness.note or 'packed linears not row-invariant'}")
     assert plan.exact, "fp32 must be exact"
-    assert plan.pooled == (dec.attention.poolable and batched.pooled_exact(dec, 4))
+    assert plan.pooled == (dec.attention.poolable and batch_plan.pooled_exact(dec, 4))
     jobs = mixed_jobs(dec, arch, 13, 20)
     stats = BatchStats(plan.slots)
     done = list(decode_batch(dec, jobs, plan, stats))
@@ -80,8 +82,8 @@ def test_prompts_reuse_the_leading_positions_of_others_in_the_batch(arch):
     shared = []
     for dtype in ("bfloat16", "float32"):
         dec = decoder(arch, dtype)
-        plan = batched.plan(dec, slots=3)
-        assert plan.shares == batched.prefix_exact(dec, plan.pooled)
+        plan = batch_plan.plan(dec, slots=3)
+        assert plan.shares == prefixes.prefix_exact(dec, plan.pooled)
         cfgs = drafters(dec.n_layers)
         jobs = [PromptJob(ids, build(cfgs[i % 4], dec.n_layers) if cfgs[i % 4] else None,
                           GenerationConfig(max_new_tokens=6 + 3 * i)) for i, ids in enumerate(prompts)]
@@ -110,7 +112,7 @@ def test_a_prompt_reuses_one_that_finished_while_its_slot_stays_free():
     shared = []
     for dtype in ("bfloat16", "float32"):
         dec = decoder("llama", dtype)
-        plan = batched.plan(dec, slots=3)
+        plan = batch_plan.plan(dec, slots=3)
         queue, stats = JobQueue(), BatchStats(plan.slots)
         batch = decode_batch(dec, queue, plan, stats)
         for ids in prompts:
@@ -136,7 +138,7 @@ def test_reuse_takes_whole_units_and_leaves_a_prefill_to_compute():
     cases = ((300, 300), (2 * B, 2 * B + 17), (2 * B, 2 * B + 16), (B - 1, 400))
     assert [reusable(c, n, B) for c, n in cases] == [2 * B, 2 * B, B, 0]
     assert [reusable(c, n, 1) for c, n in cases] == [300 - PREFILL_ROWS - 1, 2 * B, 2 * B - 1, B - 1]
-    store = batched.Prefixes()
+    store = prefixes.Prefixes()
     cfg = GenerationConfig(max_new_tokens=1)
     store.prefill(dec.slot(), prompt_ids("llama", 0, length=B + 40), cfg)
     short = prompt_ids("llama", 0, length=B + 40)[:B] + [5] * 10  # the lender's block, then too few rows of its own
@@ -228,8 +230,8 @@ def test_draft_model_shrinks_each_sequence_towards_its_kind():
                                             accepted_at=list(kept)))
 
     ngram, hybrid = object.__new__(NGram), object.__new__(Hybrid)
-    model = batched.DraftModel()
-    p = batched.DraftModel.PRIOR
+    model = draft_lengths.DraftModel()
+    p = draft_lengths.DraftModel.PRIOR
     # nothing measured yet: a new sequence is free to draft with s(j) = 1/2^j (and is then measured);
     # a plain one has no draft
     s, d = model([run(hybrid), run(None)], [3, 0])
@@ -255,20 +257,20 @@ def test_pass_costs_interpolate_and_slot_memory():
     j = PassCosts((16, 64), (0.03, 0.08)).joined(PassCosts((1, 12), (0.02, 0.025)))
     assert j.rows == (1, 12, 16, 64) and j(1) == 0.02 and abs(j(14) - 0.0275) < 1e-12  # not flat below 16
     dec = decoder("llama", "float32")
-    measured = batched.measure_pass_costs(dec, slots=2, per_seq=(1, 4), repeats=1)
+    measured = draft_lengths.measure_pass_costs(dec, slots=2, per_seq=(1, 4), repeats=1)
     assert measured.rows == (2, 8) and all(s > 0 for s in measured.seconds)
-    per = batched.slot_bytes(dec, 100)
+    per = batch_plan.slot_bytes(dec, 100)
     assert per == 2 * dec.n_layers * dec.stack.n_kv * dec.stack.head_dim * 128 * 4  # fp32 K/V, 2 buckets
-    assert batched.max_slots(dec, 100, memory=10 * per + 1) == 10 and batched.max_slots(dec, 100, memory=1) == 1
+    assert batch_plan.max_slots(dec, 100, memory=10 * per + 1) == 10 and batch_plan.max_slots(dec, 100, memory=1) == 1
 
 
 def test_plan_allocates_the_longest_job_within_memory_and_the_pool_never_regrows():
     dec = decoder("llama", "float32")
-    assert batched.plan(dec, 3).positions == 0  # unknown: slots grow as jobs reserve
-    per = batched.slot_bytes(dec, 64) // 64  # bytes per position of one slot
-    plan = batched.plan(dec, 3, positions=100)
+    assert batch_plan.plan(dec, 3).positions == 0  # unknown: slots grow as jobs reserve
+    per = batch_plan.slot_bytes(dec, 64) // 64  # bytes per position of one slot
+    plan = batch_plan.plan(dec, 3, positions=100)
     assert plan.positions == 128  # one bucket past 100
-    assert batched.plan(dec, 3, positions=10**6, memory=3 * 200 * per).positions == 192  # what fits, in buckets
+    assert batch_plan.plan(dec, 3, positions=10**6, memory=3 * 200 * per).positions == 192  # what fits, in buckets
     grown = []
     jobs = [PromptJob(prompt_ids("llama", i, length=20 + 30 * i), None, GenerationConfig(max_new_tokens=4))
             for i in range(3)]  # prompts up to 80 tokens: reservations up to 128 positions
@@ -300,25 +302,25 @@ def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_pat
     record = tmp_path / "records" / "tiny.batched.json"
     ran = []
     for name in ("pooled_exact", "prefix_exact"):
-        check = getattr(batched, name)
-        monkeypatch.setattr(batched, name, lambda *a, _c=check, _n=name: (ran.append(_n), _c(*a))[1])
-    first = batched.plan(dec, 3, record=record)
+        check = getattr(batch_plan, name)
+        monkeypatch.setattr(batch_plan, name, lambda *a, _c=check, _n=name: (ran.append(_n), _c(*a))[1])
+    first = batch_plan.plan(dec, 3, record=record)
     assert ran == ["pooled_exact", "prefix_exact"] and not first.recalled and first.exact
     assert [p.name for p in record.parent.iterdir()] == [record.name]
-    again = batched.plan(dec, 3, record=record)
+    again = batch_plan.plan(dec, 3, record=record)
     assert again.recalled and (again.pooled, again.shares) == (first.pooled, first.shares) and len(ran) == 2
-    assert not batched.plan(dec, 2, record=record).recalled and len(ran) == 4
-    assert batched.plan(dec, 2, record=record).recalled and batched.plan(dec, 3, record=record).recalled
+    assert not batch_plan.plan(dec, 2, record=record).recalled and len(ran) == 4
+    assert batch_plan.plan(dec, 2, record=record).recalled and batch_plan.plan(dec, 3, record=record).recalled
     kept = json.loads(record.read_text())
     record.write_text(json.dumps({**kept, "code": "other"}))
-    assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 6
+    assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 6
     record.write_text("{not json")
-    assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 8
+    assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 8
     record.write_text(json.dumps({**kept, "slots": []}))
-    assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 10
-    assert batched.plan(dec, 3, record=record).recalled
+    assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 10
+    assert batch_plan.plan(dec, 3, record=record).recalled
     dec.use_stack(dataclasses.replace(dec.stack, lm_head=RowPadded(dec.stack.lm_head)))
-    assert not batched.plan(dec, 3, record=record).recalled and len(ran) == 12
+    assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 12
 
 
 def test_records_updated_by_two_writers_at_once_keep_both_writers_entries(tmp_path):

@@ -96,7 +96,9 @@ def test_a_draft_cut_on_the_device_gives_the_tokens_of_an_early_stop(arch, thres
 @pytest.mark.parametrize("pooled", [False, True])
 def test_a_batched_step_reads_the_host_once(pooled):
     """Every sequence's verdict of a packed pass comes to the host in one copy."""
-    from knnssd.engine.batched import BatchPlan, BatchStats, PassCosts, PromptJob, decode_batch
+    from knnssd.engine.batch_plan import BatchPlan
+    from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
+    from knnssd.engine.draft_lengths import PassCosts
 
     dec = make_decoder(tiny("llama"))
     plan = BatchPlan(3, PassCosts((1, 64), (0.01, 0.01)), True, pooled)

@@ -48,7 +48,7 @@ def test_smollm2_speculative_equals_hf_generate(smollm2, data_dir):
 def test_smollm2_batched_equals_each_prompts_own_plain_decoding(smollm2, data_dir):
     """12 eval prompts of the five domains, of different lengths, through 4 slots, with plain, n-gram,
     int8-hybrid and layer-skip drafters: every prompt's tokens equal its own plain decoding (fp32)."""
-    from knnssd.engine import batched
+    from knnssd.engine import batch_plan
     from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
 
     dec = smollm2.decoder
@@ -61,7 +61,7 @@ def test_smollm2_batched_equals_each_prompts_own_plain_decoding(smollm2, data_di
     rows = [rows[3 * d + j] for j in range(3) for d in range(5)][:12]  # round-robin over the domains
     assert len({r.domain for r in rows}) == 5 and len({len(smollm2.tokenizer(r.prompt).input_ids) for r in rows}) > 8
     ids = [smollm2.tokenizer(r.prompt).input_ids for r in rows]
-    plan = batched.plan(dec, 4, record=smollm2.batch_record)
+    plan = batch_plan.plan(dec, 4, record=smollm2.batch_record)
     assert plan.exact
     jobs = [PromptJob(x, build(cfgs[i % 4], n) if cfgs[i % 4] else None,
                       GenerationConfig(max_new_tokens=12 - 4 * (i % 2), eos_ids=(2,))) for i, x in enumerate(ids)]
@@ -81,14 +81,14 @@ def test_smollm2_few_shot_prompts_reuse_their_example_in_a_batch(smollm2, data_d
     prompt that shares nothing with them copies nothing, and every prompt's tokens still equal its own
     plain decoding. (On an AVX2-only CPU, where auto is fp32, this took 240 s in bf16 and takes 36 s; a Zen 1.)"""
     from knnssd import models
-    from knnssd.engine import batched
+    from knnssd.engine import batch_plan
     from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
     from knnssd.engine.decode import reusable, reuse_unit_of
 
     dtype = models.resolve_dtype("auto", smollm2.device)
     lm = smollm2 if dtype == torch.float32 else models.load("smollm2", dtype="bfloat16")
     dec = lm.decoder
-    plan = batched.plan(dec, 3, record=lm.batch_record)
+    plan = batch_plan.plan(dec, 3, record=lm.batch_record)
     if not plan.shares:
         pytest.skip(f"reusing a prompt's leading positions is not measured exact in {dtype} here")
     rows = prompts.load_domains(data_dir, ("summarization", "reasoning"), "eval", 3)[:4]  # 3 summarization, 1 other

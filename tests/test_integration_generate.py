@@ -300,7 +300,7 @@ def test_batch_size_over_the_kv_budget_is_refused(routed, tmp_path):
     """Issue 40, defect 6, and its trial: ``KNNSSD_BATCH_SIZE=100000`` never started the server (planning
     100,000 slots), and ``generate --batch-size 100000`` on 2 prompts ran out of memory after 3 min 41 s.
     A batch takes no more slots than prompts, and a size over the KV-cache budget is one line."""
-    from knnssd.engine.batched import check_slots
+    from knnssd.engine.batch_plan import check_slots
     from knnssd.engine.params import GenerateParams
     from knnssd.serving import batch
 

@@ -17,7 +17,7 @@ Terms: *throughput* = all generated tokens / the setting's wall-clock seconds (p
 *latency* = one request's seconds from its prefill to its last token (p50, p95 over the prompts;
 waiting for a free slot is not counted); *prefill s* = the seconds its prefills took, one after
 another or between the steps; *reused* = prompt positions whose K/V a batched run copied from another
-prompt in the batch, or from one that finished in a slot still free (``batched.Prefixes``), instead of
+prompt in the batch, or from one that finished in a slot still free (``prefixes.Prefixes``), instead of
 computing them; *same* = the fraction of prompts whose tokens equal ``routed b=1``'s (greedy output is
 exact, so 1.0 wherever the packed passes are exact; llama.cpp multiplies the quantized blocks instead,
 so its fraction is lower).
@@ -36,7 +36,7 @@ import torch
 
 from knnssd import models, prompts
 from knnssd.bench import peers
-from knnssd.engine import batched
+from knnssd.engine import batch_plan
 from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
 from knnssd.engine.decode import GenerationConfig
 from knnssd.engine.params import GenerateParams
@@ -121,7 +121,7 @@ def measure(gen, cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stder
     ids = [gen.tokenize(r.prompt, params)[0] for r in rows]
     positions = max(len(x) for x in ids) + cfg.max_new_tokens
     gguf = models.gguf_file(gen.lm.name) if peers.available() else None
-    auto = batched.auto_slots(dec, positions, len(rows))
+    auto = batch_plan.auto_slots(dec, positions, len(rows))
     plans = {n: gen.plan(n, positions) for n in sorted({*cfg.sizes, auto}) if n > 1}
     best: dict[str, dict] = {}
     ref: list[list[int]] | None = None

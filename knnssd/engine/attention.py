@@ -39,7 +39,7 @@ arithmetic over B sequences' caches at one key length, for the batched engine's 
 On the dev machine's CPU it gave rows bitwise equal to one sequence's call for any B and any
 padded query count, but not for a longer key length (the P @ V reduction over L rounds
 differently), so a packed pass makes one call per key length (``skip._PooledAttention``), and
-``batched.pooled_exact`` checks it on the real model before a batch uses it.
+``batch_plan.pooled_exact`` checks it on the real model before a batch uses it.
 """
 from __future__ import annotations
 

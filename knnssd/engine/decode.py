@@ -125,7 +125,7 @@ class Reused:
     slot's cache (read after this prefill's reservation, which may regrow a pool's buffers) and the states
     its prefill returned for them (``prefill``'s third value, with the same ``tap``). ``n`` is what
     ``reusable`` allows, so the rest of the prompt gets the rows its own prefill from 0 would
-    (``batched.Prefixes``; ``batched.prefix_exact`` checks the result is the same)."""
+    (``prefixes.Prefixes``; ``prefixes.prefix_exact`` checks the result is the same)."""
 
     n: int
     cache: KVCache
@@ -147,7 +147,7 @@ def reusable(common: int, length: int, unit: int) -> int:
 
 
 class Prefill(Protocol):
-    """``prefill``'s signature (``batched.Prefixes.prefill`` has it too)."""
+    """``prefill``'s signature (``prefixes.Prefixes.prefill`` has it too)."""
 
     def __call__(self, decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None
                  ) -> tuple[Sequence, torch.Tensor, torch.Tensor]: ...

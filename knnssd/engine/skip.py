@@ -427,7 +427,7 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
     ``forward`` would run it; or, with the ``pool`` whose caches the slots hold (``SlotPool``), once per
     key length over the pool's rows (``attention.batch``). Where the linears are row-invariant for the
     packed row count, and the batched attention is invariant to the batch and to the padded query rows
-    (``batched.pooled_exact`` checks both), each call's logits (T_b, V) equal its own ``forward``'s,
+    (``batch_plan.pooled_exact`` checks both), each call's logits (T_b, V) equal its own ``forward``'s,
     bitwise. No skip mask: this is verification."""
     s = slots[0].stack
     sizes = [ids.shape[0] for ids, _ in calls]

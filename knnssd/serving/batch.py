@@ -28,7 +28,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from knnssd.engine.batched import BatchStats, auto_slots, check_slots
+from knnssd.engine.batch_plan import auto_slots, check_slots
+from knnssd.engine.batched import BatchStats
 from knnssd.engine.decode import acceptance_rate, mean_accepted
 from knnssd.engine.params import GenerateParams, check_prompt
 from knnssd.prompts import Prompt
@@ -344,7 +345,7 @@ def run(gen: RoutedGenerator, rows: list[Prompt], output: str | os.PathLike, par
         overwrite: bool = False, flush_every: int = 8, unmatched_dir: Path | None = None,
         batch_size: int | None = None, inputs=()) -> Summary:
     """Generate every prompt not yet in ``output``; ``batch_size`` sequences at a time (None: auto,
-    ``engine.batched.auto_slots``; 1: one at a time). ``inputs``: the prompt files ``rows`` came from,
+    ``engine.batch_plan.auto_slots``; 1: one at a time). ``inputs``: the prompt files ``rows`` came from,
     which ``output`` must not be."""
     output = output_path(output)
     check(rows)

@@ -19,7 +19,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from knnssd.engine.batched import BatchPlan, JobQueue, decode_batch
+from knnssd.engine.batch_plan import BatchPlan
+from knnssd.engine.batched import JobQueue, decode_batch
 from knnssd.engine.params import GenerateParams
 from knnssd.serving.routed import Result, RoutedGenerator, RoutedJob
 

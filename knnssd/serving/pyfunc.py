@@ -45,7 +45,7 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
     def _load(self, context, settings: dict) -> None:
         from knnssd.serving.routed import RoutedGenerator
 
-        from knnssd.engine.batched import auto_slots, check_slots
+        from knnssd.engine.batch_plan import auto_slots, check_slots
         from knnssd.engine.params import GenerateParams
         from knnssd.serving.batcher import Batcher
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from knnssd import models
-from knnssd.engine import batched
-from knnssd.engine.batched import BatchPlan, BatchStats, decode_batch
+from knnssd.engine import batch_plan
+from knnssd.engine.batch_plan import BatchPlan
+from knnssd.engine.batched import BatchStats, decode_batch
 from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Run, prefill
 from knnssd.engine.drafters import build
 from knnssd.engine.params import GenerateParams, prompt_ids
@@ -129,9 +130,9 @@ class RoutedGenerator:
         return isinstance(self.decoder, Decoder)
 
     def plan(self, slots: int, positions: int = 0) -> BatchPlan:
-        """A batched run's measured plan for this generator's decoder (``engine.batched.plan``; ``positions``:
+        """A batched run's measured plan for this generator's decoder (``engine.batch_plan.plan``; ``positions``:
         the most a job reserves, prompt and new tokens, when known)."""
-        plan = batched.plan(self.decoder, slots, positions, record=self.lm.batch_record)
+        plan = batch_plan.plan(self.decoder, slots, positions, record=self.lm.batch_record)
         self._int8_weights()  # again, where the plan gave the decoder other forms of its linears
         return plan
 
