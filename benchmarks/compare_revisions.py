@@ -59,14 +59,15 @@ def main() -> None:
     from knnssd.bench import engine as bench_engine
     from knnssd.engine.decode import GenerationConfig, generate
     from knnssd.engine.drafters import build
-    from knnssd.engine.skip import make_decoder
+    from knnssd.engine.decoder import make_decoder
 
     with tempfile.TemporaryDirectory(prefix="knnssd-rev-") as tmp:
         extract(a.rev, Path(tmp))
         sys.path.insert(0, tmp)
         import knnssd_rev.decode as old_decode
         import knnssd_rev.drafters as old_drafters
-        import knnssd_rev.skip as old_skip
+
+        old_skip = _old_module(tmp, "decoder", "skip")  # the decoder's module before it had its own
 
         lm = models.load("smollm2", a.dtype)
         engines = {"old": (old_skip.make_decoder(lm.model), old_decode, old_drafters),
@@ -119,6 +120,13 @@ def main() -> None:
         print(json.dumps(report, indent=1))
 
 
+def _old_module(tmp, name: str, before: str):
+    """The old engine's module ``name``, or ``before`` where the revision predates it."""
+    import importlib
+
+    return importlib.import_module(f"knnssd_rev.{name if (Path(tmp) / 'knnssd_rev' / f'{name}.py').exists() else before}")
+
+
 def batched_runs(engines: dict, configs: dict, rows, lm, a) -> dict:
     """{engine: {"ar" | "ngram": (best tokens/s of two runs, outputs in prompt order)}}, the engines alternating."""
     import time
@@ -126,14 +134,16 @@ def batched_runs(engines: dict, configs: dict, rows, lm, a) -> dict:
     import knnssd_rev.batched as old_batched
 
     from knnssd import models
+    from knnssd.engine import batch_plan
     from knnssd.engine import batched as new_batched
     from knnssd.engine.decode import GenerationConfig
     from knnssd.engine.drafters import build
 
     mods = {"old": old_batched, "new": new_batched}
+    planners = {"old": _old_module(Path(old_batched.__file__).parents[1], "batch_plan", "batched"), "new": batch_plan}
     ids = [lm.tokenizer(r.prompt).input_ids for r in rows]
     positions = max(map(len, ids)) + a.max_new_tokens
-    plans = {eng: mods[eng].plan(engines[eng][0], a.batched, positions) for eng in engines}
+    plans = {eng: planners[eng].plan(engines[eng][0], a.batched, positions) for eng in engines}
     out: dict = {eng: {} for eng in engines}
     for rep in range(2):
         for eng in ("old", "new") if rep == 0 else ("new", "old"):

@@ -20,7 +20,7 @@ import torch
 
 from knnssd import models
 from knnssd.engine import native
-from knnssd.engine.skip import _heads, _span_masks
+from knnssd.engine.decoder import _heads, _span_masks
 
 
 def median_ms(fn, repeats: int) -> float:

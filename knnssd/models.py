@@ -32,7 +32,7 @@ import torch
 
 from knnssd.engine import exactness
 from knnssd.engine.params import Limits
-from knnssd.engine.skip import Decoder, HFDecoder, make_decoder
+from knnssd.engine.decoder import Decoder, HFDecoder, make_decoder
 from knnssd.settings import BLOCKS, DTYPES, cache_dir
 
 log = logging.getLogger(__name__)

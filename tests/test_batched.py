@@ -15,7 +15,8 @@ from knnssd.engine.draft_lengths import PassCosts, choose_lengths
 from knnssd.engine.decode import GenerationConfig, Reused, generate, prefill, reusable, reuse_unit_of
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.sampling import Warp
-from knnssd.engine.skip import Decoder, SkipMask, make_decoder
+from knnssd.engine.decoder import Decoder, make_decoder
+from knnssd.engine.skip import SkipMask
 from test_sampling import ALPHA, chi2_pvalue, exact_joint
 from tiny import prompt_ids, tiny
 

@@ -14,7 +14,8 @@ import torch
 from knnssd.engine.decode import GenerationConfig, Run, generate, prefill
 from knnssd.engine.drafters import DrafterConfig, LayerSkip, build
 from knnssd.engine.sampling import Warp
-from knnssd.engine.skip import SkipMask, make_decoder
+from knnssd.engine.decoder import make_decoder
+from knnssd.engine.skip import SkipMask
 from tiny import prompt_ids, tiny
 
 READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu")

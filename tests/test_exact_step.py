@@ -19,7 +19,8 @@ from knnssd.engine.attention import NATIVE, SDPA, Attention
 from knnssd.engine.cache import SPAN
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.skip import Decoder, SkipMask, make_decoder
+from knnssd.engine.decoder import Decoder, make_decoder
+from knnssd.engine.skip import SkipMask
 from knnssd.engine.stack import Int8Linear, Linear, NativeLinear, from_hf
 from knnssd.models import cpu_has_fast_bf16
 from test_device_step import set_early_stop
@@ -633,7 +634,7 @@ def _packed_equals_own(dec: Decoder, prompts: list[list[int]], rows: tuple[int, 
     """Packed passes (``pooled``: attention batched over a ``SlotPool``, at key lengths that differ
     between slots, and within the pass of a sequence whose rows straddle a key-length boundary) give
     each sequence the logits of its own pass, and the K/V its next steps read."""
-    from knnssd.engine.skip import forward_slots
+    from knnssd.engine.decoder import forward_slots
 
     # odd sequences one SPAN further on (two key lengths, interleaved); the first pass of the longest
     # draft starts 3 positions before a boundary

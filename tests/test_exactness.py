@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.skip import Decoder, HFDecoder, SkipMask, make_decoder
+from knnssd.engine.decoder import Decoder, HFDecoder, make_decoder
+from knnssd.engine.skip import SkipMask
 from tiny import ARCHS, hf_greedy, prompt_ids, tiny
 
 MAX_NEW = 24

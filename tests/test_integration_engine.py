@@ -12,7 +12,8 @@ import torch
 from knnssd import prompts
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.skip import Decoder, SkipMask
+from knnssd.engine.decoder import Decoder
+from knnssd.engine.skip import SkipMask
 from cli_cases import run_cli
 from tiny import tiny_gguf
 

@@ -14,7 +14,8 @@ from knnssd.engine.decode import GenerationConfig, decode, prefill
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.sampling import Verdict, Warp, accept_greedy, accept_sampled, probs
 from knnssd.engine.sequence import Sequence
-from knnssd.engine.skip import SkipMask, make_decoder
+from knnssd.engine.decoder import make_decoder
+from knnssd.engine.skip import SkipMask
 from tiny import prompt_ids, tiny
 
 ALPHA = 1e-3

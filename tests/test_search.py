@@ -4,7 +4,8 @@ import torch
 
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.skip import SkipMask, make_decoder
+from knnssd.engine.decoder import make_decoder
+from knnssd.engine.skip import SkipMask
 from knnssd.search import proxy, study
 from knnssd.search.costs import Costs, measure_costs
 from tiny import prompt_ids, tiny

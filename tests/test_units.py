@@ -10,7 +10,8 @@ from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, NGram, build
 from knnssd.engine.sampling import Warp
 from knnssd.engine.sequence import Sequence
-from knnssd.engine.skip import MaskError, SkipMask, make_decoder
+from knnssd.engine.decoder import make_decoder
+from knnssd.engine.skip import MaskError, SkipMask
 from tiny import prompt_ids, tiny
 
 

@@ -19,7 +19,8 @@ from knnssd import prompts as prompt_sets
 from knnssd.bench.hf import hf_generate
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.skip import Decoder, SkipMask
+from knnssd.engine.decoder import Decoder
+from knnssd.engine.skip import SkipMask
 from knnssd.engine.timing import pass_timer
 
 

@@ -38,7 +38,7 @@ Each static one but ``sdpa_dynamic`` also has a batched form (``Attention.batch`
 arithmetic over B sequences' caches at one key length, for the batched engine's packed passes.
 On the dev machine's CPU it gave rows bitwise equal to one sequence's call for any B and any
 padded query count, but not for a longer key length (the P @ V reduction over L rounds
-differently), so a packed pass makes one call per key length (``skip._PooledAttention``), and
+differently), so a packed pass makes one call per key length (``decoder._PooledAttention``), and
 ``batch_plan.pooled_exact`` checks it on the real model before a batch uses it.
 """
 from __future__ import annotations
@@ -280,7 +280,7 @@ class Attention:
     cache_fp32: bool  # keep K/V in fp32
     static: bool  # shapes are set by the key length, not the positions (CUDA-graph capturable per key length)
     # The same arithmetic over several sequences' caches at one key length, for packed passes
-    # (``skip.forward_slots``): (q (B, R, H, D), k, v (B, KV, L, D), mask (a PositionMask of (B, 1, R, L)), scale) ->
+    # (``decoder.forward_slots``): (q (B, R, H, D), k, v (B, KV, L, D), mask (a PositionMask of (B, 1, R, L)), scale) ->
     # (B, R, H * D), the queries padded to R >= ``rows``. None: no batched form.
     batch: Callable | None = None
     rows: int = 1
@@ -318,7 +318,7 @@ def _native(q, k, v, rows: native.Rows, scale):
 NATIVE = Attention("native", _native_mask, _native, cache_fp32=False, static=True,
                    pooled_rows=native.Rows, pooled=_native_pooled)
 
-PREFILL_ROWS = 16  # longer calls are prefills: ``skip.Decoder`` runs them in ``prefill_form``
+PREFILL_ROWS = 16  # longer calls are prefills: ``decoder.Decoder`` runs them in ``prefill_form``
 SDPA = Attention("sdpa", _position_mask, _sdpa, cache_fp32=False, static=True, batch=_sdpa_batch)
 SDPA_FOLD = folded()
 FP32 = Attention("fp32", _fp32_mask, _fp32, cache_fp32=True, static=True, batch=_fp32_batch)

@@ -16,7 +16,7 @@ from knnssd.engine.cache import BUCKET, SPAN, KVCache
 from knnssd.engine.draft_lengths import PassCosts, measure_pass_costs, packed_passes
 from knnssd.engine.params import KV_MEMORY, too_many_slots
 from knnssd.engine.prefixes import prefix_exact
-from knnssd.engine.skip import Decoder, forward_slots
+from knnssd.engine.decoder import Decoder, forward_slots
 from knnssd.engine.timing import median_ms
 
 log = logging.getLogger(__name__)

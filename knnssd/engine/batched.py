@@ -39,7 +39,7 @@ from knnssd.engine.draft_lengths import EXPLORE, DraftModel, choose_lengths
 from knnssd.engine.drafters import Drafter
 from knnssd.engine.prefixes import Prefixes
 from knnssd.engine.sampling import Verdict
-from knnssd.engine.skip import Decoder, forward_slots
+from knnssd.engine.decoder import Decoder, forward_slots
 
 log = logging.getLogger(__name__)
 

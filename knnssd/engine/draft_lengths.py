@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from knnssd.engine.decode import Run, add_at
-from knnssd.engine.skip import Decoder, forward_slots
+from knnssd.engine.decoder import Decoder, forward_slots
 from knnssd.engine.timing import median_ms
 
 EXPLORE = 16  # a sequence the rule has not let draft for EXPLORE steps per active sequence drafts once, and

@@ -10,7 +10,7 @@ different key length or mask path may too. So the probe measures it:
    packed and ``RowPadded``.
 2. **Attention.** The implementations in ``attention.implementations(max_t)`` are timed (a
    one-token step and a 4-token pass, to the device's end, in turns; with ``packed``, from
-   ``skip.make_decoder``, also a packed pass of ``BATCH_SLOTS`` sequences, the batched engine's
+   ``decoder.make_decoder``, also a packed pass of ``BATCH_SLOTS`` sequences, the batched engine's
    step, and the two times are added), then checked cheapest first, each over the whole model:
    for each context length c in ``CONTEXTS``, random tokens, then one-token steps for positions
    c..c+max_t-1 as the reference, then passes of T = 2..max_t tokens at c, each followed by a
@@ -216,9 +216,9 @@ BATCH_SLOTS = 8
 
 def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = None, record: Path | None = None,
            packed=None) -> "Exactness":
-    """Probe ``dec`` (a ``skip.Decoder``), set its exact step (the module docstring's order), and return
+    """Probe ``dec`` (a ``decoder.Decoder``), set its exact step (the module docstring's order), and return
     what was measured; or take the choice ``record`` holds (``remember`` writes it), without probing.
-    ``packed``: ``skip.forward_slots``, to time the candidates' packed passes."""
+    ``packed``: ``decoder.forward_slots``, to time the candidates' packed passes."""
     candidates = candidates or implementations(max_t, dec.stack.device)
     dtype, device = _dtype_name(dec.stack.dtype), str(dec.stack.device)
     stack, adjusted = pad_linears(dec.stack, max_t)
@@ -261,8 +261,9 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
 # CPU dispatch, cuBLAS workspaces and TF32).
 KERNEL_ENV = ("DNNL_", "ONEDNN_", "MKL_", "OMP_", "KMP_", "ATEN_", "CUBLAS_", "NVIDIA_TF32", "TORCH_BLAS")
 # The engine code a forward pass runs (which kernels, on what shapes) and the probe itself.
-FORWARD_CODE = tuple(Path(__file__).parent / f for f in ("attention.py", "cache.py", "skip.py", "stack.py",
-                                                        "exactness.py", "native.py", "native.c"))
+FORWARD_CODE = tuple(Path(__file__).parent / f for f in ("attention.py", "cache.py", "decoder.py", "skip.py",
+                                                        "stack.py", "quantized.py", "exactness.py", "native.py",
+                                                        "native.c"))
 
 
 def machine_key(device: torch.device) -> str:
@@ -346,7 +347,7 @@ def _recall(record: Path | None, candidates: tuple[Attention, ...], max_t: int) 
 
 def remember(record: Path, result: Exactness, candidates: tuple[Attention, ...] | None = None) -> None:
     """Keep an exact, probed choice in ``record`` for the next load (a caller that checks the decoder
-    further, as ``skip.make_decoder`` does against HF, writes it only once that check has passed)."""
+    further, as ``decoder.make_decoder`` does against HF, writes it only once that check has passed)."""
     if not result.exact or result.recalled:
         return
     candidates = candidates or implementations(result.max_t, result.device)

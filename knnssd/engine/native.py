@@ -253,7 +253,7 @@ class RMSNorm:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor | None:
-    """``skip._rope`` in one call, rounding as its torch ops do: x (T, heads, D) with each head's D values
+    """``decoder._rope`` in one call, rounding as its torch ops do: x (T, heads, D) with each head's D values
     contiguous and heads D apart (a slice of QKV rows; tokens any stride apart), cos and sin_signed
     contiguous (T, 1, d) of x's dtype, d even and <= D -> a new contiguous (T, heads, D); None for
     anything else (the caller runs the torch ops)."""
@@ -556,7 +556,7 @@ class LayerParts:
 class Layers:
     """A decoder's layers in one C call per pass (``native.c``'s ``layers_bf16``): for each layer, norm, QKV,
     RoPE, the cache write, attention, output projection, residual, norm, gate/up, SiLU product, down and
-    residual, each by the same kernel and rounding as the per-op path (``skip.Decoder``'s, with ``Linear``,
+    residual, each by the same kernel and rounding as the per-op path (``decoder.Decoder``'s, with ``Linear``,
     ``RMSNorm``, ``rope``, ``attention`` and ``silu_mul``), so a row's bits do not change with the path, and
     each row is computed alone as there. A skip mask leaves sub-layers out inside the call.
 

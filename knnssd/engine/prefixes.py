@@ -9,7 +9,7 @@ import torch
 from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
 from knnssd.engine.decode import GenerationConfig, Reused, prefill, reusable, reuse_unit_of
 from knnssd.engine.sequence import Sequence
-from knnssd.engine.skip import Decoder
+from knnssd.engine.decoder import Decoder
 
 
 class Prefixes:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from knnssd.engine.sampling import Warp
-from knnssd.engine.skip import Decoder, HFDecoder
+from knnssd.engine.decoder import Decoder, HFDecoder
 
 _uids = itertools.count()
 

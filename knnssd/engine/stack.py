@@ -1,10 +1,10 @@
 """A decoder's weights gathered into plain tensors, for a lean forward pass.
 
-HF modules cost ~0.4 ms of Python per layer per call here; the forward in ``skip.py`` runs the
+HF modules cost ~0.4 ms of Python per layer per call here; the forward in ``decoder.py`` runs the
 same math from these tensors with a handful of torch calls per sub-layer (fused QKV and
 gate/up projections, a static KV cache). ``from_hf`` reads the standard decoder layout shared
 by Llama, Mistral, Qwen2/3, Gemma3, Phi3 and their relatives; anything else raises
-``UnsupportedArchitecture`` and the caller falls back to plain HF forwards. ``skip.Decoder``
+``UnsupportedArchitecture`` and the caller falls back to plain HF forwards. ``decoder.Decoder``
 checks the result against the HF model once on load.
 
 Terms: H query heads, KV key/value heads, D head dim, T tokens in a call, V vocabulary.

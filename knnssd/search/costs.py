@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from knnssd.engine.skip import Decoder, SkipMask
+from knnssd.engine.decoder import Decoder
+
+from knnssd.engine.skip import SkipMask
 from knnssd.engine.timing import pass_timer
 
 

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.skip import Decoder, SkipMask
+from knnssd.engine.decoder import Decoder
+from knnssd.engine.skip import SkipMask
 from knnssd.routing.bank import ClusterResult
 from knnssd.search import cancel
 from knnssd.search.budget import Budget

@@ -19,7 +19,8 @@ import torch
 
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import DrafterConfig, NGram, adapt_length
-from knnssd.engine.skip import Decoder, SkipMask
+from knnssd.engine.decoder import Decoder
+from knnssd.engine.skip import SkipMask
 from knnssd.search import cancel
 from knnssd.search.costs import Costs
 

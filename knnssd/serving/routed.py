@@ -22,7 +22,7 @@ from knnssd.engine.batched import BatchStats, decode_batch
 from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Run, prefill
 from knnssd.engine.drafters import build
 from knnssd.engine.params import GenerateParams, prompt_ids
-from knnssd.engine.skip import Decoder
+from knnssd.engine.decoder import Decoder
 from knnssd.routing import bank as banks
 
 log = logging.getLogger(__name__)
