@@ -13,7 +13,6 @@ loading at once never see (or leave) a half-written cache.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from knnssd import locks
 from knnssd.engine import exactness
 from knnssd.engine.params import Limits
 from knnssd.engine.decoder import Decoder, HFDecoder, make_decoder
@@ -239,15 +239,9 @@ def embedded_gguf(name: str) -> Path:
         raise ModelError(f"model '{name}': assembled file {target} is corrupt ({e}); delete it") from None
 
 
-@contextlib.contextmanager
 def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    """The lock two processes making ``path`` at once take in turn (``<path>.lock``)."""
+    return locks.locked(Path(str(path) + ".lock"))
 
 
 def _converted_dir(gguf: Path, label: str) -> Path:

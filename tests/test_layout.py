@@ -8,7 +8,8 @@ SOURCES = {"knnssd": ROOT / "knnssd", "knnssd.flows": ROOT / "flows", "knnssd.ta
 
 # Bottom to top: a module may import its own layer and the layers before it.
 LAYERS = [
-    ("base", ["knnssd", "knnssd.settings", "knnssd.console", "knnssd.reachable", "knnssd.processes", "knnssd.prompts"]),
+    ("base", ["knnssd", "knnssd.settings", "knnssd.console", "knnssd.reachable", "knnssd.processes", "knnssd.prompts",
+              "knnssd.locks"]),
     ("engine", ["knnssd.engine"]),
     ("models", ["knnssd.models"]),
     ("routing", ["knnssd.routing"]),

@@ -29,7 +29,7 @@ The result (``Exactness``) goes into ``DecodeStats``, the bench report and bank 
 """
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import hashlib
 import json
 import logging
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from knnssd import locks
 from knnssd.engine import native
 from knnssd.engine.attention import Attention, implementations
 from knnssd.engine.cache import SPAN
@@ -324,18 +325,13 @@ def update_record(record: Path, change: Callable[[dict], dict]) -> None:
     """Replace ``record`` with ``change`` of what it holds now, read and written under a lock on its folder
     (no lock file is left): two processes that each add an entry keep both, as each read-modify-write
     sees the other's. Where the lock cannot be taken, the change is written without it."""
-    fd = None
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(record.parent, os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes
-    except OSError as e:
-        log.info("cannot lock %s: %s", record.parent, e)
-    try:
+    with contextlib.ExitStack() as held:
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            held.enter_context(locks.locked(record.parent))
+        except OSError as e:
+            log.info("cannot lock %s: %s", record.parent, e)
         write_record(record, change(read_record(record)))
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 def _recall(record: Path | None, candidates: tuple[Attention, ...], max_t: int) -> Attention | None:

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import fcntl
 import functools
 import logging
 import sys
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from knnssd import models, prompts, tracking
+from knnssd import locks, models, prompts, tracking
 from knnssd.engine.exactness import source_digest
 from knnssd.routing import bank as banks
 from knnssd.routing import pictures, router
@@ -129,20 +127,9 @@ def make_clusters(vectors: Path, k_per_domain: int = 10, n_clusters: int | None 
 def machine_lock(name: str = "timing"):
     """Serialise timed work on one machine (concurrent searches would disturb each other's clocks). A
     search waiting here stops when its flow is interrupted (``cancel``)."""
-    path = cache_dir() / f"{name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        while True:
-            cancel.check()
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    cancel.check()
+    with locks.locked(cache_dir() / f"{name}.lock", poll=cancel.check):
+        yield
 
 
 def default_storage() -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import fcntl
 import functools
 import hashlib
 import json
@@ -28,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from knnssd import locks
 from knnssd.engine.batch_plan import auto_slots, check_slots
 from knnssd.engine.batched import BatchStats
 from knnssd.engine.decode import acceptance_rate, mean_accepted
@@ -126,9 +126,7 @@ def _lock(path: Path) -> int:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise OutputError(f"cannot create the lock file {path} ({e.strerror or e})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not locks.try_lock(fd):
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             output = path.with_name(path.name[: -len(".lock")])
