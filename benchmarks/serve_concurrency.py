@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,15 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from knnssd import prompts
+from knnssd.reachable import free_port
 
 WARM_UP = "Say hello."
 BIN = Path(sys.executable).parent  # the venv's bin: mlflow, and the server's PATH
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ask(port: int, prompt: str, max_new_tokens: int) -> list[int]:

@@ -1,6 +1,6 @@
 """Does a server answer? One quick check for the services a command depends on: an HTTP server
 (``error``) or a database behind an SQLAlchemy URL (``database_error``); and can a server of ours
-listen where it is told to (``listen_error``)."""
+listen where it is told to (``listen_error``), or on a free port (``free_port``)."""
 from __future__ import annotations
 
 import urllib.error
@@ -44,6 +44,15 @@ def database_error(url: str, timeout: float) -> str | None:
 
         return first_line(e)
     return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the system's pick), for a server started next."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def listen_error(host: str, port: int) -> str | None:

@@ -2,7 +2,6 @@
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -10,14 +9,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from knnssd.reachable import free_port
+
 PREFECT = str(Path(sys.executable).parent / "prefect")
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: prefect.yaml, flows/
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
