@@ -22,8 +22,28 @@ for _key, _value in {"HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 | gemma3-270m | local folder | .gguf | hub id")
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    _dtype_arg(p)
     _device_arg(p)
+
+
+def _dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto (bf16 where the CPU or GPU runs it fast, else fp32) | bfloat16 | float32 | gguf (a GGUF "
+                        "file's own blocks) | q4_1 | q8_0 (blocks made at load)")
+
+
+def _tracking_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tracking-uri", default=None,
+                   help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///artifacts/mlflow.db)")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    """What one generation takes besides its length (``engine.params.GenerateParams``)."""
+    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longer prompts keep their last tokens (warned)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
 
 
 def _device_arg(p: argparse.ArgumentParser) -> None:
@@ -382,8 +402,9 @@ def cmd_route_eval(a) -> int:
     from knnssd.serving.evaluate import routing_accuracy
 
     _counts(a, "prompts", "max_new_tokens")
+    _check_tracking(a.tracking_uri)
     print(json.dumps(routing_accuracy(a.model_uri, Path(a.data) if a.data else None, a.prompts, a.dtype,
-                                      a.max_new_tokens, a.timed), indent=2))
+                                      a.max_new_tokens, a.timed, a.tracking_uri), indent=2))
     return 0
 
 
@@ -398,7 +419,7 @@ def _calibrate_args(k: argparse.ArgumentParser) -> None:
     k.add_argument("--layer", type=int, default=-1, help="hidden state to pool (-1: after the final norm)")
     budget_args(k)
     k.add_argument("--storage", default=None, help="Optuna storage: journal file path or URL (sqlite:///, postgresql://)")
-    k.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///artifacts/mlflow.db)")
+    _tracking_arg(k)
     k.add_argument("--alias", default="candidate", help="alias for the new version (default candidate)")
 
 
@@ -453,11 +474,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--threshold", type=float, default=0.5)
     c.add_argument("--int8", action="store_true", help="draft on int8 weights")
     c.add_argument("--max-new-tokens", type=int, default=64)
-    c.add_argument("--max-prompt-tokens", type=int, default=4096, help="longer prompts keep their last tokens (warned)")
-    c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--seed", type=int, default=None)
+    _sampling_args(c)
     c.set_defaults(fn=cmd_complete)
 
     k = sub.add_parser("calibrate", help="prompts -> anchors -> per-cluster search -> a new bank version (Prefect flow)")
@@ -479,7 +496,7 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--warm", type=int, default=3, help="nearest old clusters to warm-start from (0: cold)")
     budget_args(n)
     n.add_argument("--storage", default=None)
-    n.add_argument("--tracking-uri", default=None)
+    _tracking_arg(n)
     n.set_defaults(fn=cmd_add_domain)
 
     o = sub.add_parser("promote", help="time candidate vs champion on eval prompts; move champion if not worse")
@@ -488,10 +505,10 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--champion", default="champion", help="alias or version")
     o.add_argument("--input", action="append", help="prompt files (eval rows; default: the five domains)")
     o.add_argument("--per-file", type=int, default=4)
-    o.add_argument("--dtype", default="auto", choices=DTYPES)
+    _dtype_arg(o)
     o.add_argument("--max-new-tokens", type=int, default=64)
     o.add_argument("--tolerance", type=float, default=0.03, help="promote when candidate >= (1 - tolerance) x champion speed")
-    o.add_argument("--tracking-uri", default=None)
+    _tracking_arg(o)
     o.set_defaults(fn=cmd_promote)
 
     t = sub.add_parser("watch", help="once: add new drop-folder files / unmatched prompts as domains, then promote")
@@ -499,10 +516,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default="smollm2")
     t.add_argument("--min-prompts", type=int, default=20)
     t.add_argument("--no-unmatched", action="store_true", help="ignore the unmatched-prompts log")
-    t.add_argument("--dtype", default="auto", choices=DTYPES)
+    _dtype_arg(t)
     t.add_argument("--search", default="{}", help='add-domain settings as JSON, e.g. \'{"proxy_trials": 16}\'')
     t.add_argument("--promote", default="{}", help='promote settings as JSON, e.g. \'{"per_file": 2}\'')
-    t.add_argument("--tracking-uri", default=None)
+    _tracking_arg(t)
     t.set_defaults(fn=cmd_watch)
 
     d = sub.add_parser("demo", help="the main job: calibrate a small bank, register it, generate a mixed stream")
@@ -518,22 +535,18 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--output", required=True, help="parquet file; an existing one is resumed (finished ids skipped)")
     g.add_argument("--overwrite", action="store_true", help="start the output over instead of resuming it")
     g.add_argument("--split", default=None, help="only rows of this split (e.g. eval)")
-    g.add_argument("--dtype", default="auto", choices=DTYPES)
+    _dtype_arg(g)
     _device_arg(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--max-prompt-tokens", type=int, default=4096, help="longer prompts keep their last tokens (warned)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    _sampling_args(g)
     g.add_argument("--batch-size", default="auto", metavar="auto|N",
                    help="sequences decoded together, one full-model pass per step for all (default auto: measured; "
                         "1: one at a time)")
-    g.add_argument("--tracking-uri", default=None)
+    _tracking_arg(g)
     g.set_defaults(fn=cmd_generate)
 
     u = sub.add_parser("ui", help="the MLflow UI on 127.0.0.1")
-    u.add_argument("--tracking-uri", default=None)
+    _tracking_arg(u)
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=5000)
     u.set_defaults(fn=cmd_ui)
@@ -545,7 +558,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--masks-bank", default=None, help="layer-skip-only bank (calibrate --kinds layer_skip --no-int8)")
     e.add_argument("--static-bank", default=None, help="single-cluster bank (calibrate --unlabelled --clusters 1)")
     e.add_argument("--model", default=None, help="default: the bank's model")
-    e.add_argument("--dtype", default="auto", choices=DTYPES)
+    _dtype_arg(e)
     _device_arg(e)
     e.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
     e.add_argument("--domains", default=",".join(DOMAINS))
@@ -558,7 +571,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--no-hf", action="store_true")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", default="artifacts/bench", help="results folder (resumes its measurement journal)")
-    e.add_argument("--tracking-uri", default=None)
+    _tracking_arg(e)
     e.add_argument("--throughput", type=int, default=0, metavar="N",
                    help="add bench-throughput's table over N mixed eval prompts of --domains (0: none)")
     e.add_argument("--throughput-sizes", default="4,8,16", help="its fixed batch sizes (>= 2)")
@@ -567,7 +580,7 @@ def parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("bench-throughput", help="batch tokens/s: routed b=1, batched plain and routed, auto")
     t.add_argument("--bank", required=True, help="routed-drafters bank: models:/... URI or bank folder")
-    t.add_argument("--dtype", default="auto", choices=DTYPES)
+    _dtype_arg(t)
     _device_arg(t)
     t.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
     t.add_argument("--prompts", type=int, default=64, help="mixed eval prompts, round-robin over the domains")
@@ -575,7 +588,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--sizes", default="4,8,16", help="fixed batch sizes (>= 2) besides b=1 and auto")
     t.add_argument("--repeats", type=int, default=1, help="runs of the whole list; each setting keeps its best")
     t.add_argument("--json", action="store_true")
-    t.add_argument("--tracking-uri", default=None)
+    _tracking_arg(t)
     t.set_defaults(fn=cmd_bench_throughput)
 
     pl = sub.add_parser("plant", help="a test model with planted redundancy: zero-output layers the mask search must skip")
@@ -591,7 +604,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--prompts", type=int, default=None, help="eval prompts per domain (default all)")
     r.add_argument("--timed", type=int, default=2, help="prompts per domain generated to time the overhead")
     r.add_argument("--max-new-tokens", type=int, default=128)
-    r.add_argument("--dtype", default="auto", choices=DTYPES)
+    _dtype_arg(r)
+    _tracking_arg(r)
     r.set_defaults(fn=cmd_route_eval)
     return p
 

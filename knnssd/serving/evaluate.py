@@ -13,7 +13,7 @@ from knnssd.engine.decode import GenerationConfig
 
 @torch.inference_mode()
 def routing_accuracy(model_uri: str, data: Path | None = None, per_domain: int | None = None, dtype: str = "auto",
-                     max_new_tokens: int = 128, timed: int = 2) -> dict:
+                     max_new_tokens: int = 128, timed: int = 2, tracking_uri: str | None = None) -> dict:
     """Fraction of eval prompts routed to a cluster of their own domain, and routing time as % of the
     time to generate ``max_new_tokens`` (measured on ``timed`` prompts per domain)."""
     from tqdm import tqdm
@@ -22,7 +22,7 @@ def routing_accuracy(model_uri: str, data: Path | None = None, per_domain: int |
 
     from knnssd.serving.routed import RoutedGenerator
 
-    gen = RoutedGenerator.from_model_uri(model_uri, dtype=dtype)
+    gen = RoutedGenerator.from_model_uri(model_uri, dtype=dtype, tracking_uri=tracking_uri)
     labels = {c.id: c.label for c in gen.bank.clusters}
     domains = tuple(d for d in prompts.DOMAINS if d in set(labels.values())) or prompts.DOMAINS
     rows = prompts.load_domains(data or prompts.default_data_dir(), domains, "eval", per_domain)
