@@ -9,14 +9,9 @@ the command ends.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 
-from knnssd import reachable
-from knnssd.processes import die_with_parent
+from knnssd import reachable, shims
 
 TIMEOUT_S = 5
 STARTUP_S = 90  # the least a temporary server gets to answer: a fresh PREFECT_HOME's database is created and
@@ -25,27 +20,6 @@ STARTUP_S = 90  # the least a temporary server gets to answer: a fresh PREFECT_H
 
 class PrefectUnavailable(RuntimeError):
     """The Prefect API does not answer; one line."""
-
-
-def _server_class():
-    import prefect
-    from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import get_current_settings
-
-    class Server(SubprocessASGIServer):
-        """Prefect's temporary server, started with the parent-death signal, in a session of its own: a stop
-        sent to the command's whole group (``kill -- -PGID``, systemd, Slurm) reaches the command, which
-        reports its flow's state to the server and then stops it, instead of the server dying first."""
-
-        def _run_uvicorn_command(self) -> subprocess.Popen:
-            env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-                   "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
-            args = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
-                    "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
-                    "--log-level", "error", "--lifespan", "on"]
-            return subprocess.Popen(args, env=env, preexec_fn=die_with_parent(), start_new_session=True)
-
-    return Server
 
 
 def check(url: str) -> None:
@@ -66,7 +40,7 @@ def local_api() -> Iterator[str]:
         check(url)
         yield url
         return
-    server = _server_class()(_free_port())  # its own port: never an instance Prefect made without the signal
+    server = shims.prefect_server_class()(reachable.free_port())  # its own port: never an instance Prefect made without the signal
     try:
         server.start(timeout=max(STARTUP_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
     except BaseException as e:  # a start timeout, a port race, Ctrl-C or SIGTERM: nothing left running
@@ -95,9 +69,3 @@ def drain(timeout: float = 10) -> None:
             worker.drain_all(timeout=timeout)
         except Exception:  # noqa: BLE001 - best effort: nothing to deliver is not an error
             pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

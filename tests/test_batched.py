@@ -391,21 +391,6 @@ def test_the_batch_thread_sees_what_it_loaded(caplog):
     assert b.batching and not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
-def test_predict_widens_the_executor_it_runs_on_to_the_batch():
-    """``mlflow models serve`` runs ``predict`` on an executor of cores + 4 threads: predict lets it run
-    one per slot, so that many requests can be in the batch at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from knnssd.serving.pyfunc import _admit_concurrent_requests
-
-    with ThreadPoolExecutor(2) as pool:
-        pool.submit(_admit_concurrent_requests, 16).result()
-        assert pool._max_workers == 16
-        pool.submit(_admit_concurrent_requests, 4).result()  # never narrowed
-        assert pool._max_workers == 16
-    _admit_concurrent_requests(16)  # not on an executor's thread: nothing to widen
-
-
 def test_a_job_that_fails_to_start_leaves_the_others_running():
     """Issue 40's trial: one request whose start raised (a seed torch could not take) failed every request in
     the server's batch. With ``failed``, that job alone goes there, its slot freed; without it, it raises."""

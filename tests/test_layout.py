@@ -9,7 +9,7 @@ SOURCES = {"knnssd": ROOT / "knnssd", "knnssd.flows": ROOT / "flows", "knnssd.ta
 # Bottom to top: a module may import its own layer and the layers before it.
 LAYERS = [
     ("base", ["knnssd", "knnssd.settings", "knnssd.console", "knnssd.reachable", "knnssd.processes", "knnssd.prompts",
-              "knnssd.locks"]),
+              "knnssd.locks", "knnssd.shims"]),
     ("engine", ["knnssd.engine"]),
     ("models", ["knnssd.models"]),
     ("routing", ["knnssd.routing"]),

@@ -111,15 +111,9 @@ def _admit_concurrent_requests(slots: int) -> None:
     runs, so the loop's executor cannot be replaced at load; instead, where ``predict`` runs on a
     ``ThreadPoolExecutor``'s worker thread, that executor may start up to ``slots`` threads (each
     ``predict`` thread only waits for its results). Elsewhere (a script calling ``predict``), nothing."""
-    import sys
-    from concurrent.futures import ThreadPoolExecutor
+    from knnssd.shims import widen_this_executor
 
-    frame = sys._getframe(1)
-    while frame is not None and not (frame.f_code.co_name == "_worker" and "executor_reference" in frame.f_locals):
-        frame = frame.f_back
-    executor = frame.f_locals["executor_reference"]() if frame is not None else None
-    if isinstance(executor, ThreadPoolExecutor) and getattr(executor, "_max_workers", slots) < slots:
-        executor._max_workers = slots
+    widen_this_executor(slots)
 
 
 def _prompts(model_input) -> list:
