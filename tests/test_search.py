@@ -1,4 +1,5 @@
-"""The proxy simulation replays the real speculative loop exactly for n-gram drafting."""
+"""The proxy simulation replays the real speculative loop (``draft_policy``'s rules) exactly where its traces are
+the drafts the loop makes: n-gram drafting, and layer-skip drafts with no sub-layer skipped."""
 import pytest
 import torch
 
@@ -24,6 +25,26 @@ def test_simulated_ngram_counts_equal_real_loop(adaptive):
         _, acc, mean = proxy.simulate([s], None, policy, costs, 0.0, props)
         cfg = DrafterConfig(kind="ngram", max_len=5, ngram_sizes=[2, 1], adaptive=adaptive)
         out, st = generate(dec, ids, build(cfg, 4), GenerationConfig(max_new_tokens=40))
+        assert out == cont
+        assert acc == pytest.approx(st.acceptance_rate) and mean == pytest.approx(st.mean_accepted)
+
+
+@pytest.mark.parametrize("kind,threshold,adaptive", [("layer_skip", 0.6, False), ("hybrid", 0.6, True)])
+def test_simulated_confidence_stops_and_hybrid_choice_equal_real_loop(kind, threshold, adaptive):
+    """With no sub-layer skipped, a trace's confidences are the loop's draft confidences: the threshold stop,
+    the hybrid's choice, the cap and the adapted length must then give the loop's counts exactly."""
+    dec = make_decoder(tiny("llama"))
+    costs = Costs(verify=[1.0 + 0.05 * t for t in range(12)], draft={"full": (1.0, 0.0, 0.0)})
+    for i in (0, 2):
+        ids = prompt_ids("llama", i)
+        cont, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=30))
+        s = proxy.Sample(ids, cont)
+        traces = proxy.trace(dec, [s], SkipMask.none(4), False, 64)
+        policy = proxy.Policy(kind, 6, threshold, adaptive, (2, 1))
+        props = [proxy.ngram_proposals(s, (2, 1), 10)]
+        _, acc, mean = proxy.simulate([s], traces, policy, costs, 1.0, props)
+        cfg = proxy.to_config(policy, SkipMask.none(4), False)
+        out, st = generate(dec, ids, build(cfg, 4), GenerationConfig(max_new_tokens=30))
         assert out == cont
         assert acc == pytest.approx(st.acceptance_rate) and mean == pytest.approx(st.mean_accepted)
 

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from knnssd.engine import draft_policy
 from knnssd.engine.attention import PREFILL_ROWS, reuse_unit
 from knnssd.engine.cache import KVCache
 from knnssd.engine.drafters import Draft, Drafter
@@ -224,8 +225,7 @@ class Run:
         and what the exactness probe covered."""
         if self.drafter is None:
             return 0
-        room = self.config.max_new_tokens - len(self.new) - 1  # drafts beyond this could never be emitted
-        return max(0, min(self.k, room, self.max_draft))
+        return draft_policy.cap(self.k, self.config.max_new_tokens - len(self.new), self.max_draft)
 
     def propose(self, k: int | None = None) -> Call:
         """Draft up to ``k`` tokens (default ``draft_cap()``) and return the rows to verify."""

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from knnssd.engine import draft_policy
 from knnssd.engine.sampling import draw, probs
 from knnssd.engine.sequence import Sequence
 from knnssd.engine.skip import MaskError, SkipMask
@@ -54,22 +55,15 @@ class Drafter(Protocol):
     def next_len(self, k: int, drafted: int, accepted: int) -> int: ...
 
 
-def adapt_length(k: int, max_len: int, drafted: int, accepted: int) -> int:
-    """HF's schedule (``candidate_generator.py``): +2 after a fully accepted draft, else -1, within 1..max_len."""
-    if not drafted:
-        return k
-    return min(max_len, k + 2) if accepted == drafted else max(1, k - 1)
-
-
 class _Feedback:
-    """The draft-length feedback every drafter shares: the loop and the search's simulator call it."""
+    """The draft-length feedback every drafter shares (``draft_policy.next_len``, as the search's simulator)."""
 
     max_len: int
     adaptive = False
 
     def next_len(self, k: int, drafted: int, accepted: int) -> int:
         """The next draft length after a step that drafted ``drafted`` tokens and accepted ``accepted``."""
-        return adapt_length(k, self.max_len, drafted, accepted) if self.adaptive else k
+        return draft_policy.next_len(k, self.max_len, self.adaptive, drafted, accepted)
 
 
 class LayerSkip(_Feedback):
@@ -110,11 +104,11 @@ class LayerSkip(_Feedback):
             toks.append(tok)
             if self.threshold > 0:
                 confs.append(dist.gather(0, tok))
-                if early and bool(confs[-1] < self.threshold):  # the comparison the device cut makes
+                if early and bool(draft_policy.stops(confs[-1], self.threshold)):  # as the device cut
                     break
         kept = None
-        if confs and not early:
-            below = torch.cat(confs) < self.threshold  # keep up to and including the first token under it
+        if confs and not early:  # ``draft_policy.confident``, on the device
+            below = draft_policy.stops(torch.cat(confs), self.threshold)
             kept = torch.where(below.any(), below.long().argmax() + 1, len(toks))
         return Draft(torch.cat(toks) if toks else seq.last[:0], torch.stack(qs) if qs else None, kept)
 
@@ -162,7 +156,7 @@ class Hybrid(_Feedback):
 
     def propose(self, seq: "Sequence", k: int) -> Draft:
         d = self.ngram.propose(seq, min(k, self.ngram.max_len))
-        if len(d):
+        if draft_policy.hybrid_uses_ngram(d.tokens):
             return d
         return self.layer_skip.propose(seq, min(k, self.layer_skip.max_len))
 

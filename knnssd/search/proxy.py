@@ -18,13 +18,16 @@ import numpy as np
 import torch
 
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
-from knnssd.engine.drafters import DrafterConfig, NGram, adapt_length
+from knnssd.engine import draft_policy
+from knnssd.engine.exactness import MAX_T
+from knnssd.engine.drafters import DrafterConfig, NGram
 from knnssd.engine.decoder import Decoder
 from knnssd.engine.skip import SkipMask
 from knnssd.search import cancel
 from knnssd.search.costs import Costs
 
 THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.9)
+PROBED = MAX_T - 1  # the longest draft the exactness probe covers (less the step's own row), as ``decode.Run``
 MAX_LENS = (2, 3, 4, 6, 8, 10)
 NGRAM_SIZES = ((3, 2, 1), (3, 2), (4, 3, 2))
 
@@ -86,27 +89,25 @@ def ngram_proposals(sample: Sample, sizes: tuple[int, ...], max_len: int) -> lis
 
 def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, costs: Costs, draft_ms: float,
              proposals: list[list[list[int]]] | None) -> tuple[float, float, float]:
-    """Replay the speculative loop on teacher-forced traces: (predicted decode speedup, acceptance, mean accepted)."""
+    """Replay the speculative loop on teacher-forced traces, with ``draft_policy``'s rules as ``decode.Run``
+    and the drafters apply them: (predicted decode speedup, acceptance, mean accepted)."""
     spec_t = ar_t = 0.0
     drafted = accepted = steps = 0
     for si, s in enumerate(samples):
         n = len(s.cont)
         j, k = 1, policy.max_len  # cont[0] comes from the prefill in both AR and speculative decoding
         while j < n:
-            room = n - j - 1
             d_tokens: list[bool] = []
             cost = 0.0
             prop = proposals[si][j] if proposals is not None and policy.kind in ("ngram", "hybrid") else []
-            kk = min(k, room)
-            if prop and kk > 0:
+            kk = draft_policy.cap(k, n - j, PROBED)
+            if kk > 0 and draft_policy.hybrid_uses_ngram(prop):
                 prop = prop[:kk]
                 d_tokens = [prop[i] == s.cont[j + i] for i in range(len(prop))]
             elif policy.kind != "ngram" and kk > 0:
                 tr = traces[si]
-                for i in range(kk):
-                    d_tokens.append(bool(tr.match[j + i]))
-                    if tr.conf[j + i] < policy.threshold:
-                        break
+                kept = draft_policy.confident(tr.conf[j : j + kk], policy.threshold)
+                d_tokens = [bool(x) for x in tr.match[j : j + kept]]
                 cost = draft_ms * len(d_tokens)
             a = 0
             while a < len(d_tokens) and d_tokens[a]:
@@ -117,8 +118,7 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
             drafted += len(d_tokens)
             accepted += a
             steps += 1
-            if policy.adaptive:
-                k = adapt_length(k, policy.max_len, len(d_tokens), a)
+            k = draft_policy.next_len(k, policy.max_len, policy.adaptive, len(d_tokens), a)
             j += a + 1
     speedup = ar_t / spec_t if spec_t else 1.0
     return speedup, acceptance_rate(accepted, drafted), mean_accepted(accepted, steps)
