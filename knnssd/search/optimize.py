@@ -15,28 +15,27 @@ default):
    (equivalently, time per generated token). Plain AR (speedup 1.0) is always a candidate, so
    no cluster's result is slower than AR as measured.
 
-This module runs the two stages for one cluster (``search_cluster``); the terms are defined in
-``proxy.py`` and ``costs.py``.
+This module runs the two stages for one cluster (``search_cluster``); what each stage maximises is
+``objective.py``'s, and the terms are defined in ``proxy.py`` and ``costs.py``.
 """
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
+from knnssd.engine.decode import GenerationConfig
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.decoder import Decoder
 from knnssd.engine.skip import SkipMask
 from knnssd.routing.bank import ClusterResult
-from knnssd.search import cancel
+from knnssd.search import cancel, objective
 from knnssd.search.budget import Budget
 from knnssd.search.costs import Costs
 from knnssd.search.proxy import (MAX_LENS, NGRAM_SIZES, Policy, Sample, best_policy, influence, influence_masks,
-                                 ngram_proposals, teacher_samples, to_config, trace)
+                                 ngram_proposals, teacher_samples, to_config)
 from knnssd.search.study import finished, open_study, search_space, trial_mask, trial_params
 
 log = logging.getLogger(__name__)
@@ -120,20 +119,13 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
 
     space = search_space(n, precisions)
 
-    def objective(trial):
-        params = {name: trial.suggest_categorical(name, choices) for name, choices in space.items()}
-        mask, int8 = trial_mask(params, n), params["int8"]
-        traces = trace(dec, samples, mask, int8, budget.context)
-        pol, (sp, acc, mean) = best_policy(samples, traces, costs, costs.draft_ms(mask, int8), proposals, kinds)
-        trial.set_user_attr("policy", asdict(pol))
-        trial.set_user_attr("acceptance", acc)
-        trial.set_user_attr("mean_accepted", mean)
-        return sp
+    def value(trial) -> float:
+        return objective.proxy_value(trial, dec, samples, space, budget.context, costs, proposals, kinds)
 
     remaining = budget.proxy_trials - len(finished(proxy)) if n_trials is None else n_trials
     if remaining > 0:
         timeout = None if deadline is None else max(1.0, 0.6 * (deadline - time.perf_counter()))
-        proxy.optimize(objective, n_trials=remaining, timeout=timeout,
+        proxy.optimize(value, n_trials=remaining, timeout=timeout,
                        callbacks=[lambda study, trial: cancel.check(), *([progress] if progress else [])])
     return Proxy(proxy, samples, proposals, kinds, costs)
 
@@ -183,48 +175,30 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
         trial = real.ask()
         trial.set_user_attr("config", key)
         trial.set_user_attr("proxy_speedup", proxy_sp)
-        ar_s = sp_s = 0.0
-        tokens = drafted = acc = steps = 0
-        pruned = False
-        for i, ids in enumerate(prompt_ids):
+
+        def stop(trial=trial) -> None:
             if cancel.requested():  # told failed: a rerun measures the candidate again
                 real.tell(trial, state=optuna.trial.TrialState.FAIL)
                 cancel.check()
-            order = (None, drafter) if i % 2 == 0 else (drafter, None)
-            for d in order:
-                out, st = generate(dec, ids, d, gen)
-                if d is None:
-                    ar_s += st.decode_s
-                else:
-                    sp_s += st.decode_s
-                    tokens += len(out)
-                    drafted += st.drafted
-                    acc += sum(st.accepted)
-                    steps += len(st.accepted)
-            trial.report(ar_s / sp_s, i)
-            if trial.should_prune():
-                pruned = True
-                break
-        trial.set_user_attr("ms_per_token", 1e3 * sp_s / max(1, tokens))
-        trial.set_user_attr("ar_ms_per_token", 1e3 * ar_s / max(1, tokens))
-        trial.set_user_attr("acceptance", acceptance_rate(acc, drafted))
-        trial.set_user_attr("mean_accepted", mean_accepted(acc, steps))
-        if pruned:
+
+        def report(speedup: float, i: int, trial=trial) -> bool:
+            trial.report(speedup, i)
+            return trial.should_prune()
+
+        got = objective.measure(dec, drafter, prompt_ids, gen, report, stop)
+        for name, value in got.attrs().items():
+            trial.set_user_attr(name, value)
+        if got.pruned:
             real.tell(trial, state=optuna.trial.TrialState.PRUNED)
         else:
-            real.tell(trial, ar_s / sp_s)
+            real.tell(trial, got.speedup)
         measured[key] = real.trials[trial.number]
         if progress:
             progress(real, real.trials[trial.number])
 
     results = [{**t.user_attrs, "config": json.loads(key), "speedup": t.value}
                for key, t in measured.items() if t.state == optuna.trial.TrialState.COMPLETE]
-    best = max(results, key=lambda r: r["speedup"], default=None)
-    ar_cfg = DrafterConfig(kind="none").to_dict()
-    if best is None or best["speedup"] <= 1.0:
-        best = {"config": ar_cfg, "speedup": 1.0, "acceptance": 0.0, "mean_accepted": 1.0,
-                "ms_per_token": (best or {}).get("ar_ms_per_token", math.nan),
-                "ar_ms_per_token": (best or {}).get("ar_ms_per_token", math.nan), "proxy_speedup": 1.0}
+    best = objective.choose(results)
     return ClusterResult(
         cluster=job.cluster, config=best["config"], speedup=best["speedup"], acceptance_rate=best["acceptance"],
         mean_accepted=best["mean_accepted"], ms_per_token=best["ms_per_token"],

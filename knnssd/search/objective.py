@@ -1,0 +1,99 @@
+"""What a cluster's search maximises, in one place: the proxy value of a stage-1 trial, the measured
+speedup of a stage-2 candidate, and the choice among the measured ones (``optimize`` runs the stages).
+
+- **proxy** (``proxy_value``): a trial's skip mask and draft precision give teacher-forced traces over
+  the cluster's samples; the best drafting policy on them (``proxy.best_policy``, which replays the
+  loop with ``engine.draft_policy``'s rules and measured step costs) predicts the decode speedup, the
+  trial's value.
+- **measured** (``measure``): a candidate's decode-only time against plain decoding's, prompt by
+  prompt, alternating which goes first so both see the same drift of the machine; speedup = plain
+  time / candidate time, reported after each prompt so that a hopeless candidate is pruned.
+- **choice** (``choose``): the fastest measured candidate, or plain decoding (speedup 1.0) where none
+  is faster: no cluster is slower than plain decoding as measured.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
+from knnssd.engine.decoder import Decoder
+from knnssd.engine.drafters import Drafter, DrafterConfig
+from knnssd.search import cancel
+from knnssd.search.costs import Costs
+from knnssd.search.proxy import Sample, best_policy, trace
+from knnssd.search.study import trial_mask
+
+
+def proxy_value(trial, dec: Decoder, samples: list[Sample], space: dict, context: int, costs: Costs,
+                proposals: dict, kinds: tuple[str, ...]) -> float:
+    """A stage-1 trial's value: the predicted speedup of the best policy for the mask and precision it
+    suggests; the policy and its acceptance are kept on the trial."""
+    params = {name: trial.suggest_categorical(name, choices) for name, choices in space.items()}
+    mask, int8 = trial_mask(params, dec.n_layers), params["int8"]
+    traces = trace(dec, samples, mask, int8, context)
+    pol, (speedup, acc, mean) = best_policy(samples, traces, costs, costs.draft_ms(mask, int8), proposals, kinds)
+    trial.set_user_attr("policy", asdict(pol))
+    trial.set_user_attr("acceptance", acc)
+    trial.set_user_attr("mean_accepted", mean)
+    return speedup
+
+
+@dataclass
+class Measured:
+    """A candidate's timing against plain decoding over the prompts it ran (all, unless ``pruned``)."""
+
+    plain_s: float = 0.0
+    draft_s: float = 0.0  # the candidate's decode-only seconds
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    pruned: bool = False
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_s / self.draft_s
+
+    def attrs(self) -> dict:
+        """What a stage-2 trial keeps besides its value."""
+        return {"ms_per_token": 1e3 * self.draft_s / max(1, self.tokens),
+                "ar_ms_per_token": 1e3 * self.plain_s / max(1, self.tokens),
+                "acceptance": acceptance_rate(self.accepted, self.drafted),
+                "mean_accepted": mean_accepted(self.accepted, self.steps)}
+
+
+def measure(dec: Decoder, drafter: Drafter, prompt_ids: list[list[int]], gen: GenerationConfig,
+            report: Callable[[float, int], bool], stop: Callable[[], None] = cancel.check) -> Measured:
+    """Time ``drafter`` against plain decoding on each prompt, alternating which goes first. After each
+    prompt, ``report(speedup so far, prompt index)`` returns True to prune; ``stop`` is called before each
+    prompt (it raises to abandon the measurement)."""
+    m = Measured()
+    for i, ids in enumerate(prompt_ids):
+        stop()
+        for d in (None, drafter) if i % 2 == 0 else (drafter, None):
+            out, st = generate(dec, ids, d, gen)
+            if d is None:
+                m.plain_s += st.decode_s
+            else:
+                m.draft_s += st.decode_s
+                m.tokens += len(out)
+                m.drafted += st.drafted
+                m.accepted += sum(st.accepted)
+                m.steps += len(st.accepted)
+        if report(m.speedup, i):
+            m.pruned = True
+            break
+    return m
+
+
+def choose(results: list[dict]) -> dict:
+    """The fastest measured candidate (``config``, ``speedup`` and its ``Measured.attrs``); plain decoding
+    where none is faster than 1.0."""
+    best = max(results, key=lambda r: r["speedup"], default=None)
+    if best is None or best["speedup"] <= 1.0:
+        plain_ms = (best or {}).get("ar_ms_per_token", math.nan)
+        best = {"config": DrafterConfig(kind="none").to_dict(), "speedup": 1.0, "acceptance": 0.0,
+                "mean_accepted": 1.0, "ms_per_token": plain_ms, "ar_ms_per_token": plain_ms, "proxy_speedup": 1.0}
+    return best
