@@ -9,7 +9,7 @@ from pydantic import Field
 from prefect import flow
 
 from knnssd.flows.params import SearchParams
-from knnssd.search.calibration import ModelSpec
+from knnssd.search.steps import ModelSpec
 from knnssd.settings import work_dir
 from knnssd.tasks.calibration import embed_prompts, register_bank, search_cluster, study_prefix
 from knnssd.tasks.extend import fetch_bank, merge_bank, new_clusters, new_domain_rows, warm_starts

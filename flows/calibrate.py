@@ -7,7 +7,7 @@ from prefect import flow
 from knnssd import prompts
 from knnssd.flows.params import SearchParams
 from knnssd.routing import router
-from knnssd.search.calibration import ModelSpec
+from knnssd.search.steps import ModelSpec
 from knnssd.settings import work_dir
 from knnssd.tasks.calibration import (build_bank, cluster_prompts, embed_prompts, load_prompts, register_bank,
                                search_cluster, study_prefix)

@@ -9,7 +9,7 @@ import dataclasses
 
 from pydantic import Field, create_model
 
-from knnssd.search import calibration
+from knnssd.search import steps
 from knnssd.search.budget import Budget, settings
 
 
@@ -40,4 +40,4 @@ class SearchParams(BudgetParams):
         return Budget(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Budget)})
 
     def storage_url(self) -> str:
-        return self.storage or calibration.default_storage()
+        return self.storage or steps.default_storage()

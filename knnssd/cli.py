@@ -204,7 +204,7 @@ def cmd_calibrate(a) -> int:
 def cmd_search_worker(a) -> int:
     from knnssd.flows.search_worker import WorkerParams, search_worker
 
-    from knnssd.search.calibration import load_prompts
+    from knnssd.search.steps import load_prompts
 
     _counts(a, "worker_trials")  # before the model's own check, which names calibrate's --trials
     params = WorkerParams(**_calibrate_params(a), trials=a.worker_trials, clusters=a.cluster or [])

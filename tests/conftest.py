@@ -61,10 +61,9 @@ def data_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2():
     """The real embedded model, fp32 (converted once into the knnssd cache): the one copy that flows
-    called in this process also use (``calibration.runtime``), so the session loads it once."""
-    from knnssd.search import calibration
-
-    return calibration.runtime(calibration.ModelSpec("smollm2", "float32"))[0]
+    called in this process also use (``steps.runtime``), so the session loads it once."""
+    from knnssd.search import steps
+    return steps.runtime(steps.ModelSpec("smollm2", "float32"))[0]
 
 
 _prefect: PrefectServer | None = None  # the session's Prefect server, started at collection when needed

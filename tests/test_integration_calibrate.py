@@ -12,7 +12,7 @@ import pytest
 
 from knnssd import tracking
 from knnssd.routing import bank as banks
-from knnssd.search import budget, calibration
+from knnssd.search import budget, steps
 from servers import PREFECT, ROOT
 
 pytestmark = pytest.mark.integration
@@ -34,16 +34,16 @@ def small_inputs(data_dir: Path, out: Path, domains=("reasoning", "translation")
 def fixed_bank(tmp: Path, data_dir: Path, name: str, cfg_of, labelled: bool = True, n: int = 6) -> Path:
     """A bank of the first n calib prompts of reasoning + translation with fixed configurations (no
     search): ``cfg_of(cluster) -> DrafterConfig``; one cluster per domain, or one for all."""
-    from knnssd.search.calibration import ModelSpec
+    from knnssd.search.steps import ModelSpec
 
     spec = ModelSpec("smollm2", "float32")
-    rows = calibration.load_prompts(small_inputs(data_dir, tmp / "in", n=n))
-    vectors = calibration.embed(spec, rows)
-    clusters = (calibration.make_clusters(vectors, k_per_domain=2) if labelled
-                else calibration.make_clusters(vectors, n_clusters=1, labelled=False))
+    rows = steps.load_prompts(small_inputs(data_dir, tmp / "in", n=n))
+    vectors = steps.embed(spec, rows)
+    clusters = (steps.make_clusters(vectors, k_per_domain=2) if labelled
+                else steps.make_clusters(vectors, n_clusters=1, labelled=False))
     results = [banks.ClusterResult(c.id, cfg_of(c).to_dict(), speedup=1.2, acceptance_rate=0.6, mean_accepted=2.0)
                for c in clusters]
-    return calibration.build_bank(spec, clusters, results, vectors, calibration.router.Pooling(), tmp / name)
+    return steps.build_bank(spec, clusters, results, vectors, steps.router.Pooling(), tmp / name)
 
 
 @pytest.fixture()

@@ -12,8 +12,8 @@ from knnssd import tracking
 from knnssd.engine.drafters import DrafterConfig
 from knnssd.engine.skip import SkipMask
 from knnssd.routing import bank as banks
-from knnssd.search import calibration
-from knnssd.search.calibration import ModelSpec
+from knnssd.search import steps
+from knnssd.search.steps import ModelSpec
 from test_integration_calibrate import fixed_bank, small_inputs
 from servers import PREFECT, ROOT, free_port, wait_http
 
@@ -51,7 +51,7 @@ def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank,
     (in this process) finds nothing new, and promoting again is refused."""
     bank_dir, tmp = base_bank
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    v1 = calibration.register(bank_dir, {"base": True}, uri)
+    v1 = steps.register(bank_dir, {"base": True}, uri)
     before = (tracking.download_bank(v1["uri"], tmp_path / "v1-before", uri=uri) / "bank.json").read_text()
     drop = tmp_path / "drop"
     sql = new_domain_file(data_dir, drop / "sql.jsonl")
@@ -85,7 +85,7 @@ def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank,
     from knnssd.engine.params import GenerateParams
     from knnssd.serving.routed import RoutedGenerator
 
-    gen = RoutedGenerator(calibration.runtime(SPEC)[0], new)
+    gen = RoutedGenerator(steps.runtime(SPEC)[0], new)
     assert gen.generate(json.loads(sql.read_text().splitlines()[-1])["prompt"], GenerateParams(max_new_tokens=2)).label == "sql"
 
     # promote: identical outputs on 3 eval prompts (one per base domain and the new one), so v2 is the champion
@@ -155,7 +155,7 @@ def test_against_a_real_mlflow_server(base_bank, tmp_path):
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 120, server)
         uri = f"http://127.0.0.1:{port}"
-        reg = calibration.register(bank_dir, {"server": True}, uri)
+        reg = steps.register(bank_dir, {"server": True}, uri)
         assert reg["aliases"] == ["candidate", "champion"]
         from knnssd.engine.params import GenerateParams
         from knnssd.serving.routed import RoutedGenerator

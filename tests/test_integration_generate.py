@@ -19,7 +19,7 @@ from knnssd import prompts, tracking
 from knnssd.routing import bank as banks
 from knnssd.engine.drafters import DrafterConfig
 from knnssd.engine.skip import SkipMask
-from knnssd.search import calibration
+from knnssd.search import steps
 from test_integration_calibrate import fixed_bank
 from cli_cases import run_cli
 from servers import free_port, wait_http
@@ -37,7 +37,7 @@ def registered(tmp_path_factory, data_dir):
                                           int8=True, adaptive=True),
                "translation": DrafterConfig(kind="ngram", max_len=8, adaptive=True)}
     bank_dir = fixed_bank(tmp, data_dir, "bank", lambda c: configs[c.label])
-    reg = calibration.register(bank_dir, {"test": True}, uri)
+    reg = steps.register(bank_dir, {"test": True}, uri)
     yield {"uri": uri, "reg": reg, "tmp": tmp}
     os.environ.pop("KNNSSD_WORK", None)
 

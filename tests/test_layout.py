@@ -96,4 +96,4 @@ def test_the_contract_sees_imports():
     """Guards the checker itself: known edges are found."""
     assert "knnssd.engine.sequence" in GRAPH["knnssd.engine.decode"]
     assert "knnssd.tasks.calibration" in GRAPH["knnssd.flows.calibrate"]
-    assert "knnssd.search.optimize" in GRAPH["knnssd.search.calibration"]
+    assert "knnssd.search.optimize" in GRAPH["knnssd.search.steps"]

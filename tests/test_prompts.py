@@ -6,9 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from knnssd import prompts
-from knnssd.search import calibration
-
-
+from knnssd.search import steps
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -52,7 +50,7 @@ def test_missing_unknown_and_cross_file_duplicates(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"id": "1", "prompt": "x", "split": "calib"}])
     b = write_jsonl(tmp_path / "b.jsonl", [{"id": "1", "prompt": "y", "split": "calib"}])
     with pytest.raises(prompts.PromptError, match="duplicate id '1'"):
-        calibration.load_prompts([str(a), str(b)])
+        steps.load_prompts([str(a), str(b)])
     with pytest.raises(prompts.PromptError, match="no rows with split 'calib'"):
         prompts.load(write_jsonl(tmp_path / "e.jsonl", [{"prompt": "x", "split": "eval"}]), split="calib")
 

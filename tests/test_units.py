@@ -171,10 +171,9 @@ def test_decoding_never_touches_the_config():
 
 
 def test_search_cache_key_reads_the_engine_and_search_sources():
-    from knnssd.search import calibration
-
-    key = calibration.code_version()  # a missing source file fails here, not as a Prefect cache-key log line
-    assert len(key) == 16 and key == calibration.code_version()
+    from knnssd.search import steps
+    key = steps.code_version()  # a missing source file fails here, not as a Prefect cache-key log line
+    assert len(key) == 16 and key == steps.code_version()
 
 
 def test_bench_keeps_its_throughput_table_until_its_settings_change(tmp_path, monkeypatch):
