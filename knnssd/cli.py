@@ -342,33 +342,30 @@ def cmd_demo(a) -> int:
 def cmd_generate(a) -> int:
     from knnssd.flows.generate import generate
 
-    from knnssd import models, tracking
+    from knnssd import models
     from knnssd.engine.params import GenerateParams, batch_size
-    from knnssd.prompts import load
-    from knnssd.routing import bank as banks
-    from knnssd.serving.batch import check, check_output, check_paths, output_path, run_settings, writing
+    from knnssd.serving.batch import check_output, check_paths, output_path, run_settings, writing
+    from knnssd.serving.request import GenerateRequest
 
-    # every check a retry cannot change runs here, in seconds, before any server starts or model loads
+    # every check a retry cannot change runs here, in seconds, before any server starts or model loads; the
+    # prompts and the bank read here are the ones the flow's tasks take (``GenerateRequest``: once a process)
     params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                            top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
-    slots = batch_size(a.batch_size)
-    rows = load(a.input, split=a.split)
-    if not rows:
-        raise ValueError("no prompts")
-    check(rows)
-    output = output_path(a.output)
-    check_paths(output, [a.input])
+    request = GenerateRequest(a.model_uri, a.input, a.output, params, a.split, a.dtype, a.device,
+                              batch_size(a.batch_size), a.overwrite, a.tracking_uri)
+    rows = request.rows()
+    output = output_path(request.output)
+    check_paths(output, [request.input])
     with writing(output):  # one writer per output: a second run fails here, naming this process
-        _check_tracking(a.tracking_uri)
-        bank = banks.load(tracking.bank_folder(a.model_uri, a.tracking_uri))  # a fetched bank is reused by the flow
-        limits = models.limits(bank.model, a.dtype, a.device)
+        _check_tracking(request.tracking_uri)
+        bank = request.bank()
+        limits = models.limits(bank.model, request.dtype, request.device)
         limits.check(params)
-        if slots is not None:  # each sequence takes its new tokens at least (the prompts' tokens count after the load)
-            limits.check_slots(min(slots, len(rows)), params.max_new_tokens + 1, "--batch-size")
-        dtype = models.precision_name(a.dtype, a.device)
-        check_output(output, a.overwrite, run_settings(params, dtype, bank))  # a resume asks the same as before
-        summary = _flow(generate, a.model_uri, a.input, a.output, params, a.split, a.dtype, a.overwrite, a.tracking_uri,
-                        slots, a.device)
+        if request.batch_size is not None:  # each sequence takes its new tokens at least (prompts count after the load)
+            limits.check_slots(min(request.batch_size, len(rows)), params.max_new_tokens + 1, "--batch-size")
+        dtype = models.precision_name(request.dtype, request.device)
+        check_output(output, request.overwrite, run_settings(params, dtype, bank))  # a resume asks the same as before
+        summary = _flow(generate, request)
     print(json.dumps(summary))
     return 0
 

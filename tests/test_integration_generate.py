@@ -67,18 +67,19 @@ def test_batch_flow_routes_each_domain(registered, data_dir, prefect_harness, tm
     from knnssd.flows.generate import generate
 
     from knnssd.engine.params import GenerateParams
+    from knnssd.serving.request import GenerateRequest
 
     inp = eval_file(data_dir, tmp_path / "eval.jsonl")
     out = tmp_path / "out.parquet"
-    summary = generate("models:/knnssd-smollm2@champion", str(inp), str(out), GenerateParams(max_new_tokens=16),
-                       dtype="float32", tracking_uri=registered["uri"])
+    request = GenerateRequest("models:/knnssd-smollm2@champion", str(inp), str(out), GenerateParams(max_new_tokens=16),
+                              dtype="float32", tracking_uri=registered["uri"])
+    summary = generate(request)
     table = pq.read_table(out).to_pylist()
     assert summary["rows"] == len(table) == 6 and summary["generated"] == 6
     assert all(r["label"] == r["domain"] and r["new_tokens"] > 0 for r in table)
     assert summary["mlflow_run_id"] and summary["route_overhead_pct"] < 5
     # a rerun has nothing left to do
-    again = generate("models:/knnssd-smollm2@champion", str(inp), str(out), GenerateParams(max_new_tokens=16),
-                     dtype="float32", tracking_uri=registered["uri"])
+    again = generate(request)
     assert again["generated"] == 0 and again["rows"] == 6
 
 

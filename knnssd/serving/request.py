@@ -1,0 +1,86 @@
+"""One ``generate`` job as one object, from the CLI (or a deployment's parameters) through the flow and
+its tasks to the batch and the routed generator (``GenerateRequest``).
+
+Its fields are checked where it is made. What needs files is read once a process: the prompts
+(``rows``: loaded and checked), the bank (``bank``) and the generator built on it (``generator``),
+so the CLI's checks before any server starts and the flow's tasks after it share one read of each.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from knnssd.engine.params import GenerateParams
+from knnssd.prompts import Prompt
+from knnssd.routing import bank as banks
+from knnssd.settings import DTYPES
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    model_uri: str  # models:/knnssd-<model>@<alias> | models:/<name>/<version> | a bank folder
+    input: str  # a prompt file (jsonl / parquet / csv, or hf:<dataset>)
+    output: str  # a parquet file; an existing one is resumed unless ``overwrite``
+    params: GenerateParams = field(default_factory=GenerateParams)
+    split: str | None = None  # only rows of this split
+    dtype: str = "auto"
+    device: str = "auto"
+    batch_size: int | None = None  # sequences decoded together: None auto (measured), 1 one at a time
+    overwrite: bool = False
+    tracking_uri: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.params, dict):  # a deployment's JSON parameters
+            object.__setattr__(self, "params", GenerateParams.from_dict(self.params))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype '{self.dtype}' is not one of {', '.join(DTYPES)}")
+        b = self.batch_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"batch size must be auto or an integer >= 1, got {b!r}")
+
+    def rows(self) -> list[Prompt]:
+        """The input's prompts (of ``split``), checked (``batch.check``); read once while the file is unchanged."""
+        path = Path(self.input)
+        try:
+            st = path.stat()
+            key = (st.st_mtime_ns, st.st_size)
+        except OSError:  # hf:... or missing: ``prompts.load`` says which
+            key = None
+        return list(_rows(self.input, self.split, key))
+
+    def bank(self) -> banks.Bank:
+        """The bank behind ``model_uri`` (a registered version is fetched once into the work folder)."""
+        return _bank(self.model_uri, self.tracking_uri)
+
+    def generator(self):
+        """The routed generator over the bank and its model, built once a process."""
+        return _generator(self.model_uri, self.dtype, self.tracking_uri, self.device)
+
+
+@functools.lru_cache(maxsize=2)
+def _rows(path: str, split: str | None, stamp) -> tuple[Prompt, ...]:
+    from knnssd import prompts
+    from knnssd.serving.batch import check
+
+    rows = prompts.load(path, split=split)
+    if not rows:
+        raise ValueError("no prompts")
+    check(rows)
+    return tuple(rows)
+
+
+@functools.lru_cache(maxsize=2)
+def _bank(model_uri: str, tracking_uri: str | None) -> banks.Bank:
+    from knnssd import tracking
+
+    return banks.load(tracking.bank_folder(model_uri, tracking_uri))
+
+
+@functools.lru_cache(maxsize=2)
+def _generator(model_uri: str, dtype: str, tracking_uri: str | None, device: str):
+    from knnssd import models
+    from knnssd.serving.routed import RoutedGenerator
+
+    bank = _bank(model_uri, tracking_uri)
+    return RoutedGenerator(models.load(bank.model, dtype, device), bank)
