@@ -37,6 +37,10 @@ def _tracking_arg(p: argparse.ArgumentParser) -> None:
                    help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///artifacts/mlflow.db)")
 
 
+def _bank_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bank", required=True, help="routed-drafters bank: models:/... URI or bank folder")
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     """What one generation takes besides its length (``engine.params.GenerateParams``)."""
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longer prompts keep their last tokens (warned)")
@@ -551,7 +555,7 @@ def parser() -> argparse.ArgumentParser:
     from knnssd.prompts import OOD
 
     e = sub.add_parser("bench", help="all methods side by side on eval streams and OOD sets (the paper's tables)")
-    e.add_argument("--bank", required=True, help="routed-drafters bank: models:/... URI or bank folder")
+    _bank_arg(e)
     e.add_argument("--masks-bank", default=None, help="layer-skip-only bank (calibrate --kinds layer_skip --no-int8)")
     e.add_argument("--static-bank", default=None, help="single-cluster bank (calibrate --unlabelled --clusters 1)")
     e.add_argument("--model", default=None, help="default: the bank's model")
@@ -576,7 +580,7 @@ def parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_bench)
 
     t = sub.add_parser("bench-throughput", help="batch tokens/s: routed b=1, batched plain and routed, auto")
-    t.add_argument("--bank", required=True, help="routed-drafters bank: models:/... URI or bank folder")
+    _bank_arg(t)
     _dtype_arg(t)
     _device_arg(t)
     t.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
