@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.drafters import build
 from knnssd.engine.decoder import make_decoder
 from knnssd.engine.skip import SkipMask
 from knnssd.search import proxy, study
@@ -12,21 +12,29 @@ from knnssd.search.costs import Costs, measure_costs
 from tiny import prompt_ids, tiny
 
 
+COSTS = Costs(verify=[1.0 + 0.05 * t for t in range(12)], draft={"full": (1.0, 0.0, 0.0)})
+
+
+def _simulated_as_run(dec, i: int, n: int, policy: proxy.Policy, traced: bool) -> None:
+    """Prompt ``i``'s plain continuation of ``n`` tokens, simulated under ``policy`` (over traces of the full
+    model where ``traced``) and decoded with its drafter: the same tokens, acceptance and mean accepted."""
+    ids = prompt_ids("llama", i)
+    cont, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=n))
+    s = proxy.Sample(ids, cont)
+    traces = proxy.trace(dec, [s], SkipMask.none(4), False, 64) if traced else None
+    props = [proxy.ngram_proposals(s, policy.ngram_sizes, 10)]
+    _, acc, mean = proxy.simulate([s], traces, policy, COSTS, 1.0, props)
+    cfg = proxy.to_config(policy, SkipMask.none(4) if traced else None, False)
+    out, st = generate(dec, ids, build(cfg, 4), GenerationConfig(max_new_tokens=n))
+    assert out == cont
+    assert acc == pytest.approx(st.acceptance_rate) and mean == pytest.approx(st.mean_accepted)
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_simulated_ngram_counts_equal_real_loop(adaptive):
     dec = make_decoder(tiny("llama"))
-    costs = Costs(verify=[1.0 + 0.05 * t for t in range(12)], draft={"full": (1.0, 0.0, 0.0)})
     for i in (1, 3):
-        ids = prompt_ids("llama", i)
-        cont, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=40))
-        s = proxy.Sample(ids, cont)
-        policy = proxy.Policy("ngram", 5, adaptive=adaptive, ngram_sizes=(2, 1))
-        props = [proxy.ngram_proposals(s, (2, 1), 10)]
-        _, acc, mean = proxy.simulate([s], None, policy, costs, 0.0, props)
-        cfg = DrafterConfig(kind="ngram", max_len=5, ngram_sizes=[2, 1], adaptive=adaptive)
-        out, st = generate(dec, ids, build(cfg, 4), GenerationConfig(max_new_tokens=40))
-        assert out == cont
-        assert acc == pytest.approx(st.acceptance_rate) and mean == pytest.approx(st.mean_accepted)
+        _simulated_as_run(dec, i, 40, proxy.Policy("ngram", 5, adaptive=adaptive, ngram_sizes=(2, 1)), traced=False)
 
 
 @pytest.mark.parametrize("kind,threshold,adaptive", [("layer_skip", 0.6, False), ("hybrid", 0.6, True)])
@@ -34,19 +42,8 @@ def test_simulated_confidence_stops_and_hybrid_choice_equal_real_loop(kind, thre
     """With no sub-layer skipped, a trace's confidences are the loop's draft confidences: the threshold stop,
     the hybrid's choice, the cap and the adapted length must then give the loop's counts exactly."""
     dec = make_decoder(tiny("llama"))
-    costs = Costs(verify=[1.0 + 0.05 * t for t in range(12)], draft={"full": (1.0, 0.0, 0.0)})
     for i in (0, 2):
-        ids = prompt_ids("llama", i)
-        cont, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=30))
-        s = proxy.Sample(ids, cont)
-        traces = proxy.trace(dec, [s], SkipMask.none(4), False, 64)
-        policy = proxy.Policy(kind, 6, threshold, adaptive, (2, 1))
-        props = [proxy.ngram_proposals(s, (2, 1), 10)]
-        _, acc, mean = proxy.simulate([s], traces, policy, costs, 1.0, props)
-        cfg = proxy.to_config(policy, SkipMask.none(4), False)
-        out, st = generate(dec, ids, build(cfg, 4), GenerationConfig(max_new_tokens=30))
-        assert out == cont
-        assert acc == pytest.approx(st.acceptance_rate) and mean == pytest.approx(st.mean_accepted)
+        _simulated_as_run(dec, i, 30, proxy.Policy(kind, 6, threshold, adaptive, (2, 1)), traced=True)
 
 
 def test_simulated_exact_drafts_are_all_accepted():
