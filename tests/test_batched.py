@@ -71,6 +71,28 @@ def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
     assert sum(stats.drafted) > 0  # with flat-ish tiny-model costs, drafts pay
 
 
+def test_the_scheduler_shows_each_step_the_tokens_emitted_so_far():
+    """``Scheduler(on_step=...)``: after each step the hook sees every active run, whose tokens so far are a
+    prefix of what it finishes with (what a server streams), and the hook's last view of a run is its end."""
+    from knnssd.engine.batched import Scheduler
+
+    dec = decoder("llama", "float32")
+    plan = batch_plan.plan(dec, slots=3)
+    jobs = mixed_jobs(dec, "llama", 5, 16)
+    seen: dict[int, list[list[int]]] = {}
+    hook = lambda runs: [seen.setdefault(id(r), []).append(list(r.new)) for r in runs]  # noqa: E731
+    runs = {}
+    sched = Scheduler(dec, jobs, plan, on_step=hook)
+    done = list(sched.run())
+    for a in done:
+        runs[id(a.job)] = a.tokens
+    assert len(done) == 5 and sched.stats.steps == len(sched.stats.rows) > 0
+    ends = {tuple(views[-1]) for views in seen.values()}
+    assert ends <= {tuple(t) for t in runs.values()}  # a run's last view is its whole output
+    for views in seen.values():
+        assert all(a == b[: len(a)] and len(a) < len(b) for a, b in zip(views, views[1:]))  # only grows
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_prompts_reuse_the_leading_positions_of_others_in_the_batch(arch):
     """Few-shot prompts (one example of two blocks and 30 tokens, then their own text) and a lone one:

@@ -153,90 +153,118 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
     each job's ``DecodeStats`` counts its own prefill, drafts and the passes it was in. ``failed``:
     where a job whose start (its prefill and routing) raises goes, its slot freed, while the others
     go on (a server's requests are not failed by another's); without it the exception ends the batch."""
-    stats = stats if stats is not None else BatchStats(plan.slots)
-    stats.exact = plan.exact
-    if plan.pooled:
-        free, pool = decoder.pooled_slots(plan.slots)
-        pool.grow(plan.positions)
-    else:
-        free, pool = [decoder.slot() for _ in range(plan.slots)], None
-    if isinstance(jobs, JobQueue):
-        take, more = jobs.take, lambda: not jobs.closed
-    else:
-        it = iter(jobs)
-        pending: list[Job] = []
+    yield from Scheduler(decoder, jobs, plan, stats, failed).run()
 
-        def take(block: bool) -> Job | None:
-            return pending.pop() if pending else next(it, None)
 
-        def more() -> bool:
-            if not pending:
-                job = next(it, None)
-                if job is not None:
-                    pending.append(job)
-            return bool(pending)
-    active: list[_Active] = []
-    prefixes = Prefixes()
-    model = DraftModel()
-    t_start = time.perf_counter()
-    log.info("batched decoding: %d slots; draft lengths maximise expected tokens/s given %s, each sequence's "
-             "acceptance and its draft cost", plan.slots, plan.costs.describe())
-    debug = log.isEnabledFor(logging.DEBUG)
+class Scheduler:
+    """The batch's step loop, which ``decode_batch`` runs to its end: ``start`` fills free slots with jobs
+    (prefills), ``step`` runs one packed full-model pass for the active sequences and yields those that
+    finished. ``on_step``, when given, is called after each step with the active runs, so that a server
+    can follow every sequence's tokens as they are emitted."""
 
-    def finish(a: _Active) -> Finished:
-        free.append(a.slot)  # its prompt lends (``Prefixes``) until the slot takes another job
-        model.finished(a.run)
+    def __init__(self, decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPlan,
+                 stats: BatchStats | None = None, failed: Callable[[Job, Exception], None] | None = None,
+                 on_step: Callable[[list[Run]], None] | None = None):
+        self.plan, self.failed, self.on_step = plan, failed, on_step
+        self.stats = stats if stats is not None else BatchStats(plan.slots)
+        self.stats.exact = plan.exact
+        if plan.pooled:
+            self.free, self.pool = decoder.pooled_slots(plan.slots)
+            self.pool.grow(plan.positions)
+        else:
+            self.free, self.pool = [decoder.slot() for _ in range(plan.slots)], None
+        if isinstance(jobs, JobQueue):
+            self._take, self._more = jobs.take, lambda: not jobs.closed
+        else:
+            it = iter(jobs)
+            pending: list[Job] = []
+
+            def take(block: bool) -> Job | None:
+                return pending.pop() if pending else next(it, None)
+
+            def more() -> bool:
+                if not pending:
+                    job = next(it, None)
+                    if job is not None:
+                        pending.append(job)
+                return bool(pending)
+
+            self._take, self._more = take, more
+        self.active: list[_Active] = []
+        self.prefixes = Prefixes()
+        self.model = DraftModel()
+        self._debug = log.isEnabledFor(logging.DEBUG)
+
+    def run(self) -> Iterator[Finished]:
+        t_start = time.perf_counter()
+        log.info("batched decoding: %d slots; draft lengths maximise expected tokens/s given %s, each sequence's "
+                 "acceptance and its draft cost", self.plan.slots, self.plan.costs.describe())
+        yield from self.start(self.plan.slots)
+        while self.active or self._more():
+            if not self.active:
+                yield from self.start(self.plan.slots)
+                continue
+            yield from self.step()
+            self.stats.total_s = time.perf_counter() - t_start
+            yield from self.start(self.plan.slots if not self.active else 1)  # while others run, one prefill a step
+        self.stats.total_s = time.perf_counter() - t_start
+
+    def _finish(self, a: "_Active") -> Finished:
+        self.free.append(a.slot)  # its prompt lends (``Prefixes``) until the slot takes another job
+        self.model.finished(a.run)
         tokens, st = a.run.finish()
-        st.exact = st.exact and plan.exact
+        st.exact = st.exact and self.plan.exact
         st.total_s = time.perf_counter() - a.t0
         return Finished(a.job, tokens, st)
 
-    def start(limit: int) -> Iterator[Finished]:
-        for _ in range(min(limit, len(free))):
-            job = take(not active)  # wait for a job only when nothing else is decoding
+    def start(self, limit: int) -> Iterator[Finished]:
+        """Prefill up to ``limit`` waiting jobs on free slots, yielding each that is done at once (a job
+        that ends at its first token is yielded before the next one is waited for)."""
+        stats, prefixes = self.stats, self.prefixes
+        for _ in range(min(limit, len(self.free))):
+            job = self._take(not self.active)  # wait for a job only when nothing else is decoding
             if job is None:
                 return
             t0 = time.perf_counter()
-            slot = free.pop(0)  # the slot free longest: the prompts that finished last lend longer
+            slot = self.free.pop(0)  # the slot free longest: the prompts that finished last lend longer
             prefixes.drop(slot)  # its buffers are this job's now
             a = _Active(job, slot, None, t0)
             reused = prefixes.reused
             try:
-                a.run = job.start(a.slot, prefixes.prefill if plan.shares else prefill)
+                a.run = job.start(a.slot, prefixes.prefill if self.plan.shares else prefill)
             except Exception as e:
-                if failed is None:
+                if self.failed is None:
                     raise
-                free.insert(0, slot)
-                failed(job, e)
+                self.free.insert(0, slot)
+                self.failed(job, e)
                 continue
             a.run.stats.prefill_s = time.perf_counter() - t0
             stats.prefills += 1
             stats.prefill_s += a.run.stats.prefill_s
             stats.reused += prefixes.reused - reused
             if a.run.done:
-                yield finish(a)
+                yield self._finish(a)
             else:
-                active.append(a)
+                self.active.append(a)
 
-    yield from start(plan.slots)
-    while active or more():
-        if not active:
-            yield from start(plan.slots)
-            continue
+    def step(self) -> Iterator[Finished]:
+        """One packed pass: draft lengths by the goodput rule, each sequence drafts, one full-model pass
+        verifies every draft, each sequence emits and rolls back; yields the sequences that finished."""
+        active, stats = self.active, self.stats
         runs = [a.run for a in active]
         caps = [r.draft_cap() for r in runs]
-        survival, draft_s = model(runs, caps)
-        ks = choose_lengths(caps, survival, draft_s, plan.costs)
+        survival, draft_s = self.model(runs, caps)
+        ks = choose_lengths(caps, survival, draft_s, self.plan.costs)
         for b, a in enumerate(active):  # a sequence whose drafts the rule has not chosen for long drafts once
             a.idle = 0 if ks[b] else a.idle + 1
             if caps[b] and a.idle >= EXPLORE * len(active):
                 ks[b], a.idle = caps[b], 0
-        if debug:
+        if self._debug:
             log.debug("step %d: caps %s, s(1) %s, draft s/call %s -> k %s", stats.steps, caps,
                       [round(x[0], 2) if x else None for x in survival], [round(x, 4) for x in draft_s], ks)
         calls = [r.propose(k) for r, k in zip(runs, ks)]
         t0 = time.perf_counter()
-        logits = forward_slots([a.slot for a in active], [(c.ids, c.start) for c in calls], pool)
+        logits = forward_slots([a.slot for a in active], [(c.ids, c.start) for c in calls], self.pool)
         packed = [r.judge(c, x) for r, c, x in zip(runs, calls, logits)]
         emitted = sum(r.apply(v) for r, v in zip(runs, Verdict.read_all(packed)))  # the step's one host read
         dt = time.perf_counter() - t0
@@ -247,13 +275,12 @@ def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPl
         stats.pass_s.append(dt)
         for r in runs:
             r.stats.verify_s += dt
+        if self.on_step is not None:
+            self.on_step(runs)
         done = [a for a in active if a.run.done]
         active[:] = [a for a in active if not a.run.done]
         for a in done:
-            yield finish(a)
-        stats.total_s = time.perf_counter() - t_start
-        yield from start(plan.slots if not active else 1)  # while others run, one prefill per step
-    stats.total_s = time.perf_counter() - t_start
+            yield self._finish(a)
 
 
 @dataclass
