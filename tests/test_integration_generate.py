@@ -189,9 +189,10 @@ def test_generate_bad_input_is_one_line(registered, data_dir, tmp_path, prefect_
 @pytest.fixture(scope="module")
 def routed(registered):
     """The registered champion's generator in fp32: the one the generate flow called in this process uses."""
-    from knnssd.tasks.generation import _generator
+    from knnssd.serving.request import GenerateRequest
 
-    return _generator("models:/knnssd-smollm2@champion", "float32", registered["uri"], "auto")
+    return GenerateRequest("models:/knnssd-smollm2@champion", "-", "-", dtype="float32",
+                           tracking_uri=registered["uri"]).generator()
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:
