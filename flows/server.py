@@ -15,7 +15,7 @@ from knnssd import reachable, shims
 
 TIMEOUT_S = 5
 STARTUP_S = 90  # the least a temporary server gets to answer: a fresh PREFECT_HOME's database is created and
-# migrated first, which took longer than Prefect's default 20 s on a loaded 2-core AVX2 Zen 1
+# migrated first, which can take longer than Prefect's default 20 s on a small loaded machine
 
 
 class PrefectUnavailable(RuntimeError):

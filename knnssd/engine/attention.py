@@ -66,7 +66,7 @@ class PositionMask:
     """The keys each query row may read (``ok``, bool), built once per call and window and shared by its
     layers, with the forms attention reads derived from it once too (``memo``): SDPA is given the 0 / -inf
     float mask (``additive``), since it converts a boolean one again on every call (on the CPU bitwise
-    the same result, and 10-20% less per call on a 2-core AVX2 Zen 3, fp32 and bf16; CUDA's cuDNN
+    the same result, and less per call; CUDA's cuDNN
     backend fills a boolean mask with a finite value instead, so there the forms may round apart: the
     exactness probe compares runs that both use this one)."""
 
@@ -249,11 +249,8 @@ def causal_blocks(q, k, v, scale, start: int = 0, block: int = CAUSAL_BLOCK):
     block's rows come out of the same products whether the prefill started at 0 or at ``start``.
 
     The scores and probabilities are rounded to q's dtype, as in HF's eager attention, where SDPA keeps
-    them in fp32; on a 2-core Zen 4 (avx512_bf16, no AMX) in bf16 it took 0.8 / 2.1 / 5.5 / 23 ms per layer
-    at 250 / 500 / 900 / 2000 tokens of SmolLM2 against SDPA's 1.2 / 4.4 / 9.4 / 38 ms, and the last
-    position's logits over 24 real prompts of ~900 tokens moved from an fp32 run by a mean KL of 1.56e-4
-    against SDPA's 1.44e-4, the same top token in all 24. In fp32 it was slower (13 against 9 ms per layer
-    at 900 tokens), so fp32 keeps SDPA (as does fp16, not measured). Where the native linear runs,
+    them in fp32; in bf16 it was faster than SDPA at every length measured, about as close to an fp32
+    run, and in fp32 slower, so fp32 keeps SDPA (as does fp16, not measured; docs/benchmarks.md). Where the native linear runs,
     ``native.causal`` takes the prefill instead (about twice as fast; any start, no blocks)."""
     if start % block:
         raise ValueError(f"causal_blocks: start {start} is not a multiple of the block ({block})")
@@ -333,9 +330,8 @@ def prefill_form(step: Attention, dtype: torch.dtype, device: torch.device | str
     - the step itself where it keeps fp32 K/V (the cache's dtype);
     - the step itself where it is ``native`` in fp32 on the CPU, for reuse rather than speed: each row
       alone, over its own keys, so a prefill row is a step row and the same from any start (``reuse_unit``),
-      where causal SDPA rounds a row by the prompt's length. On a 2-core AVX2 Zen 1 the
-      16 serving prompts (4,359 tokens) of SmolLM2 prefilled in 17.4 s against causal SDPA's 17.8 (best
-      of three, interleaved in one process: the linears take most of it);
+      where causal SDPA rounds a row by the prompt's length; it costs about what causal SDPA does, the
+      linears taking most of a prefill (docs/benchmarks.md);
     - else the fastest causal form, ``SDPA_DYNAMIC`` (``native.causal`` where it runs, causal blocks in
       bf16, causal SDPA)."""
     if step.cache_fp32 or (step.pooled is not None and dtype == torch.float32 and torch.device(device).type == "cpu"):

@@ -93,12 +93,9 @@ def check_slots(decoder: Decoder, slots: int, positions: int, name: str) -> None
 
 
 AUTO_SLOTS = (1, 2, 4, 8, 16, 32, 64)
-# More slots must raise plain decoding's tokens/s by this much over the slots chosen so far. At 1.25 a 2-core
-# Zen 4 picked 16 or 32 slots from run to run (measured gain 1.2-1.3 at 64 positions), and 32 was 10-12%
-# faster than 16 in every throughput run; 64 slots were 3-4% faster than 32 over 64 prompts then, and 8-15%
-# after the native linear kernel. At 1.1 the measured gain of 64 over 32 slots (1.11-1.19 in three runs)
-# fell short in one of three picks (32 slots), and a throughput run's pick, which then stopped at the first size
-# that gained too little, was 16 slots.
+# More slots must raise plain decoding's tokens/s by this much over the slots chosen so far: low enough that
+# the measured gain of the next size does not fall short of it from run to run, where the bigger batch
+# was faster in every throughput run (the gains that set it: docs/benchmarks.md).
 AUTO_GAIN = 1.05
 AUTO_ROUNDS = 7  # timed passes of each of the two sizes compared (alternately, each after one untimed)
 
@@ -107,9 +104,8 @@ def auto_slots(decoder: Decoder, positions: int, jobs: int, memory: int = DEFAUL
     """The batch size ``--batch-size auto`` picks: of the sizes in ``AUTO_SLOTS`` (within the memory
     budget and the number of jobs), in increasing order, each whose plain batched decoding's tokens/s
     (slots / v(slots), one-row passes at 64 positions) is ``AUTO_GAIN`` times the last chosen size's or
-    more, the two sizes timed alternately (medians). Every size is measured (one that gains too little
-    does not end the search): on a 2-core Zen 4, ``bench-throughput``'s 64 prompts ran 18% faster with
-    64 slots than with the 16 a run picked when the first such size ended it."""
+    more, the two sizes timed alternately (medians). Every size is measured: one that gains too little
+    does not end the search, since a later size may still gain (docs/benchmarks.md)."""
     limit = min(max_slots(decoder, positions, memory), max(1, jobs))
     pooled = decoder.attention.poolable
     best, best_pass = 1, None
@@ -162,15 +158,15 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
 
     ``positions``: the most a job of the run reserves (prompt + new tokens), when known. The pooled
     slots are then allocated that long at the start, as far as ``memory`` allows, instead of growing
-    as longer prompts arrive: a growth copies every slot's cache (on a 2-core Zen 4, 0.8 s for 16
-    bf16 SmolLM2 slots of 1,200 positions), and a run of mixed prompts grew several times.
+    as longer prompts arrive: a growth copies every slot's cache, and a run of mixed prompts grew
+    several times.
 
     ``record``: a file under the same name as the decoder's probe record (``exactness``: the same
     model, dtype, device and machine key). Where packed passes are row-invariant, what the two slow
     checks found (``pooled_exact``, ``prefix_exact``) is kept there per slot count, with a hash of the
     code they ran, the attention step, ``max_t`` and each linear's form, and the next plan of as many
-    slots under the same key takes it instead of measuring again: on a 2-core Zen 1 in fp32, they took
-    12 s of SmolLM2's 16 s plan for 4 slots and 20 s of 30 for 16. Row-invariance (which may change the
+    slots under the same key takes it instead of measuring again: they were most of a plan's time.
+    Row-invariance (which may change the
     linears' forms) and the pass costs are always measured."""
     ex = decoder.exactness
     max_t = ex.max_t if ex is not None else 12

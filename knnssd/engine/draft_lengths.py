@@ -9,7 +9,7 @@ Terms:
                acceptance comes in runs (an n-gram hit is accepted for several tokens or not at all; a
                confident layer-skip draft mostly is), which a per-token rate a^j would miss
     d_b        its draft seconds per draft call, shrunk in the same way (``DraftModel``). Per call, not
-               per token: an n-gram hit drafts 10 tokens in 0.1 ms, a layer-skip draft costs a pass per
+               per token: an n-gram hit drafts many tokens for almost nothing, a layer-skip draft costs a pass per
                token until its confidence drops, and a hybrid does one or the other
     v(R)       seconds of one packed pass over R rows (``PassCosts``, measured)
     E_b(k)     expected tokens sequence b emits with a k-token draft: 1 + s_b(1) + ... + s_b(k)

@@ -207,9 +207,8 @@ def pad_linears(stack: Stack, max_t: int = MAX_T, max_rows: int | None = None) -
 RECALLED = "exact (a full probe's choice on this machine key: not probed again)"
 
 
-# Candidates are ranked by one sequence's step and a batch's together: on the dev machine in bf16,
-# SmolLM2's sdpa_fold_r4 and sdpa_pad4 decode one sequence at the same speed, but the first's packed
-# passes of 16 sequences spend 2.6x less in attention (plain batched decoding: 117 against 96 tok/s).
+# Candidates are ranked by one sequence's step and a batch's together: two forms that decode one
+# sequence at the same speed can differ several-fold in a batch's packed passes (docs/benchmarks.md).
 # The batch's sequences sit at different key lengths, as a real batch's do: SDPA forms make one call
 # per length, and the native form one call per layer whatever the lengths.
 BATCH_SLOTS = 8

@@ -2,14 +2,12 @@
 
 A torch op costs a few microseconds of dispatch on the CPU whatever its size. RMSNorm is about
 eight of them (F.rms_norm's composite: upcast, square, mean, add, rsqrt, two products, downcast)
-and RoPE four (two products, a roll, a sum). A one-token step of SmolLM2 runs 61 norms of one
-576-wide row and 30 RoPEs: in torch ops they cost about 2 ms of its 20 (bf16, 2-core Zen 4); one
-C call each costs about 2.5 us (norm) and 4.5 us (RoPE), Python included.
+and RoPE four (two products, a roll, a sum). A one-token step runs two norms and a RoPE a layer,
+so their dispatch was a visible share of it; one C call each costs a fraction of that.
 
 Each kernel computes every row alone with one fixed loop (``native.c``), so its rows do not depend
 on the call's row count (the exactness probe still measures the whole step). The norm and RoPE run
-on one thread; at 500 rows (a prefill) they still cost no more than the torch ops on two (bf16 norm
-70 vs 120 us, RoPE 170 vs 170-280 us). Attention shares its rows x KV heads out among torch's
+on one thread; at a prefill's rows they still cost no more than the torch ops on two. Attention shares its rows x KV heads out among torch's
 threads where the library is built with OpenMP (``openmp_flags``): each item is computed by one
 thread with the same loop, so the threads change no bit. The library is built
 once per source, compiler and processor (``-march=native``) into ``cache_dir()/native``; with no C
@@ -309,11 +307,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, sca
 
     In bf16 where the library has avx512_bf16 and D % 32 == 0, each row is computed as ``causal``
     computes it (the same products in the same order, the probabilities rounded to bf16), reading
-    the cache in place. On a 2-core Zen 4 (no AMX), at SmolLM2's shapes and 330 keys, a layer's 64
-    rows took 0.42 ms against the SIMD form's 0.70 with the cache in L3, but 0.88-1.0 ms against
-    1.0-1.1 from memory, where merely reading those keys and values took 0.76: in a packed pass of
-    one row per sequence the step ran no faster (88 ms against 86, within the noise); of two rows, 142
-    against 153."""
+    the cache in place. It is faster than the SIMD form where the cache is in cache, and no slower
+    where reading the keys and values from memory bounds both (docs/benchmarks.md)."""
     lib = library()
     kernel = None if lib is None else lib.attention.get(q.dtype)
     if kernel is None:
@@ -354,9 +349,8 @@ class Linear:
     is summed in one fixed order and rounded once, so a row's outputs do not depend on the call's rows.
     ``int8``: the same over a weight-only int8 copy (a draft's, ``stack.Int8Linear``), scaled per output.
 
-    On a 2-core Zen 4 (avx512_bf16, no AMX), SmolLM2's 121 projections of one pass (30 layers and the
-    head, weights streamed from memory) took 9.5 / 14 / 24 / 43 ms for 1 / 16 / 32 / 64 rows against
-    oneDNN's prepacked 15 / 18 / 29 / 51 ms. ``of`` and ``int8`` return None where it does not apply: no
+    It was faster than oneDNN's prepacked GEMM at every row count a step or a batch packs
+    (docs/benchmarks.md). ``of`` and ``int8`` return None where it does not apply: no
     library, another dtype or device, N not a multiple of 16 or K odd, a library built without
     avx512_bf16, a CPU with AMX, or a library without OpenMP (``linear_preferred``)."""
 
@@ -499,12 +493,8 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, star
     alone from its query and keys (the same bits whatever T and start). None where ``Linear`` would not
     be used (``linear_preferred``: the same tiles), for other dtypes, devices or layouts, or D % 16.
 
-    On a 2-core Zen 4 (avx512_bf16, no AMX), side by side on SmolLM2's shapes (9 heads, 3 KV heads, D 64),
-    it took 0.42 / 1.5 / 4.3 / 16.5 ms per layer at 250 / 500 / 900 / 2000 tokens against
-    ``attention.causal_blocks``' 1.3 / 3.1 / 7.7 / 26 and SDPA's 1.5 / 5.6 / 12 / 43; the 16 serving
-    prompts (4,359 tokens) prefilled in 2.9-3.1 s against 3.4-3.7 s. The last position's logits of the
-    24 longest eval prompts (921-982 tokens) moved from an fp32 run by a median KL of 1.03e-4 (mean
-    2.1e-4) against causal_blocks' 1.18e-4 (1.7e-4), lower on 12 of the 24, the same top token in all."""
+    It is faster than ``attention.causal_blocks`` and SDPA at every prompt length measured, and no
+    further from an fp32 run (docs/benchmarks.md)."""
     if q.dim() != 3 or k.dim() != 4 or not causal_runs(q.dtype, q.device, q.shape[2]):
         return None
     T, H, D = q.shape

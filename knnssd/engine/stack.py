@@ -1,6 +1,6 @@
 """A decoder's weights gathered into plain tensors, for a lean forward pass.
 
-HF modules cost ~0.4 ms of Python per layer per call here; the forward in ``decoder.py`` runs the
+HF modules cost Python dispatch per layer per call; the forward in ``decoder.py`` runs the
 same math from these tensors with a handful of torch calls per sub-layer (fused QKV and
 gate/up projections, a static KV cache). ``from_hf`` reads the standard decoder layout shared
 by Llama, Mistral, Qwen2/3, Gemma3, Phi3 and their relatives; anything else raises
@@ -41,8 +41,8 @@ class Linear:
 
     def packed(self, force: bool = False) -> "Linear | PackedLinear | NativeLinear":
         """The native kernel's form where it applies (``native.Linear``: bf16 on a CPU with avx512_bf16 and no
-        AMX), else a oneDNN-prepacked copy on CPU for large weights (MKL's small-batch GEMMs were 1.5-4x slower
-        on the 2-core dev machine), else self (small ones: the packed call's ~30 us overhead wins,
+        AMX), else a oneDNN-prepacked copy on CPU for large weights (MKL's small-batch GEMMs were slower:
+        docs/benchmarks.md), else self (small ones: the packed call's fixed overhead wins,
         unless ``force``: MKL's fp32 rows depend on the row count, oneDNN's did not)."""
         if self.weight.device.type != "cpu":
             return self
@@ -96,14 +96,11 @@ class Int8Linear:
     """Weight-only int8 copy of a Linear (symmetric, per output channel), for drafts only.
 
     ``_weight_int8pack_mm`` with bf16 activations (CPU and CUDA), or, where the native linear kernel
-    applies (``native.Linear.int8``), that kernel, which reads the int8 weights directly: on the 2-core
-    Zen 4 (avx512_bf16) a one-row pass over SmolLM2's 121 projections took 10.1 ms with
-    ``_weight_int8pack_mm``, more than the native bf16 kernel's 8.8 ms in the same run (so an int8
-    draft step cost more than the full step it stands in for), and 6.4-6.9 ms with the native one.
-    On the 2-core dev machine a SmolLM2 draft step costs ~0.6x a full fp32 step and agrees with the
-    full model on ~96% of tokens (teacher-forced). Drafts need not be exact: the full model verifies
-    every token. (fbgemm's dynamic int8, which also quantizes activations, was faster but agreed on
-    <50%.)
+    applies (``native.Linear.int8``), that kernel, which reads the int8 weights directly: there
+    ``_weight_int8pack_mm`` was slower than the native bf16 kernel, so an int8 draft step would cost
+    more than the full step it stands in for. Drafts need not be exact: the full model verifies every
+    token. fbgemm's dynamic int8, which also quantizes activations, was faster but agreed with the
+    full model far less often (docs/benchmarks.md).
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):

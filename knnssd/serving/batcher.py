@@ -9,8 +9,8 @@ its one-at-a-time generation.
 The batch's thread also loads the model: all the engine's torch work runs on that one thread. Torch's
 CPU threads are OpenMP's, and OpenMP keeps a pool of worker threads for each thread that runs
 parallel work; once two pools are alive (the loading thread's and the batch's) there are more OpenMP
-threads than cores on a small machine, and libgomp stops letting idle workers spin. On a 2-core Zen 4
-a bf16 SmolLM2 step then took 28 ms on the batch's thread against 19 ms with everything on one thread.
+threads than cores on a small machine, and libgomp stops letting idle workers spin, which slowed
+every step of the batch's thread (docs/benchmarks.md).
 """
 from __future__ import annotations
 

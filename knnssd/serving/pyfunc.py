@@ -106,8 +106,7 @@ def _admit_concurrent_requests(slots: int) -> None:
     """Let as many requests run ``predict`` at once as the batch has slots. ``mlflow models serve``
     (uvicorn) runs each request's ``predict`` with ``asyncio.to_thread``: on its event loop's default
     executor, a ``ThreadPoolExecutor`` of min(32, cores + 4) threads, 6 on a 2-core machine. No more
-    than 6 requests could then be in the batch together, the rest queued behind them (16 concurrent
-    requests took 7.8 s instead of 6.8 on a 2-core Zen 4). The server loads the model before its loop
+    than 6 requests could then be in the batch together, the rest queued behind them. The server loads the model before its loop
     runs, so the loop's executor cannot be replaced at load; instead, where ``predict`` runs on a
     ``ThreadPoolExecutor``'s worker thread, that executor may start up to ``slots`` threads (each
     ``predict`` thread only waits for its results). Elsewhere (a script calling ``predict``), nothing."""

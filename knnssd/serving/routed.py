@@ -72,7 +72,7 @@ class RoutedGenerator:
 
     def _int8_weights(self) -> None:
         """Quantise the int8 draft weights now, where a cluster drafts on them, not in the first request
-        routed there (about 1.4 s for SmolLM2 on a 2-core Zen 4)."""
+        routed there (it takes about a second)."""
         if self.can_batch and any(c.drafter.int8 for c in self.bank.clusters):
             self.decoder.int8_stack()
 
