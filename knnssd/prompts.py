@@ -157,8 +157,13 @@ def default_data_dir() -> Path:
 
 
 def domain_files() -> list[str]:
-    """The five domains' files of the data folder: what calibration and promotion use when given none."""
-    return [str(default_data_dir() / f"{d}.jsonl") for d in DOMAINS]
+    """The five domains' files of the data folder: what calibration and promotion use when given none.
+    Where the folder is the bundled samples (no ``../shared/data``), the domains they hold: they lack
+    summarization, which a run without ``--input`` then asked for and failed on."""
+    data = default_data_dir()
+    if data.resolve() == samples_dir().resolve():
+        return sorted(str(p) for p in data.glob("*.jsonl"))
+    return [str(data / f"{d}.jsonl") for d in DOMAINS]
 
 
 def samples_dir() -> Path:

@@ -77,3 +77,16 @@ def test_what_is_not_a_prompt_file_says_so(tmp_path):
     assert [(r.id, r.prompt) for r in prompts.load(tmp_path / "rows.json")] == [("a", "x"), ("b", "y")]
     (tmp_path / "bom.csv").write_bytes("\ufeffprompt\nhello\n".encode())
     assert [r.prompt for r in prompts.load(tmp_path / "bom.csv")] == ["hello"]
+
+
+def test_without_shared_data_the_default_files_are_the_bundled_samples(monkeypatch):
+    """The bundled samples hold four of the five domains; a run given no --input takes those, not a missing
+    summarization file."""
+    from pathlib import Path
+
+    from knnssd import prompts
+
+    monkeypatch.setenv("KNNSSD_DATA", str(prompts.samples_dir()))
+    files = prompts.domain_files()
+    assert files and all(Path(f).is_file() for f in files)
+    assert [Path(f).stem for f in files] == sorted(p.stem for p in prompts.samples_dir().glob("*.jsonl"))
