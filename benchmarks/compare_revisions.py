@@ -99,6 +99,8 @@ def main() -> None:
             print(f"prompt {i + 1}/{len(rows)}", file=sys.stderr, flush=True)
         report = {"rev": a.rev, "dtype": a.dtype, "threads": torch.get_num_threads(), "prompts": len(rows),
                   "max_new_tokens": a.max_new_tokens, "new_step": engines["new"][0].exactness.to_dict()}
+        report["ar_outputs_equal_old_new"] = sum(a == b for (a, _), (b, _) in zip(res[("old", "ar")],
+                                                                                 res[("new", "ar")])) / len(rows)
         for eng in engines:
             ar_t = sum(t for _, t in res[(eng, "ar")])
             ar_tok = sum(len(o) for o, _ in res[(eng, "ar")])
