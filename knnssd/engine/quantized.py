@@ -87,11 +87,17 @@ def _native(tensors: list, arrays: list[tuple[np.ndarray, ...]], linear, where: 
     if tuple(parts[0].shape) != tuple(linear.weight.shape):
         raise QuantizedWeightsError(f"{where} holds {tuple(parts[0].shape)} weights, the model "
                                     f"{tuple(linear.weight.shape)}")
-    kernel = getattr(native.Linear, kinds.pop())(*parts, linear.bias)
+    return _on_blocks(kinds.pop(), parts, linear)
+
+
+def _on_blocks(kind: str, parts, linear) -> NativeLinear:
+    """``linear`` run by ``native.Linear``'s ``kind`` ("q4" or "q8") kernel over ``parts`` (as that kernel takes
+    them); the dense weight stays for shapes and int8 drafts."""
+    kernel = getattr(native.Linear, kind)(*parts, linear.bias)
     if kernel is None:
-        raise QuantizedWeightsError("GGUF blocks run on the native kernel, which needs a CPU with avx512_bf16 and "
+        raise QuantizedWeightsError("block weights run on the native kernels, which need a CPU with avx512_bf16 and "
                                     "no AMX, and a C compiler")
-    return NativeLinear(linear.weight, linear.bias, kernel)  # the dense weight: shapes, int8 drafts
+    return NativeLinear(linear.weight, linear.bias, kernel)
 
 
 def gguf_stack(stack: Stack, path: Path) -> tuple[Stack, int]:
@@ -110,10 +116,11 @@ def gguf_stack(stack: Stack, path: Path) -> tuple[Stack, int]:
         changes = {}
         for name in PROJECTIONS:
             sources = [tensors.get(f"blk.{i}.{src}.weight") for src in SOURCES[name]]
-            if any(t is None or blocks(t) is None for t in sources):
+            found = [None if t is None else blocks(t) for t in sources]  # each tensor read once
+            if any(b is None for b in found):
                 continue  # another type (or a name this map does not know): the de-quantized weights stay
-            arrays = [tuple(_unpermute(a, unpermute[src]) if src in unpermute else a for a in blocks(t))
-                      for src, t in zip(SOURCES[name], sources)]
+            arrays = [tuple(_unpermute(a, unpermute[src]) if src in unpermute else a for a in b)
+                      for src, b in zip(SOURCES[name], found)]
             linear = _native(sources, arrays, getattr(layer, name), f"{path.name}: blk.{i} {name}")
             if linear is not None:
                 changes[name] = linear
@@ -121,13 +128,13 @@ def gguf_stack(stack: Stack, path: Path) -> tuple[Stack, int]:
         layers.append(dataclasses.replace(layer, **changes))
     head = tensors.get("output.weight", tensors.get("token_embd.weight"))  # no output.weight: tied to the embeddings
     lm_head = stack.lm_head
-    if head is not None and blocks(head) is not None:
-        lm_head = _native([head], [blocks(head)], stack.lm_head, f"{path.name}: {head.name}") or lm_head
+    head_blocks = None if head is None else blocks(head)
+    if head_blocks is not None:
+        lm_head = _native([head], [head_blocks], stack.lm_head, f"{path.name}: {head.name}") or lm_head
         count += lm_head is not stack.lm_head
     if not count:
         raise QuantizedWeightsError(f"{path.name} holds no Q4_0, Q4_1 or Q8_0 projections")
     return dataclasses.replace(stack, layers=layers, lm_head=lm_head), count
-
 
 
 def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
@@ -158,12 +165,7 @@ def quantize_stack(stack: Stack, kind: str) -> tuple[Stack, int]:
         w = linear.weight
         if w.shape[1] % BLOCK or w.shape[0] % 16:
             return None
-        parts = quantize(w, form)
-        kernel = (native.Linear.q8 if form == "q8_0" else native.Linear.q4)(*parts, linear.bias)
-        if kernel is None:
-            raise QuantizedWeightsError(f"--dtype {kind} runs on the native block kernels, which need a CPU with "
-                                        "avx512_bf16 and no AMX, and a C compiler")
-        return NativeLinear(w, linear.bias, kernel)
+        return _on_blocks("q8" if form == "q8_0" else "q4", quantize(w, form), linear)
 
     layers, count = [], 0
     for layer in stack.layers:
