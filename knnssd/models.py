@@ -349,23 +349,20 @@ def gguf_file(name: str) -> Path | None:
 
 def gguf_weights(name: str) -> Path:
     """The GGUF file whose 4-bit blocks ``--dtype gguf`` runs: an embedded model's or a .gguf path; a one-line
-    ``ModelError`` for a model that has none, or where the native 4-bit kernel does not run."""
-    from knnssd.engine import native
-
+    ``ModelError`` for a model that has none, or where the native block kernels do not run (``check_blocks``)."""
     from knnssd.engine.quantized import holds_blocks
 
     path = gguf_file(name)
     if path is None or not holds_blocks(path):
         raise ModelError(f"--dtype gguf runs a GGUF file's own 4-bit blocks (Q4_0, Q4_1); model '{name}' is not one "
                          "that holds them")
-    if native.tiled("linear_q4") is None:
-        raise ModelError("--dtype gguf needs the native 4-bit kernel: a C compiler and a CPU with avx512_bf16 and "
-                         "no AMX")
+    check_blocks("gguf")
     return path
 
 
 def check_blocks(dtype: str) -> None:
-    """A one-line ``ModelError`` where ``--dtype q4_1`` or ``q8_0`` cannot run: its native kernel is not used here."""
+    """A one-line ``ModelError`` where a precision of ``settings.BLOCKS`` cannot run: its native kernels (4-bit
+    and 8-bit blocks, which a GGUF's Q8_0 head takes too) are not used here."""
     from knnssd.engine import native
 
     if native.tiled("linear_q4") is None or native.tiled("linear_q8") is None:
