@@ -40,7 +40,8 @@ def local_api() -> Iterator[str]:
         check(url)
         yield url
         return
-    server = shims.prefect_server_class()(reachable.free_port())  # its own port: never an instance Prefect made without the signal
+    # its own port: never an instance Prefect made without the signal
+    server = shims.prefect_server_class()(reachable.free_port())
     try:
         server.start(timeout=max(STARTUP_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
     except BaseException as e:  # a start timeout, a port race, Ctrl-C or SIGTERM: nothing left running

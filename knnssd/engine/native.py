@@ -7,10 +7,10 @@ so their dispatch was a visible share of it; one C call each costs a fraction of
 
 Each kernel computes every row alone with one fixed loop (``native.c``), so its rows do not depend
 on the call's row count (the exactness probe still measures the whole step). The norm and RoPE run
-on one thread; at a prefill's rows they still cost no more than the torch ops on two. Attention shares its rows x KV heads out among torch's
-threads where the library is built with OpenMP (``openmp_flags``): each item is computed by one
-thread with the same loop, so the threads change no bit. The library is built
-once per source, compiler and processor (``-march=native``) into ``cache_dir()/native``; with no C
+on one thread; at a prefill's rows they still cost no more than the torch ops on two. Attention
+shares its rows x KV heads out among torch's threads where the library is built with OpenMP
+(``openmp_flags``): each item is computed by one thread with the same loop, so the threads change
+no bit. The library is built once per source, compiler and processor (``-march=native``) into ``cache_dir()/native``; with no C
 compiler, or ``KNNSSD_NATIVE=0``, ``library()`` is None and callers keep the torch ops.
 
 The linears have a kernel too (``Linear``), in bf16 where the compiler targets avx512_bf16, the library
