@@ -561,6 +561,7 @@ def test_cli_refuses_drafter_and_search_values_that_cannot_work(tmp_path):
         (["add-domain", "--name", "", "--input", str(inp)], "name: String should have at least 1 character"),
         (["add-domain", "--name", "x", "--input", str(inp), "--storage", "ftp://x/y"], "--storage ftp://x/y cannot be"),
         (["calibrate", "--storage", f"sqlite:///{tmp_path / 'no' / 'o.db'}"], "does not exist"),
+        (["calibrate", "--storage", str(tmp_path / "no" / "j.log")], "the folder"),  # trial 4, D3: folders were made
         (["calibrate", "--layer", "-99"], "pooling layer must be -1"),
         (["complete", "--prompt", "hi", "--mask", str(tmp_path)], "cannot read it (Is a directory)"),
         (["complete", "--prompt", "hi", "--device", "cpu:99"], "unknown device 'cpu:99'"),

@@ -53,19 +53,18 @@ def storage_for(url_or_path: str):
 
 def check_storage(url_or_path: str | None, timeout_s: int = 5) -> None:
     """A one-line ``ValueError``, in seconds, for a storage ``storage_for`` could not open: a journal path
-    that is a folder or whose folder cannot be made, a URL with no SQLAlchemy dialect or driver here, a
-    sqlite file in a folder that does not exist, a database server that does not answer. (Each failed
-    in the first search task, with a traceback of 133 lines.)"""
+    that is a folder, a journal or sqlite file in a folder that does not exist (a typo would otherwise
+    make folders), a URL with no SQLAlchemy dialect or driver here, a database server that does not
+    answer. (Each failed in the first search task, with a traceback of 133 lines.)"""
     if url_or_path is None:
         return
     if "://" not in url_or_path:
         path = Path(url_or_path)
         if path.is_dir():
             raise ValueError(f"--storage {path} is a folder; give a journal file path")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"--storage {path}: its folder cannot be made ({e.strerror or e})") from None
+        if not path.parent.is_dir():  # as for a sqlite URL: a mistyped folder is an error, not new folders
+            raise ValueError(f"--storage {path}: the folder {path.parent} does not exist; make it first, or give "
+                             "a path in a folder that exists")
         if path.is_file() and path.stat().st_size:  # Optuna appends to any file: a prompt file was written to
             try:
                 with path.open("rb") as f:
