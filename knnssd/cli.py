@@ -182,25 +182,27 @@ def _calibrate_params(a) -> dict:
     )
 
 
-def _check_calibrate(a) -> None:
+def _check_calibrate(a, params) -> list:
     """Calibrate's and search-worker's checks past their parameters' own (made first: they cost nothing),
-    before any server starts."""
+    before any server starts. Returns the calib rows."""
     from knnssd import tracking
     from knnssd.routing.router import Pooling
+    from knnssd.search.steps import load_prompts
 
-    _check_inputs(a.input or [])
+    rows = load_prompts(params.paths(), "calib", domain_from_file=params.domain_from_file)
     if a.clusters is not None and not a.unlabelled:
         raise ValueError("--clusters sets an --unlabelled pool's clusters; labelled domains take --k-per-domain")
     tracking.check_alias(a.alias)
     pooling = Pooling(a.pooling, a.layer)
     pooling.check(_check_search(a).num_hidden_layers)
+    return rows
 
 
 def cmd_calibrate(a) -> int:
     from knnssd.flows.calibrate import CalibrateParams, calibrate
 
     params = CalibrateParams(**_calibrate_params(a))
-    _check_calibrate(a)
+    _check_calibrate(a, params)
     print(json.dumps(_flow(calibrate, params)))
     return 0
 
@@ -208,13 +210,10 @@ def cmd_calibrate(a) -> int:
 def cmd_search_worker(a) -> int:
     from knnssd.flows.search_worker import WorkerParams, search_worker
 
-    from knnssd.search.steps import load_prompts
-
     _counts(a, "worker_trials")  # before the model's own check, which names calibrate's --trials
     params = WorkerParams(**_calibrate_params(a), trials=a.worker_trials, clusters=a.cluster or [])
-    _check_calibrate(a)
+    rows = _check_calibrate(a, params)
     if params.clusters and params.labelled:  # a labelled pool's clusters are its domains (the flow checks the rest)
-        rows = load_prompts(params.paths(), "calib", domain_from_file=params.domain_from_file)
         params.check_clusters({r.domain for r in rows if r.domain})
     print(json.dumps(_flow(search_worker, params)))
     return 0
@@ -224,14 +223,17 @@ def cmd_add_domain(a) -> int:
     from knnssd.flows.add_domain import AddDomainParams, add_domain
 
     from knnssd import tracking
+    from knnssd.prompts import load
     from knnssd.routing import bank as banks
-    from knnssd.search.extend import check_name
+    from knnssd.search.extend import check_name, split_rows
     from knnssd.serving.promote import version_uri
 
     params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
                              device=a.device, k_per_domain=a.k_per_domain, warm=a.warm, storage=a.storage,
                              tracking_uri=a.tracking_uri, **budget_values(a))
-    _check_inputs(a.input)
+    if not split_rows([r for p in a.input for r in load(p)], a.name)[0]:
+        raise ValueError(f"--input: no rows to calibrate {a.name!r} on (rows with split 'calib', or any rows "
+                         "without a split field)")
     _check_search(a)
     # the base version is fetched here (the flow reuses it): a wrong URI or a name it holds fails in seconds
     base = banks.load(tracking.bank_folder(a.model_uri or version_uri(a.model, "champion"), a.tracking_uri))
@@ -272,14 +274,6 @@ def cmd_watch(a) -> int:
                          tracking_uri=a.tracking_uri)
     print(json.dumps(_flow(watch, params), default=str))
     return 0
-
-
-def _check_inputs(paths: list[str]) -> None:
-    """Fail fast, before any server or model starts, on a prompt file that cannot be used."""
-    from knnssd.prompts import load
-
-    for p in paths:
-        load(p)
 
 
 def cmd_bench(a) -> int:

@@ -99,7 +99,7 @@ def _hf_rows(spec: str) -> list[dict]:
 
 def load(path: str | os.PathLike, split: str | None = None, fields: Fields = Fields(),
          domain: str | None = None) -> list[Prompt]:
-    """Read prompts; keep only rows of ``split`` when given; ``domain`` fills rows that have none."""
+    """Read prompts; keep only the rows of ``split`` (``of_split``) when given; ``domain`` fills rows that have none."""
     if str(path).startswith("hf:"):
         rows, path = _hf_rows(str(path)), Path(str(path)[3:].replace("/", "_").replace(":", "_"))
     else:
@@ -130,12 +130,25 @@ def load(path: str | os.PathLike, split: str | None = None, fields: Fields = Fie
         if pid in seen:
             raise PromptError(f"{path}: duplicate id '{pid}' (rows {seen[pid]} and {n})")
         seen[pid] = n
-        p = Prompt(pid, text, row.get(fields.domain) or domain, row.get(fields.split))
-        if split is None or p.split == split:
-            out.append(p)
-    if not out:
-        raise PromptError(f"{path}: no rows with split '{split}'")
-    return out
+        out.append(Prompt(pid, text, row.get(fields.domain) or domain, row.get(fields.split)))
+    chosen = of_split(out, split)
+    if not chosen:
+        raise PromptError(f"{path}: no rows with split '{split}'" + (
+            "" if any(r.split for r in out) else f" (it has no split field: of its {len(out)} rows the first two "
+            "thirds calibrate and the rest evaluate)"))
+    return chosen
+
+
+def of_split(rows: list[Prompt], split: str | None) -> list[Prompt]:
+    """The rows of ``split`` (all of them for ``None``): by their ``split`` field where any row has one,
+    else by position, the first two thirds calibrating and the rest evaluating, so that a file of plain
+    prompts serves calibration and evaluation alike."""
+    if split is None:
+        return rows
+    if any(r.split for r in rows):
+        return [r for r in rows if r.split == split]
+    cut = max(1, (2 * len(rows)) // 3)
+    return {"calib": rows[:cut], "eval": rows[cut:]}.get(split, [])
 
 
 def auto_id(stem: str, text: str, repeats: dict[str, int]) -> str:

@@ -24,6 +24,18 @@ def test_formats_fields_and_splits(tmp_path):
     assert [r.id for r in prompts.load(tmp_path / "p.csv")] == [prompts.auto_id("p", t, {}) for t in "xy"]
 
 
+def test_a_file_without_splits_calibrates_on_its_first_two_thirds(tmp_path):
+    """Trial 4, D2: calibrate refused such a file ("no rows with split 'calib'"), and only after Prefect
+    started; add-domain took it. One rule now serves both, and the CLI checks it before any server."""
+    j = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
+    calib, ev = prompts.load(j, split="calib"), prompts.load(j, split="eval")
+    assert [r.prompt for r in calib] == ["p0", "p1", "p2", "p3"] and [r.prompt for r in ev] == ["p4", "p5"]
+    assert [r.prompt for r in steps.load_prompts([str(j)], "calib")] == ["p0", "p1", "p2", "p3"]
+    one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "only"}])
+    with pytest.raises(prompts.PromptError, match="no split field: of its 1 rows the first two thirds calibrate"):
+        prompts.load(one, split="eval")
+
+
 @pytest.mark.parametrize("content, message", [
     (b"", "no rows"),
     (b'{"text": "x"}\n', "has no 'prompt' field"),

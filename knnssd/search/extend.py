@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from knnssd import prompts
 from knnssd.routing import bank as banks
 from knnssd.routing import router
 from knnssd.search import optimize
@@ -66,15 +67,11 @@ def merged(bank: banks.Bank, clusters: list[router.Cluster], results: list[banks
 
 
 def split_rows(rows: list, name: str) -> tuple[list, list]:
-    """(calib, eval) rows of a new domain's file, every row labelled ``name``: by their ``split``
-    field when they have one, else the first two thirds calibrate and the rest evaluate."""
+    """(calib, eval) rows of a new domain's files (``prompts.of_split``), every row labelled ``name``."""
     from dataclasses import replace
 
     rows = [replace(r, domain=name) for r in rows]
-    if any(r.split for r in rows):
-        return [r for r in rows if r.split == "calib"], [r for r in rows if r.split == "eval"]
-    cut = max(1, (2 * len(rows)) // 3)
-    return rows[:cut], rows[cut:]
+    return prompts.of_split(rows, "calib"), prompts.of_split(rows, "eval")
 
 
 def build(base_dir: Path, clusters: list[router.Cluster], results: list[banks.ClusterResult], vectors: Path, out_dir: Path,
