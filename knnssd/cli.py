@@ -442,12 +442,19 @@ def budget_values(a) -> dict:
     return {st.name: getattr(a, st.name) for st in settings()}
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in the one line every other error gets (argparse prints the usage first: 4-12 lines)."""
+
+    def error(self, message: str):
+        self.exit(2, f"knnssd: error: {message} (see: {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     from knnssd.prompts import DOMAINS
 
-    p = argparse.ArgumentParser(prog="knnssd", description=__doc__)
+    p = _Parser(prog="knnssd", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
 
     b = sub.add_parser("bench-engine", help="own AR vs HF generate vs fixed drafters, side by side")
     _model_args(b)
@@ -602,6 +609,7 @@ def parser() -> argparse.ArgumentParser:
     _dtype_arg(r)
     _tracking_arg(r)
     r.set_defaults(fn=cmd_route_eval)
+    p.commands = sub.choices  # each command's parser, for its own usage errors
     return p
 
 
@@ -653,7 +661,10 @@ def main(argv: list[str] | None = None) -> int:
     from knnssd.settings import check_work_dir
     from knnssd.tracking import RegistryError
 
-    a = parser().parse_args(argv)
+    p = parser()
+    a, extra = p.parse_known_args(argv)
+    if extra:  # named with the command's own --help, which lists what it takes
+        p.commands[a.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     with _signals_unwind():
         try:
             check_work_dir()  # where the log file goes, before anything is written there

@@ -573,6 +573,21 @@ def test_cli_refuses_drafter_and_search_values_that_cannot_work(tmp_path):
     assert not (tmp_path / "no").exists()
 
 
+def test_usage_errors_and_unusable_prompt_files_are_one_line(tmp_path):
+    """Trial 4, D1: argparse's usage errors printed 4-12 lines; D2: calibrate took a file with no calib
+    rows only to refuse it after the Prefect server started."""
+    evals = tmp_path / "e.jsonl"
+    evals.write_text('{"prompt": "a", "split": "eval"}\n{"prompt": "b", "split": "eval"}\n')
+    _one_line_each([
+        ([], "required: COMMAND (see: knnssd --help)"),
+        (["nosuch"], "invalid choice: 'nosuch'"),
+        (["generate", "--max-new-tokens", "x"], "invalid int value: 'x' (see: knnssd generate --help)"),
+        (["calibrate", "--bogus", "1"], "unrecognized arguments: --bogus 1 (see: knnssd calibrate --help)"),
+        (["calibrate", "--input", str(evals)], "no rows with split 'calib'"),
+        (["add-domain", "--name", "x", "--input", str(evals)], "no rows to calibrate 'x' on"),
+    ], _cli_env(tmp_path), seconds=15)
+
+
 def test_cli_refuses_a_work_folder_that_cannot_be_used(tmp_path):
     """Defect 11: ``KNNSSD_WORK`` naming a file or a read-only folder gave a traceback."""
     work_file = tmp_path / "work-file"
