@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pytest
@@ -81,6 +82,26 @@ def test_bank_round_trip_and_validation(tmp_path):
         banks.load(folder)
     with pytest.raises(banks.BankError, match="no bank.json"):
         banks.load(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r.update(min_similarity=float("nan")), "router.min_similarity must be a cosine similarity"),
+    (lambda r: r.update(min_similarity=2), "router.min_similarity must be a cosine similarity"),
+    (lambda r: r.update(k=0), "router.k must be an integer >= 1, got 0"),
+    (lambda r: r.update(k=2.5), "router.k must be an integer >= 1, got 2.5"),
+    (lambda r: r.update(center=[float("nan")] * len(r["center"])), "router center contains NaN"),
+    (lambda r: r.update(center=[0.0]), "router center has shape (1,)"),
+])
+def test_router_values_that_cannot_route_are_refused(tmp_path, edit, message):
+    """Trial 4, D4-D5: a NaN threshold or a k of 0 was taken (every prompt unmatched, or no neighbour),
+    and a NaN center was reported as a dimension mismatch."""
+    b, folder = make_bank(tmp_path)
+    d = json.loads((folder / "bank.json").read_text())
+    d["router"]["center"] = d["router"].get("center") or [0.0] * b.anchors.shape[1]
+    edit(d["router"])
+    (folder / "bank.json").write_text(json.dumps(d))  # json writes NaN, as a hand edit could
+    with pytest.raises(banks.BankError, match=re.escape(message)):
+        banks.load(folder)
 
 
 def test_pictures(tmp_path):

@@ -173,7 +173,7 @@ def from_json(d: dict, anchors: np.ndarray, owner: np.ndarray) -> Bank:
         clusters = [BankCluster(**c) for c in d["clusters"]]
         return Bank(model=m["name"], fingerprint=m["fingerprint"], n_layers=int(m["n_layers"]), dtype=m["dtype"],
                     clusters=clusters, anchors=anchors, anchor_cluster=owner, pooling=Pooling(**d["pooling"]),
-                    router_k=int(r["k"]), min_similarity=float(r["min_similarity"]), fallback=r.get("fallback"),
+                    router_k=r["k"], min_similarity=float(r["min_similarity"]), fallback=r.get("fallback"),
                     created=d.get("created", ""), knnssd_version=d.get("knnssd_version", "?"), extra=d.get("extra", {}),
                     center=None if r.get("center") is None else np.asarray(r["center"], dtype=np.float32))
     except BankError:
@@ -195,8 +195,15 @@ def validate(bank: Bank) -> None:
         raise BankError("anchors contain NaN or infinite values")
     if set(bank.anchor_cluster.tolist()) - ids:
         raise BankError("an anchor points to a cluster the bank does not have")
-    if bank.center is not None and (bank.center.shape != bank.anchors.shape[1:] or not np.isfinite(bank.center).all()):
-        raise BankError("router center does not match the anchors' dimension")
+    if bank.center is not None and bank.center.shape != bank.anchors.shape[1:]:
+        raise BankError(f"router center has shape {bank.center.shape}, the anchors' dimension is "
+                        f"{bank.anchors.shape[1:]}")
+    if bank.center is not None and not np.isfinite(bank.center).all():
+        raise BankError("router center contains NaN or infinite values")
+    if not (isinstance(bank.router_k, int) and not isinstance(bank.router_k, bool) and bank.router_k >= 1):
+        raise BankError(f"router.k must be an integer >= 1, got {bank.router_k!r}")
+    if not (isinstance(bank.min_similarity, (int, float)) and -1.0 <= bank.min_similarity <= 1.0):
+        raise BankError(f"router.min_similarity must be a cosine similarity in [-1, 1], got {bank.min_similarity!r}")
     if bank.fallback is not None and bank.fallback not in ids:
         raise BankError(f"fallback cluster {bank.fallback} is not in the bank")
     for c in bank.clusters:
