@@ -29,6 +29,24 @@ def die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
+def end_with_parent(what: str, poll_s: float = 0.5) -> None:
+    """End this process, from a daemon thread, once the process that started it has ended. For a
+    server under a launcher (``mlflow models serve`` execs uvicorn as its child): a SIGTERM to the
+    group ends the launcher at once, while uvicorn's graceful shutdown waited for a request nobody
+    would read, decoding it for 20-80 s."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"knnssd: {what}'s launcher (pid {parent}) has ended; stopping", file=sys.stderr, flush=True)
+        os._exit(0)  # no request can be answered: its client went with the launcher
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
 def group_members(pgid: int) -> list[int]:
     """The live processes of process group ``pgid`` (zombies, which only wait to be reaped, are not)."""
     out = []

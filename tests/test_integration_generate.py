@@ -1,4 +1,5 @@
 """Routed generation: batch flow, kill + resume, and `mlflow models serve` answering /invocations."""
+import contextlib
 import json
 import os
 import shutil
@@ -485,8 +486,23 @@ def test_mlflow_models_serve_answers_invocations(registered, tmp_path):
         ):
             code, answer = ask(recs, params)
             assert code == 400 and reason in answer["message"] and "stack_trace" not in answer, (params, answer)
-    finally:
+
+        # trial 4, D6: a SIGTERM to the group left uvicorn decoding a request nobody would read, for 20-80 s
+        from knnssd.processes import group_members
+
+        pool = ThreadPoolExecutor(1)
+        pool.submit(ask, [{"prompt": "Count from 1 to 5000: 1, 2, 3, 4, 5, 6,"}], {"max_new_tokens": 2000})
+        time.sleep(2)
         os.killpg(server.pid, signal.SIGTERM)
+        start = time.monotonic()
+        while group_members(server.pid) and time.monotonic() - start < 60:
+            server.poll()
+            time.sleep(0.2)
+        assert not group_members(server.pid) and time.monotonic() - start < 10, time.monotonic() - start
+        pool.shutdown(wait=False)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
         log.close()
         print((tmp_path / "serve.log").read_text()[-3000:])

@@ -37,6 +37,10 @@ def server_settings(env) -> dict:
 
 class KnnSsdModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
+        if "__pyfunc_model_path__" in os.environ:  # under ``mlflow models serve`` (see ``_refuse``)
+            from knnssd.processes import end_with_parent
+
+            end_with_parent("the model server")
         try:
             self._load(context, server_settings(os.environ))
         except ValueError as e:  # a setting, model or bank that cannot be used (every one-line error is one)
