@@ -4,11 +4,12 @@ and a version added by a run stopped before its promotion ended is promoted by t
 from __future__ import annotations
 
 from pydantic import BaseModel, Field, field_validator
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from knnssd.flows.add_domain import AddDomainParams, add_domain
 from knnssd.flows.promote import PromoteParams, promote
-from knnssd.tasks.extend import mark_done, mark_promoted, pending_inputs, unpromoted
+from knnssd.serving.promote import version_uri
+from knnssd.tasks.extend import fetch_bank, mark_done, mark_promoted, pending_inputs, unpromoted
 
 
 class WatchParams(BaseModel):
@@ -21,6 +22,9 @@ class WatchParams(BaseModel):
     search: dict = Field(default_factory=dict, description="add-domain settings (proxy_trials, k_per_domain, ...)")
     promote: dict = Field(default_factory=dict, description="promote settings (per_file, tolerance, inputs, ...)")
     tracking_uri: str | None = None
+
+    def state_path(self) -> str:
+        return self.state or f"{self.drop.rstrip('/')}/.knnssd-processed.json"
 
     @field_validator("search")
     @classmethod
@@ -52,20 +56,30 @@ def _check_keys(given: dict, params: type[BaseModel], own: set[str], what: str) 
 
 @flow(name="watch-drop-folder", log_prints=True)
 def watch(params: WatchParams) -> dict:
-    state = params.state or f"{params.drop.rstrip('/')}/.knnssd-processed.json"
+    state = params.state_path()
     items = pending_inputs(params.drop, state, params.model, params.min_prompts, params.use_unmatched)
     waiting = unpromoted(state)  # added by a run that was stopped before its promotion ended
     if not items and waiting is None:
-        return {"added": [], "promotion": None}
-    added, base_uri = [], waiting and waiting["uri"]
+        return {"added": [], "skipped": [], "promotion": None}
+    added, skipped, base_uri = [], [], waiting and waiting["uri"]
+    # a file named after a domain the bank holds would fail add-domain after the model loads, on every run
+    taken = set(fetch_bank(base_uri or version_uri(params.model, "champion"), params.tracking_uri)["domains"])
     for it in items:
+        if it["name"] in taken:
+            get_run_logger().warning("skipping %s: domain '%s' is already in the bank; rename the file to add it as "
+                                     "another domain", it["path"], it["name"])
+            skipped.append(it["path"])
+            continue
+        taken.add(it["name"])
         reg = add_domain(AddDomainParams(name=it["name"], inputs=[it["path"]], model=params.model, model_uri=base_uri,
                                          dtype=params.dtype, tracking_uri=params.tracking_uri, **params.search))
         mark_done(state, [it], reg)
         added.append({"name": it["name"], **reg})
         base_uri = reg["uri"]  # the next domain extends this version
     waiting = unpromoted(state)
+    if waiting is None:
+        return {"added": [], "skipped": skipped, "promotion": None}
     result = promote(PromoteParams(model=params.model, candidate=waiting["version"], dtype=params.dtype,
                                    tracking_uri=params.tracking_uri, extra_inputs=waiting["inputs"], **params.promote))
     mark_promoted(state)
-    return {"added": added, "promotion": result}
+    return {"added": added, "skipped": skipped, "promotion": result}

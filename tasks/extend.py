@@ -17,11 +17,12 @@ from knnssd.tasks.retry import transient
 
 @task(retries=2, retry_condition_fn=transient, retry_delay_seconds=3, cache_policy=NO_CACHE)
 def fetch_bank(model_uri: str, tracking_uri: str | None) -> dict:
-    """Download a registered bank (read only); returns its folder, model and version."""
+    """Download a registered bank (read only); returns its folder, model, version and domains."""
     mv = tracking.resolve(model_uri, tracking_uri)
     folder = tracking.download_bank(model_uri, uri=tracking_uri)
     bank = banks.load(folder)
-    return {"dir": str(folder), "model": bank.model, "version": str(mv.version), "pooling": bank.pooling}
+    return {"dir": str(folder), "model": bank.model, "version": str(mv.version), "pooling": bank.pooling,
+            "domains": [c.label for c in bank.clusters]}
 
 
 @task(cache_policy=NO_CACHE)

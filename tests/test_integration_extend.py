@@ -102,7 +102,12 @@ def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank,
     from knnssd.flows.watch import WatchParams, watch
 
     again = watch(WatchParams(**params["params"], tracking_uri=uri))
-    assert again == {"added": [], "promotion": None} and len(tracking.versions("smollm2", uri)) == 2
+    assert again == {"added": [], "skipped": [], "promotion": None} and len(tracking.versions("smollm2", uri)) == 2
+    # trial 4, D7: a file named after a domain the bank holds failed every run after the model load
+    twin = new_domain_file(data_dir, drop / "Translation.jsonl")
+    again = watch(WatchParams(**params["params"], tracking_uri=uri))
+    assert again == {"added": [], "skipped": [str(twin)], "promotion": None}
+    assert len(tracking.versions("smollm2", uri)) == 2
     assert promote(PromoteParams(candidate="candidate", inputs=inputs, per_file=1, tracking_uri=uri))["promote"] is False
 
 
