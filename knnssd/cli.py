@@ -265,13 +265,14 @@ def cmd_promote(a) -> int:
 
 def cmd_watch(a) -> int:
     from knnssd.flows.watch import WatchParams, watch
+    from knnssd.serving.watch import check_drop, load_state
 
-    if not Path(a.drop).is_dir():
-        raise FileNotFoundError(f"drop folder not found: {a.drop}")
+    check_drop(Path(a.drop))
     _check_tracking(a.tracking_uri)
     params = WatchParams(drop=a.drop, model=a.model, min_prompts=a.min_prompts, use_unmatched=not a.no_unmatched,
                          dtype=a.dtype, search=_json_option(a.search, "--search"), promote=_json_option(a.promote, "--promote"),
                          tracking_uri=a.tracking_uri)
+    load_state(Path(params.state_path()))  # a corrupt record fails here, not after the Prefect server starts
     print(json.dumps(_flow(watch, params), default=str))
     return 0
 

@@ -689,6 +689,8 @@ def test_more_bad_values_fail_in_seconds_before_any_server(tmp_path):
     (or not at all: a UI on an address it cannot take exited 0, an unknown --search key was ignored, an
     unknown --cluster printed [], ``sqlite:///:memory:`` left a file named ``:memory:``)."""
     (tmp_path / "drop").mkdir()
+    (tmp_path / "drop2").mkdir()
+    (tmp_path / "drop2" / ".knnssd-processed.json").write_text("[1, 2]")
     mask = tmp_path / "mask.json"
     mask.write_text(json.dumps({"n_layers": 3, "skip_attn": [1], "skip_mlp": []}))
     prompts = tmp_path / "p.jsonl"
@@ -703,6 +705,9 @@ def test_more_bad_values_fail_in_seconds_before_any_server(tmp_path):
         "in-memory database": [*watch, "--tracking-uri", "sqlite:///:memory:"],
         "search: add-domain setting(s) proxy_trial: unknown": [*watch, "--search", '{"proxy_trial": 3}'],
         "promote: promote setting(s) candidate: set by watch": [*watch, "--promote", '{"candidate": "3"}'],
+        # trial 4, D8-D9: a corrupt state was found after the Prefect server started; a file was "not found"
+        "watch state is corrupt (not an object of records)": [*watch[:2], str(tmp_path / "drop2")],
+        "is a file: give the folder": ["watch", "--drop", str(tmp_path / "file")],
         "--trials must be an integer >= 1, got 0": ["demo", "--trials", "0"],
         "skip mask is for 3 layers; the model has 30": ["complete", "--prompt", "hi", "--mask", str(mask)],
         "--cluster nosuch: no such cluster here; the clusters are code": [

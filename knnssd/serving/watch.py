@@ -40,9 +40,21 @@ def load_state(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: watch state is corrupt ({e.msg}); move it aside to reprocess everything") from None
+        done = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        why = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+        raise ValueError(f"{path}: watch state is corrupt ({why}); move it aside to reprocess everything") from None
+    if not isinstance(done, dict) or not all(isinstance(v, dict) for v in done.values()):
+        raise ValueError(f"{path}: watch state is corrupt (not an object of records); move it aside to reprocess "
+                         "everything")
+    return done
+
+
+def check_drop(drop: Path) -> None:
+    if drop.exists() and not drop.is_dir():
+        raise ValueError(f"drop folder {drop} is a file: give the folder that new domain files are dropped into")
+    if not drop.is_dir():
+        raise FileNotFoundError(f"drop folder not found: {drop}")
 
 
 def _name(stem: str) -> str:
@@ -53,8 +65,7 @@ def pending(drop: Path, state: Path, model: str, min_prompts: int, use_unmatched
             work: Path | None = None) -> list[Item]:
     from knnssd.settings import work_dir
 
-    if not drop.is_dir():
-        raise FileNotFoundError(f"drop folder not found: {drop}")
+    check_drop(drop)
     done = load_state(state)
     out = []
     for f in sorted(p for p in drop.iterdir() if p.suffix.lower() in SUFFIXES and not p.name.startswith(".")):
