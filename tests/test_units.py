@@ -31,6 +31,13 @@ def test_skip_mask_round_trip_and_errors():
         SkipMask.from_json("{nope")
     with pytest.raises(MaskError, match="cannot skip"):
         m.validate(6, can_skip=False)
+    # trial 4: 2.7 was read as layer 2, and "6" or true as a count
+    for bad, message in (({"n_layers": 6, "skip_attn": [2.7]}, "skip_attn must list layer indices"),
+                         ({"n_layers": 6, "skip_mlp": [True]}, "skip_mlp must list layer indices"),
+                         ({"n_layers": "6", "skip_attn": [1]}, "n_layers must be an integer"),
+                         ({"n_layers": 6, "skip_attn": 3}, "not a skip mask")):
+        with pytest.raises(MaskError, match=message):
+            SkipMask.from_dict(bad)
 
 
 def test_drafter_config_errors():

@@ -65,7 +65,13 @@ class SkipMask:
     @classmethod
     def from_dict(cls, d: dict) -> "SkipMask":
         try:
-            return cls.from_layers(int(d["n_layers"]), d.get("skip_attn", ()), d.get("skip_mlp", ()))
+            # integers only: ``int()`` would take 2.7 for layer 2, and "3" or true for a count
+            for key in ("skip_attn", "skip_mlp"):
+                if not all(_is_int(i) for i in d.get(key, ())):
+                    raise MaskError(f"skip mask {key} must list layer indices (integers), got {d[key]!r:.80}")
+            if not _is_int(d["n_layers"]):
+                raise MaskError(f"skip mask n_layers must be an integer, got {d['n_layers']!r:.40}")
+            return cls.from_layers(d["n_layers"], d.get("skip_attn", ()), d.get("skip_mlp", ()))
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, MaskError):
                 raise
@@ -92,3 +98,7 @@ class SkipMask:
         a = "".join("1" if b else "0" for b in self.attn)
         m = "".join("1" if b else "0" for b in self.mlp)
         return f"attn:{a} mlp:{m}"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
