@@ -41,7 +41,7 @@ def _rows(path: Path) -> list[dict]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".json":  # one JSON document (a list of rows, or one row), else JSON lines
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is no text
             try:
                 doc = json.loads(text)
             except json.JSONDecodeError:
@@ -50,7 +50,7 @@ def _rows(path: Path) -> list[dict]:
                 return doc if isinstance(doc, list) else [doc]
         if suffix in (".jsonl", ".json"):
             rows = []
-            with open(path, encoding="utf-8") as fh:
+            with open(path, encoding="utf-8-sig") as fh:
                 for n, line in enumerate(fh, 1):
                     if line.strip():
                         try:

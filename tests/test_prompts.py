@@ -36,6 +36,13 @@ def test_a_file_without_splits_calibrates_on_its_first_two_thirds(tmp_path):
         prompts.load(one, split="eval")
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
+    """Trial 4: a .jsonl saved with a UTF-8 byte-order mark was refused ("line 1 is not JSON")."""
+    for name in ("p.jsonl", "p.json"):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "prompt": "x"}\n')
+        assert [(r.id, r.prompt) for r in prompts.load(tmp_path / name)] == [("a", "x")]
+
+
 @pytest.mark.parametrize("content, message", [
     (b"", "no rows"),
     (b'{"text": "x"}\n', "has no 'prompt' field"),
