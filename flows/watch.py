@@ -8,6 +8,8 @@ from prefect import flow, get_run_logger
 
 from knnssd.flows.add_domain import AddDomainParams, add_domain
 from knnssd.flows.promote import PromoteParams, promote
+from knnssd.routing.bank import BankError
+from knnssd.search.extend import check_name
 from knnssd.serving.promote import version_uri
 from knnssd.tasks.extend import fetch_bank, mark_done, mark_promoted, pending_inputs, unpromoted
 
@@ -63,14 +65,15 @@ def watch(params: WatchParams) -> dict:
         return {"added": [], "skipped": [], "promotion": None}
     added, skipped, base_uri = [], [], waiting and waiting["uri"]
     # a file named after a domain the bank holds would fail add-domain after the model loads, on every run
-    taken = set(fetch_bank(base_uri or version_uri(params.model, "champion"), params.tracking_uri)["domains"])
+    taken = fetch_bank(base_uri or version_uri(params.model, "champion"), params.tracking_uri)["domains"]
     for it in items:
-        if it["name"] in taken:
-            get_run_logger().warning("skipping %s: domain '%s' is already in the bank; rename the file to add it as "
-                                     "another domain", it["path"], it["name"])
+        try:
+            check_name(taken, it["name"])
+        except BankError as e:
+            get_run_logger().warning("skipping %s: %s (rename the file to add it as another domain)", it["path"], e)
             skipped.append(it["path"])
             continue
-        taken.add(it["name"])
+        taken.append(it["name"])
         reg = add_domain(AddDomainParams(name=it["name"], inputs=[it["path"]], model=params.model, model_uri=base_uri,
                                          dtype=params.dtype, tracking_uri=params.tracking_uri, **params.search))
         mark_done(state, [it], reg)

@@ -237,7 +237,7 @@ def cmd_add_domain(a) -> int:
     _check_search(a)
     # the base version is fetched here (the flow reuses it): a wrong URI or a name it holds fails in seconds
     base = banks.load(tracking.bank_folder(a.model_uri or version_uri(a.model, "champion"), a.tracking_uri))
-    check_name(base, a.name)
+    check_name([c.label for c in base.clusters], a.name)
     print(json.dumps(_flow(add_domain, params)))
     return 0
 

@@ -1,5 +1,6 @@
 """Units of bank growth (no model): new clusters, warm starts, merged banks, the drop-folder record."""
 import json
+import re
 
 import pytest
 
@@ -39,6 +40,17 @@ def test_split_rows():
     rows = [Prompt("a", "p", split="calib"), Prompt("b", "p", split="eval"), Prompt("c", "p", split="calib")]
     calib, ev = extend.split_rows(rows, "code")
     assert [r.id for r in calib] == ["a", "c"] and [r.id for r in ev] == ["b"]
+
+
+def test_a_new_domain_name_is_not_taken_for_another(tmp_path):
+    """Trial 4: "Code" beside "code", or "x/code", was added, and its promotion metric (``ratio_code``)
+    then stood for two domains."""
+    taken = ["code", "text_to_sql"]
+    extend.check_name(taken, "sql")
+    for name, message in (("code", "already in the bank;"), ("Code", "(as 'code'"), ("text-to-sql", "(as 'text_to_sql'"),
+                          ("x/code", "cannot hold '/'"), ("a\tb", "control characters")):
+        with pytest.raises(banks.BankError, match=re.escape(message)):
+            extend.check_name(taken, name)
 
 
 def test_drop_folder_record(tmp_path):

@@ -20,16 +20,25 @@ from knnssd.search import optimize
 def new_clusters(bank: banks.Bank, vectors: Path, name: str, k_per_domain: int = 10, seed: int = 0
                  ) -> list[router.Cluster]:
     """One cluster for domain ``name`` (``k_per_domain`` anchors), its id after the bank's last."""
-    check_name(bank, name)
+    check_name([c.label for c in bank.clusters], name)
     ids, _, x = router.load_vectors(vectors)
     anchors, _ = router.kmeans(router.centered(x, bank.center), k_per_domain, seed)
     cid = max(c.id for c in bank.clusters) + 1
     return [router.Cluster(cid, name, anchors, list(ids), {name: len(ids)})]
 
 
-def check_name(bank: banks.Bank, name: str) -> None:
-    if any(c.label == name for c in bank.clusters):
-        raise banks.BankError(f"domain '{name}' is already in the bank; pick another name or recalibrate")
+def check_name(domains: list[str], name: str) -> None:
+    """A new domain's name is refused where it would be taken for another's: promotion logs a metric
+    per domain under its ``tracking.slug``, which ignores case and punctuation and keeps only what
+    follows a '/'."""
+    from knnssd.tracking import slug
+
+    if "/" in name or not name.isprintable():
+        raise banks.BankError(f"domain name {name!r} cannot hold '/' or control characters")
+    same = [d for d in domains if slug(d) == slug(name)]
+    if same:
+        also = "" if same[0] == name else f" (as '{same[0]}': names differing only in case or punctuation are one)"
+        raise banks.BankError(f"domain '{name}' is already in the bank{also}; pick another name or recalibrate")
 
 
 def nearest(bank: banks.Bank, cluster: router.Cluster, n: int = 3) -> list[tuple[int, float]]:
