@@ -80,13 +80,14 @@ def _json_option(text: str, option: str) -> dict:
     return value
 
 
-def _check_tracking(uri: str | None) -> None:
-    """The tracking store answers and can be written: checked in seconds, before any slow work."""
+def _check_tracking(uri: str | None, registered: bool = False) -> None:
+    """The tracking store answers and can be written (and, with ``registered``, may hold a registered
+    version): checked in seconds, before any slow work."""
     from knnssd import tracking
 
     from knnssd.settings import tracking_uri
 
-    tracking.check_reachable(tracking_uri(uri))
+    tracking.check_reachable(tracking_uri(uri), registered)
 
 
 def _flow(fn, *args):
@@ -157,7 +158,7 @@ def _check_storage(storage: str | None) -> None:
     check_storage(storage)
 
 
-def _check_search(a):
+def _check_search(a, registered: bool = False):
     """What calibrate, search-worker and add-domain share, checked before any server starts: the search
     budget, the study storage, the tracking store and the budget's new tokens against the model's
     context. Returns the model's config."""
@@ -167,7 +168,7 @@ def _check_search(a):
 
     budget = Budget(**budget_values(a))
     _check_storage(a.storage)
-    _check_tracking(a.tracking_uri)
+    _check_tracking(a.tracking_uri, registered)
     config = models.config(a.model)
     dtype = models.resolve_dtype(a.dtype, models.resolve_device(a.device))
     models.config_limits(config, dtype).check(GenerateParams(max_new_tokens=budget.max_new_tokens))
@@ -234,7 +235,7 @@ def cmd_add_domain(a) -> int:
     if not split_rows([r for p in a.input for r in load(p)], a.name)[0]:
         raise ValueError(f"--input: no rows to calibrate {a.name!r} on (rows with split 'calib', or any rows "
                          "without a split field)")
-    _check_search(a)
+    _check_search(a, registered=True)
     # the base version is fetched here (the flow reuses it): a wrong URI or a name it holds fails in seconds
     base = banks.load(tracking.bank_folder(a.model_uri or version_uri(a.model, "champion"), a.tracking_uri))
     check_name([c.label for c in base.clusters], a.name)
@@ -255,7 +256,7 @@ def cmd_promote(a) -> int:
     files = a.input or prompts.domain_files()
     if not promotion.eval_rows(files, a.per_file):
         raise ValueError(f"no eval rows to time on in {', '.join(files)}")
-    _check_tracking(a.tracking_uri)
+    _check_tracking(a.tracking_uri, registered=True)
     for ref in (a.candidate, a.champion):  # an unknown alias or version fails in seconds, not after the server
         tracking.resolve(promotion.version_uri(a.model, ref), a.tracking_uri)
     models.limits(a.model, a.dtype).check(GenerateParams(max_new_tokens=a.max_new_tokens))
@@ -268,11 +269,11 @@ def cmd_watch(a) -> int:
     from knnssd.serving.watch import check_drop, load_state
 
     check_drop(Path(a.drop))
-    _check_tracking(a.tracking_uri)
     params = WatchParams(drop=a.drop, model=a.model, min_prompts=a.min_prompts, use_unmatched=not a.no_unmatched,
                          dtype=a.dtype, search=_json_option(a.search, "--search"), promote=_json_option(a.promote, "--promote"),
                          tracking_uri=a.tracking_uri)
     load_state(Path(params.state_path()))  # a corrupt record fails here, not after the Prefect server starts
+    _check_tracking(a.tracking_uri, registered=True)
     print(json.dumps(_flow(watch, params), default=str))
     return 0
 
@@ -356,7 +357,7 @@ def cmd_generate(a) -> int:
     output = output_path(request.output)
     check_paths(output, [request.input])
     with writing(output):  # one writer per output: a second run fails here, naming this process
-        _check_tracking(request.tracking_uri)
+        _check_tracking(request.tracking_uri, registered=request.model_uri.startswith(("models:/", "runs:/")))
         bank = request.bank()
         limits = models.limits(bank.model, request.dtype, request.device)
         limits.check(params)
@@ -398,7 +399,7 @@ def cmd_route_eval(a) -> int:
     from knnssd.serving.evaluate import routing_accuracy
 
     _counts(a, "prompts", "max_new_tokens")
-    _check_tracking(a.tracking_uri)
+    _check_tracking(a.tracking_uri, registered=a.model_uri.startswith(("models:/", "runs:/")))
     print(json.dumps(routing_accuracy(a.model_uri, Path(a.data) if a.data else None, a.prompts, a.dtype,
                                       a.max_new_tokens, a.timed, a.tracking_uri), indent=2))
     return 0

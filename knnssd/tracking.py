@@ -24,7 +24,7 @@ MODEL_CODE = Path(__file__).with_name("serving") / "pyfunc_model.py"
 
 EXPERIMENT = "knnssd-calibration"
 CONNECT_TIMEOUT_S = 5
-_reachable: set[str] = set()
+_reachable: set[tuple[str, bool]] = set()
 
 
 class RegistryError(ValueError):
@@ -62,13 +62,15 @@ def registered_name(model: str) -> str:
 SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "file")
 
 
-def check_reachable(uri: str) -> None:
+def check_reachable(uri: str, registered: bool = False) -> None:
     """Raise a one-line ``RegistryError`` within seconds when the tracking store cannot be used: a
     scheme MLflow does not take, a server that does not answer, or a database file that cannot be
     written, is damaged, or lies in a folder that does not exist (a mistyped path is not made into a
-    new database; only the default one, under the work folder, is created). MLflow itself retries
-    for minutes, or fails with a long traceback. Checked once per process and URI."""
-    if uri in _reachable:
+    new database; only the default one, under the work folder, is created). With ``registered`` (a
+    command that reads a registered version), a sqlite file that does not exist is an error too: a
+    new database would hold no version, and be left behind. MLflow itself retries for minutes, or
+    fails with a long traceback. Checked once per process and URI."""
+    if (uri, registered) in _reachable:
         return
     use = "use sqlite:///<path>/mlflow.db or http(s)://<server>"
     if not uri.strip():
@@ -93,8 +95,11 @@ def check_reachable(uri: str) -> None:
             raise RegistryError(f"tracking database {uri} cannot be opened ({reason})")
     elif uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):])
+        if registered and path.parent.is_dir() and not path.exists():
+            raise RegistryError(f"tracking database {path} does not exist, so nothing is registered there (check "
+                                "the path, or run calibrate or demo first)")
         _check_sqlite(path, create=path.resolve() == Path(default_tracking_uri()[len("sqlite:///"):]).resolve())
-    _reachable.add(uri)
+    _reachable.add((uri, registered))
 
 
 def _check_sqlite(path: Path, create: bool) -> None:

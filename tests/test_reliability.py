@@ -588,6 +588,23 @@ def test_usage_errors_and_unusable_prompt_files_are_one_line(tmp_path):
     ], _cli_env(tmp_path), seconds=15)
 
 
+def test_commands_that_read_a_version_leave_no_new_tracking_database(tmp_path):
+    """Trial 4: a generate on a mistyped (new) sqlite file failed on the missing version only after
+    MLflow had made a 954 kB database there, which stayed."""
+    inp = tmp_path / "x.jsonl"
+    inp.write_text('{"prompt": "Hello"}\n')
+    (tmp_path / "drop").mkdir()
+    store = ["--tracking-uri", f"sqlite:///{tmp_path / 'new.db'}"]
+    _one_line_each([
+        (["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp), "--output",
+          str(tmp_path / "o.parquet"), *store], "new.db does not exist, so nothing is registered there"),
+        (["promote", "--input", str(inp), *store], "does not exist, so nothing is registered there"),
+        (["add-domain", "--name", "x", "--input", str(inp), *store], "does not exist, so nothing is registered there"),
+        (["watch", "--drop", str(tmp_path / "drop"), *store], "does not exist, so nothing is registered there"),
+    ], _cli_env(tmp_path))
+    assert not (tmp_path / "new.db").exists() and not (tmp_path / "o.parquet").exists()
+
+
 def test_cli_refuses_a_work_folder_that_cannot_be_used(tmp_path):
     """Defect 11: ``KNNSSD_WORK`` naming a file or a read-only folder gave a traceback."""
     work_file = tmp_path / "work-file"
