@@ -428,3 +428,36 @@ def test_a_job_that_fails_to_start_leaves_the_others_running():
         assert f.tokens == generate(dec, f.job.prompt_ids, None, f.job.config)[0]
     with pytest.raises(ValueError):
         list(decode_batch(dec, [jobs[0], bad], plan))
+
+
+def test_a_cancelled_job_leaves_its_slot_at_the_next_step():
+    """A server's client that went away: its sequence ends at the next step (stop "cancelled") and a
+    waiting job takes the slot; a job cancelled before it started goes to ``failed``. The others'
+    tokens are unchanged."""
+    from knnssd.engine.batched import Cancelled, JobQueue, Scheduler
+
+    dec = decoder("llama", "float32")
+    jobs = mixed_jobs(dec, "llama", 4, 40)
+    plan = BatchPlan(2, FLAT, True, pooled=dec.attention.poolable)
+    queue, failures = JobQueue(), []
+    for job in jobs:
+        queue.put(job)
+    jobs[3].cancelled = True  # never starts
+    steps = []
+
+    def on_step(runs):
+        steps.append(len(runs))
+        if len(steps) == 2:
+            jobs[0].cancelled = True
+
+    sched = Scheduler(dec, queue, plan, failed=lambda job, e: failures.append((job, e)), on_step=on_step)
+    done = []
+    for f in sched.run():
+        done.append(f)
+        if len(done) == 1:
+            queue.close()
+    assert done[0].job is jobs[0] and done[0].stats.stop == "cancelled" and len(done[0].tokens) <= 4
+    assert [job for job, _ in failures] == [jobs[3]] and isinstance(failures[0][1], Cancelled)
+    for f in done[1:]:
+        assert f.tokens == generate(dec, f.job.prompt_ids, None, f.job.config)[0]
+    assert sorted(id(f.job) for f in done) == sorted(id(j) for j in jobs[:3])

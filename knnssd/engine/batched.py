@@ -46,9 +46,19 @@ log = logging.getLogger(__name__)
 
 class Job(Protocol):
     """Something to generate: ``start`` prefills it on a free slot with ``prefill`` (``decode.prefill``'s
-    signature) and returns its ``Run``."""
+    signature) and returns its ``Run``. A job may also have a ``cancelled`` attribute: once true (set
+    from any thread), a waiting job is dropped and a running one leaves its slot at the next step,
+    finished with stop ``"cancelled"`` (a server's client that went away)."""
 
     def start(self, slot: Decoder, prefill: Prefill) -> Run: ...
+
+
+class Cancelled(Exception):
+    """What ``failed`` gets for a job cancelled before it started."""
+
+
+def _cancelled(job: Job) -> bool:
+    return bool(getattr(job, "cancelled", False))
 
 
 @dataclass
@@ -97,6 +107,11 @@ class JobQueue:
     def closed(self) -> bool:
         with self._ready:
             return self._closed and not self._items
+
+    def __len__(self) -> int:
+        """Jobs waiting for a slot."""
+        with self._ready:
+            return len(self._items)
 
 
 @dataclass
@@ -204,6 +219,9 @@ class Scheduler:
             if not self.active:
                 yield from self.start(self.plan.slots)
                 continue
+            yield from self.drop_cancelled()
+            if not self.active:
+                continue
             yield from self.step()
             self.stats.total_s = time.perf_counter() - t_start
             yield from self.start(self.plan.slots if not self.active else 1)  # while others run, one prefill a step
@@ -225,6 +243,10 @@ class Scheduler:
             job = self._take(not self.active)  # wait for a job only when nothing else is decoding
             if job is None:
                 return
+            if _cancelled(job):
+                if self.failed is not None:
+                    self.failed(job, Cancelled())
+                continue
             t0 = time.perf_counter()
             slot = self.free.pop(0)  # the slot free longest: the prompts that finished last lend longer
             prefixes.drop(slot)  # its buffers are this job's now
@@ -246,6 +268,14 @@ class Scheduler:
                 yield self._finish(a)
             else:
                 self.active.append(a)
+
+    def drop_cancelled(self) -> Iterator[Finished]:
+        """Free the slots of cancelled sequences, yielding each (stop ``"cancelled"``)."""
+        gone = [a for a in self.active if _cancelled(a.job)]
+        for a in gone:
+            self.active.remove(a)
+            a.run.stats.stop = "cancelled"
+            yield self._finish(a)
 
     def step(self) -> Iterator[Finished]:
         """One packed pass: draft lengths by the goodput rule, each sequence drafts, one full-model pass
