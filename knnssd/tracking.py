@@ -229,7 +229,8 @@ def signature():
 
     from mlflow.types import ColSpec, Schema
 
-    defaults = {k: (-1 if v is None else v) for k, v in GenerateParams().__dict__.items()}
+    # stop strings are the OpenAI server's (an MLflow param cannot default to an empty list)
+    defaults = {k: (-1 if v is None else v) for k, v in GenerateParams().__dict__.items() if k != "stop"}
     sig = infer_signature(pd.DataFrame({"prompt": ["Question: 2 + 2 = ?"]}), params=defaults)
     # optional, so that a request with no records or a misnamed field reaches predict's one-line reason
     sig.inputs = Schema([ColSpec("string", "prompt", required=False)])

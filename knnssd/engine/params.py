@@ -13,6 +13,9 @@ from knnssd.engine.sampling import Warp
 log = logging.getLogger(__name__)
 
 
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # each new token decodes a window as long as the longest stop string
+
+
 @dataclass(frozen=True)
 class GenerateParams:
     max_new_tokens: int = 128
@@ -21,8 +24,13 @@ class GenerateParams:
     top_p: float = 1.0
     seed: int | None = None
     max_prompt_tokens: int = 4096  # longer prompts keep their last tokens (with a warning)
+    stop: tuple[str, ...] = ()  # generation ends with the token that completes one of these
 
     def __post_init__(self):
+        if not (isinstance(self.stop, tuple) and len(self.stop) <= MAX_STOPS
+                and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)):
+            raise ValueError(f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters, got {self.stop!r:.80}")
         for name in ("max_new_tokens", "top_k", "max_prompt_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -47,6 +55,9 @@ class GenerateParams:
         if unknown:
             raise ValueError(f"unknown generation parameters: {sorted(unknown)} (known: {sorted(known)})")
         d = {k: _number(k, v) for k, v in d.items() if v is not None}
+        if "stop" in d:  # OpenAI's form: one string or a list of them
+            d["stop"] = (d["stop"],) if isinstance(d["stop"], str) else tuple(d["stop"]) if isinstance(
+                d["stop"], list) else d["stop"]
         if d.get("seed") == -1:  # -1: a random seed (the signature's default); other negatives are refused
             del d["seed"]
         return cls(**d)

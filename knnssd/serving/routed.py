@@ -58,8 +58,8 @@ class Result:
 
 
 class RoutedGenerator:
-    def __init__(self, lm: models.LoadedModel, bank: banks.Bank):
-        self.lm, self.bank = lm, bank
+    def __init__(self, lm: models.LoadedModel, bank: banks.Bank, plain: bool = False):
+        self.lm, self.bank, self.plain = lm, bank, plain  # plain: route, but decode without drafting
         self.decoder = lm.decoder
         bank.check_model(lm.fingerprint, self.decoder.n_layers)
         if bank.dtype and bank.dtype != lm.dtype_name:
@@ -164,14 +164,18 @@ class RoutedJob:
         leading positions), route, and return the sequence's ``Run`` with its cluster's drafter
         (``drafter(cluster_id)``; default a new one, for a sequence of a batch)."""
         g, p = self.gen, self.params
-        cfg = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=g.eos)
+        cfg = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=g.eos,
+                               stop_strings=p.stop)
         t0 = time.perf_counter()
         seq, logits, self.vector, self.route, t1 = g.prefill_route(self.ids, cfg, slot, prefill)
         cluster = g.bank.cluster(self.route.cluster)
         self.route_s = time.perf_counter() - t1
-        d = drafter(cluster.id) if drafter is not None else build(cluster.drafter, g.decoder.n_layers,
-                                                                 g.decoder.can_skip)
-        run = Run(seq, logits, d, cfg)
+        if g.plain:
+            d = None
+        else:
+            d = drafter(cluster.id) if drafter is not None else build(cluster.drafter, g.decoder.n_layers,
+                                                                     g.decoder.can_skip)
+        run = Run(seq, logits, d, cfg, g.lm.tokenizer if p.stop else None)
         run.stats.prefill_s = t1 - t0
         return run
 
@@ -179,7 +183,8 @@ class RoutedJob:
         g = self.gen
         cluster = g.bank.cluster(self.route.cluster)
         text = g.lm.tokenizer.decode(new, skip_special_tokens=True)
-        return Result(text, new, self.route.cluster, cluster.label, self.route.similarity, cluster.drafter.describe(),
+        return Result(text, new, self.route.cluster, cluster.label, self.route.similarity,
+                      "none" if g.plain else cluster.drafter.describe(),
                       stats, self.route_s, stats.total_s, len(self.ids), self.truncated, self.vector)
 
     def config_summary(self) -> list[dict]:
