@@ -1,43 +1,89 @@
 """Concurrent requests decoded together: one thread runs a continuous batch (``engine.batched``) over
-a queue; each request puts its prompts in and waits for its own results.
+a queue; each request puts its prompts in and follows them, token by token (``submit``: the
+OpenAI server's streams) or to the end (``generate``: the pyfunc model).
 
 A request that arrives while others are decoding joins the running batch at the next free slot,
 so 16 requests at once take about as many full-model passes as the longest of them needs, instead
 of 16 times as many. Where the packed passes are exact (``BatchPlan.exact``), every answer equals
 its one-at-a-time generation.
 
-The batch's thread also loads the model: all the engine's torch work runs on that one thread. Torch's
-CPU threads are OpenMP's, and OpenMP keeps a pool of worker threads for each thread that runs
-parallel work; once two pools are alive (the loading thread's and the batch's) there are more OpenMP
-threads than cores on a small machine, and libgomp stops letting idle workers spin, which slowed
-every step of the batch's thread (docs/benchmarks.md).
+The batch's thread also loads the model, and builds a swapped-in bank's generator: all the engine's
+torch work runs on that one thread. Torch's CPU threads are OpenMP's, and OpenMP keeps a pool of
+worker threads for each thread that runs parallel work; once two pools are alive (the loading
+thread's and the batch's) there are more OpenMP threads than cores on a small machine, and libgomp
+stops letting idle workers spin, which slowed every step of the batch's thread (docs/benchmarks.md).
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from knnssd.engine.batch_plan import BatchPlan
-from knnssd.engine.batched import JobQueue, decode_batch
+from knnssd.engine.batched import JobQueue, Scheduler
+from knnssd.engine.decode import Prefill, Run, prefill
 from knnssd.engine.params import GenerateParams
+from knnssd.routing.bank import Bank
 from knnssd.serving.routed import Result, RoutedGenerator, RoutedJob
 
 log = logging.getLogger(__name__)
 
 
+class QueueFull(Exception):
+    """More requests wait for a slot than the server takes (``max_queue``)."""
+
+
+@dataclass(eq=False)
+class StreamJob(RoutedJob):
+    """One prompt in the running batch. On the batch's thread: ``on_tokens`` gets each step's newly
+    verified tokens, ``on_done`` the ``Result`` (stop ``"cancelled"`` once ``cancelled`` was set) or
+    the exception that ended it. ``current`` gives the generator to route with when it starts (the
+    bank swapped in last)."""
+
+    on_tokens: Callable[[list[int]], None] | None = None
+    on_done: Callable[[Result | BaseException], None] | None = None
+    current: Callable[[], RoutedGenerator] | None = None
+    cancelled: bool = False
+    sent: int = 0  # tokens passed to on_tokens
+    t_submit: float = 0.0
+
+    __hash__ = object.__hash__  # one job is one request, whatever its fields hold
+    __eq__ = object.__eq__
+
+    def start(self, slot, prefill: Prefill = prefill, drafter=None) -> Run:
+        if self.current is not None:
+            self.gen = self.current()
+        run = super().start(slot, prefill, drafter)
+        self.publish(run.new)  # the first token, from the prefill
+        return run
+
+    def publish(self, new: list[int]) -> None:
+        if len(new) > self.sent and self.on_tokens is not None:
+            self.on_tokens(new[self.sent:])
+        self.sent = len(new)
+
+
 class Batcher:
     """``load`` runs on the batch's thread and returns the generator and the batch's plan (None: the
-    generator cannot batch, or one slot was asked for; the thread then ends, and ``generate`` is not
-    used). The constructor returns once it has, raising what it raised."""
+    generator cannot batch, or one slot was asked for; the thread then ends, and neither ``generate``
+    nor ``submit`` is used). The constructor returns once it has, raising what it raised.
+    ``max_queue``: how many requests may wait for a slot (None: any number). ``observer``: told of
+    each step (``ServerMetrics``)."""
 
-    def __init__(self, load: Callable[[], tuple[RoutedGenerator, BatchPlan | None]]):
+    def __init__(self, load: Callable[[], tuple[RoutedGenerator, BatchPlan | None]], max_queue: int | None = None,
+                 observer=None):
         self.gen: RoutedGenerator | None = None
         self.plan: BatchPlan | None = None
+        self.version: str | None = None  # the bank version served, where the caller names it (``swap``)
+        self.max_queue, self.observer = max_queue, observer
         self._queue = JobQueue()
-        self._waiting: set[Future] = set()
+        self._waiting: set[StreamJob] = set()
         self._lock = threading.Lock()
+        self._pending: tuple[Bank, str | None] | None = None  # a bank to swap in, on the batch's thread
+        self._scheduler: Scheduler | None = None
         loaded: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(load, loaded), name="knnssd-batch", daemon=True)
         self._thread.start()
@@ -53,44 +99,128 @@ class Batcher:
         if self.plan is not None:
             self._loop()
 
-    def generate(self, prompts: list[str], params: GenerateParams) -> list[Result]:
-        """Results for ``prompts`` in their order, decoded in the running batch. Bad prompts raise
-        ``ValueError`` here, before any of them is queued."""
-        jobs = [RoutedJob(self.gen, *self.gen.tokenize(p, params), params, Future()) for p in prompts]
-        with self._lock:
-            self._waiting.update(j.key for j in jobs)
-        for j in jobs:
-            self._queue.put(j)
-        return [j.key.result() for j in jobs]
+    @classmethod
+    def routed(cls, bank_dir, model: str | None, dtype: str, device: str, slots: int | None, option: str,
+               plain: bool = False, always: bool = False, **kw) -> "Batcher":
+        """The batch over a bank folder's generator (``slots``: None for as many as fit, ``option``: the
+        setting that named them, for its error), loaded on the batch's thread; ``always``: a batch of
+        one slot too (else one slot means no batch: the caller generates one at a time)."""
+        from knnssd.engine.batch_plan import auto_slots, check_slots
+
+        def load():
+            gen = RoutedGenerator.from_bank_dir(bank_dir, model=model, dtype=dtype, device=device)
+            gen.plain = plain
+            if not gen.can_batch:
+                return gen, None
+            d = GenerateParams()
+            positions = min(d.max_prompt_tokens + d.max_new_tokens, gen.lm.limits.positions)
+            n = slots
+            if n is None:
+                n = auto_slots(gen.decoder, positions, 1 << 10)
+            else:
+                check_slots(gen.decoder, n, positions, option)
+            return gen, gen.plan(n, positions) if n > 1 or always else None
+
+        return cls(load, **kw)
 
     @property
     def batching(self) -> bool:
         return self.plan is not None
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def slots(self) -> int:
+        return self.plan.slots if self.plan is not None else 1
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        s = self._scheduler
+        return len(s.active) if s is not None else 0
+
+    def submit(self, prompt: str, params: GenerateParams, on_tokens: Callable[[list[int]], None] | None = None,
+               on_done: Callable[[Result | BaseException], None] | None = None) -> StreamJob:
+        """Queue ``prompt``; a bad one raises ``ValueError``, a full queue ``QueueFull``, before anything
+        is queued. Set the returned job's ``cancelled`` to drop it."""
+        gen = self.gen
+        ids, truncated = gen.tokenize(prompt, params)
+        job = StreamJob(gen, ids, truncated, params, on_tokens=on_tokens, on_done=on_done, current=self._current,
+                        t_submit=time.perf_counter())
+        with self._lock:
+            if self.max_queue is not None and len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{len(self._queue)} requests already wait for a slot")
+            self._waiting.add(job)
+            self._queue.put(job)
+        return job
+
+    def generate(self, prompts: list[str], params: GenerateParams) -> list[Result]:
+        """Results for ``prompts`` in their order, decoded in the running batch. Bad prompts raise
+        ``ValueError`` here, before any of them is queued."""
+        for p in prompts:
+            self.gen.tokenize(p, params)
+        futures = [Future() for _ in prompts]
+        for p, fut in zip(prompts, futures):
+            self.submit(p, params, on_done=lambda r, fut=fut: fut.set_exception(r) if isinstance(
+                r, BaseException) else fut.set_result(r))
+        return [f.result() for f in futures]
+
+    def swap(self, bank: Bank, version: str | None = None) -> None:
+        """Route requests that start from now on with ``bank`` (for the same base model: the model is
+        not reloaded); running ones keep their drafters. Applied on the batch's thread, before the
+        next sequence starts."""
+        with self._lock:
+            self._pending = (bank, version)
+            self.version = version  # what requests that start from now on are served by
+
+    def _current(self) -> RoutedGenerator:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            bank, version = pending
+            self.gen = RoutedGenerator(self.gen.lm, bank, plain=self.gen.plain)
+            log.info("now routing new requests with bank version %s (%d clusters)", version, len(bank.clusters))
+        return self.gen
+
     def close(self) -> None:
-        """Finish what is queued, then stop the thread."""
+        """Drop what waits, cancel what runs, and stop the thread."""
+        with self._lock:
+            for job in self._waiting:
+                job.cancelled = True
         self._queue.close()
-        self._thread.join()
+        self._thread.join(30)
 
     def _loop(self) -> None:
         while not self._queue.closed:
+            self._scheduler = s = Scheduler(self.gen.decoder, self._queue, self.plan,  # type: ignore[union-attr]
+                                            failed=lambda job, e: self._settle(job, e), on_step=self._on_step)
             try:
-                for f in decode_batch(self.gen.decoder, self._queue, self.plan,  # type: ignore[union-attr]
-                                      failed=lambda job, e: self._settle(job.key, error=e)):
-                    self._settle(f.job.key, result=f.job.result(f.tokens, f.stats))
+                for f in s.run():
+                    self._settle(f.job, f.job.result(f.tokens, f.stats))
             except Exception as e:  # noqa: BLE001 - every waiting request gets the error, the thread goes on
                 log.exception("batched decoding failed; failing the requests in it")
                 with self._lock:
                     waiting = list(self._waiting)
-                for fut in waiting:
-                    self._settle(fut, error=e)
+                for job in waiting:
+                    self._settle(job, e)
 
-    def _settle(self, fut: Future, result: Result | None = None, error: BaseException | None = None) -> None:
+    def _on_step(self, runs) -> None:
+        s = self._scheduler
+        for a in s.active:
+            a.job.publish(a.run.new)
+        if self.observer is not None:
+            st = s.stats
+            self.observer.step(st.pass_s[-1], st.active[-1], st.drafted[-1], st.emitted[-1])
+
+    def _settle(self, job: StreamJob, outcome: Result | BaseException) -> None:
         with self._lock:
-            if fut not in self._waiting:
+            if job not in self._waiting:
                 return
-            self._waiting.discard(fut)
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
+            self._waiting.discard(job)
+        if job.on_done is not None:
+            job.on_done(outcome)

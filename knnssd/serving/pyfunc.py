@@ -47,27 +47,10 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
             _refuse(e)
 
     def _load(self, context, settings: dict) -> None:
-        from knnssd.serving.routed import RoutedGenerator
-
-        from knnssd.engine.batch_plan import auto_slots, check_slots
-        from knnssd.engine.params import GenerateParams
         from knnssd.serving.batcher import Batcher
 
-        def load():  # on the batch's thread (``Batcher``)
-            gen = RoutedGenerator.from_bank_dir(context.artifacts["bank"], model=settings["model"],
-                                                dtype=settings["dtype"], device=settings["device"])
-            if not gen.can_batch:
-                return gen, None
-            d = GenerateParams()
-            positions = min(d.max_prompt_tokens + d.max_new_tokens, gen.lm.limits.positions)
-            slots = settings["slots"]
-            if slots is None:
-                slots = auto_slots(gen.decoder, positions, 1 << 10)
-            else:
-                check_slots(gen.decoder, slots, positions, "KNNSSD_BATCH_SIZE")
-            return gen, gen.plan(slots, positions) if slots > 1 else None
-
-        batcher = Batcher(load)
+        batcher = Batcher.routed(context.artifacts["bank"], settings["model"], settings["dtype"], settings["device"],
+                                 settings["slots"], "KNNSSD_BATCH_SIZE")
         self.generator = batcher.gen
         self.batcher = batcher if batcher.batching else None
 
