@@ -370,6 +370,48 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    import math
+
+    from knnssd import models, tracking
+    from knnssd.engine.params import batch_size
+    from knnssd.reachable import listen_error
+    from knnssd.routing import bank as banks
+    from knnssd.serving import openai_server
+    from knnssd.serving.batcher import Batcher
+
+    _counts(a, "max_queue")
+    for name in ("request_timeout", "grace_s"):
+        if not (math.isfinite(getattr(a, name)) and getattr(a, name) > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {getattr(a, name)}")
+    if not (math.isfinite(a.reload_s) and a.reload_s >= 0):
+        raise ValueError(f"--reload-s must be a number of seconds >= 0, got {a.reload_s}")
+    slots = batch_size(a.batch_size)
+    reason = listen_error(a.host, a.port)
+    if reason is not None:
+        raise ValueError(f"--host {a.host} --port {a.port}: cannot serve there ({reason})")
+    version = None
+    if a.model_uri.startswith("models:/"):
+        _check_tracking(a.tracking_uri, registered=True)
+        mv = tracking.resolve(a.model_uri, a.tracking_uri)  # the version served: the alias may move meanwhile
+        version = str(mv.version)
+        folder = tracking.download_bank(f"models:/{mv.name}/{version}", uri=a.tracking_uri)
+    else:
+        folder = tracking.bank_folder(a.model_uri, a.tracking_uri)
+    bank = banks.load(folder)
+    if slots is not None:  # the budget, from the config alone: before the model loads
+        models.limits(bank.model, a.dtype, a.device).check_slots(slots, 2, "--batch-size")
+    batcher = Batcher.routed(folder, None, a.dtype, a.device, slots, "--batch-size", plain=a.no_draft, always=True,
+                             max_queue=a.max_queue)
+    if not batcher.batching:
+        raise ValueError(f"{bank.model} runs on the plain HF fallback, which knnssd serve cannot batch")
+    batcher.version = version
+    print(f"knnssd: serving {a.model_uri} (bank version {batcher.version or folder}) with {batcher.slots} slots on "
+          f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+    openai_server.run(batcher, a.model_uri, a.host, a.port, a.tracking_uri, a.request_timeout, a.reload_s, a.grace_s)
+    return 0
+
+
 def cmd_ui(a) -> int:
     import subprocess
 
@@ -548,6 +590,23 @@ def parser() -> argparse.ArgumentParser:
                         "1: one at a time)")
     _tracking_arg(g)
     g.set_defaults(fn=cmd_generate)
+
+    v = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming)")
+    v.add_argument("--model-uri", required=True, help="models:/knnssd-<model>@<alias> (followed live) | "
+                   "models:/<name>/<version> | bank folder")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    _dtype_arg(v)
+    _device_arg(v)
+    v.add_argument("--batch-size", default="auto", metavar="auto|N", help="sequences decoded together (default auto)")
+    v.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 503")
+    v.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled")
+    v.add_argument("--reload-s", type=float, default=30.0,
+                   help="seconds between checks of the alias for a new version to swap in (0: never)")
+    v.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, seconds requests in flight may finish in")
+    v.add_argument("--no-draft", action="store_true", help="route, but decode without drafting (a baseline)")
+    _tracking_arg(v)
+    v.set_defaults(fn=cmd_serve)
 
     u = sub.add_parser("ui", help="the MLflow UI on 127.0.0.1")
     _tracking_arg(u)

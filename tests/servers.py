@@ -1,4 +1,5 @@
-"""Helpers for tests that start real servers (Prefect, MLflow) on 127.0.0.1."""
+"""Helpers for tests that start real servers (Prefect, MLflow, `knnssd serve`) on 127.0.0.1."""
+import json
 import os
 import shutil
 import signal
@@ -6,9 +7,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import openai
+
+from knnssd.processes import group_members
 from knnssd.reachable import free_port
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -58,3 +63,47 @@ class PrefectServer:
             self.proc.wait(30)
         self.log.close()
         shutil.rmtree(self.home, ignore_errors=True)
+
+
+class KnnssdServer:
+    """`knnssd serve` in a process group of its own, on a free port, answering /health."""
+
+    def __init__(self, tracking_uri: str, tmp: Path, *args: str, model_uri: str = "models:/knnssd-smollm2@champion"):
+        self.port = free_port()
+        self.log_path = tmp / f"serve-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri}
+        self.proc = subprocess.Popen([sys.executable, "-m", "knnssd.cli", "serve", "--model-uri", model_uri,
+                                      "--port", str(self.port), *args], env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        wait_http(f"{self.url}/health", 240, self.proc)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=300)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def post(self, path: str, body) -> tuple[int, dict, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, json.loads(r.read()), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), dict(e.headers)
+
+    def info(self) -> dict:
+        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=30) as r:
+            return json.loads(r.read())["data"][0]
+
+    def stop(self) -> int:
+        """SIGTERM to the group; the exit status (the group must be gone within 60 s)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            code = self.proc.wait(60)
+        finally:
+            if group_members(self.proc.pid):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.log.close()
+        return code

@@ -1,0 +1,274 @@
+"""``knnssd serve``: an OpenAI-compatible HTTP server (FastAPI) over the running batch (``Batcher``).
+
+Life of a request: the body is checked whole (``openai_protocol``); the prompt (or the messages,
+through the model's chat template) and its parameters are queued in the batch, which prefills it on
+the next free slot and routes it; every step's verified tokens come back from the batch's thread to
+the event loop, where ``TextStream`` turns them into text that is safe to send; a stream sends each
+piece as a server-sent event at once, a whole answer waits for the last. A client that goes away,
+or a request past ``request_timeout_s``, cancels its sequence, which leaves its slot at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from knnssd.serving.batcher import Batcher, QueueFull, StreamJob
+from knnssd.serving.metrics import ServerMetrics
+from knnssd.serving.openai_protocol import (CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, FINISH, ApiError, ChatRequest,
+                                            CompletionRequest, Reply, error_body, figures, usage)
+from knnssd.serving.text_stream import TextStream
+
+log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.25
+
+
+class _Follow:
+    """One request's events from the batch's thread, on the event loop: ("tokens", ids) per step, then
+    ("done", Result or exception)."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, kind: str, value) -> None:  # the batch's thread
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody reads any more
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+
+
+def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_timeout_s: float = 600.0,
+               source: str = "") -> FastAPI:
+    """``served``: the model id clients name; ``source``: the model URI the bank came from."""
+    app = FastAPI(title="knnssd", docs_url=None, redoc_url=None)
+    tokenizer = batcher.gen.lm.tokenizer
+    metrics.queue.set_function(lambda: batcher.queued)
+    metrics.active.set_function(lambda: batcher.active)
+
+    def answer_error(e: ApiError) -> JSONResponse:
+        metrics.requests.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return answer_error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            return answer_error(ApiError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', '')})"))
+        loc = [str(x) for x in first["loc"] if x != "body"]
+        param = ".".join(loc) or None
+        msg = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            msg = f"unknown field '{param}'"
+        elif first["type"] == "missing":
+            msg = f"'{param}' is required"
+        elif first["type"] != "value_error":
+            msg = f"'{param}': {msg} (got {str(first.get('input'))[:60]!r})"
+        return answer_error(ApiError(400, msg, param))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("request failed")
+        return answer_error(ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    @app.get("/health")
+    async def health():
+        if not batcher.alive:
+            return JSONResponse(error_body("the batch's thread has stopped", "server_error"), status_code=503)
+        return {"status": "ok", "model": served, "bank_version": batcher.version}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": served, "object": "model", "created": 0, "owned_by": "knnssd",
+            "knnssd": {"bank_version": batcher.version, "source": source, "base_model": batcher.gen.bank.model,
+                       "clusters": [c.label for c in batcher.gen.bank.clusters], "slots": batcher.slots,
+                       "exact": bool(batcher.plan and batcher.plan.exact)}}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _generate(body, body.text(), False, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await _generate(body, body.render(tokenizer), True, request)
+
+    async def _generate(body, prompt: str, chat: bool, request: Request):
+        if body.model != served:
+            raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{served}'", "model",
+                           code="model_not_found")
+        try:
+            params = body.params(CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS)
+            if body.max_tokens is None:  # the default bound, cut to what the model's context leaves
+                params = _fit(params, batcher, prompt)
+            batcher.gen.lm.limits.check(params)
+            follow = _Follow()
+            job = batcher.submit(prompt, params, lambda t: follow.put("tokens", t), lambda r: follow.put("done", r))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        except QueueFull as e:
+            raise ApiError(503, f"the server is busy ({e}); retry later", type="server_busy",
+                           headers={"Retry-After": "1"}) from None
+        reply = Reply(chat, served)
+        text = TextStream(tokenizer, params.stop)
+        if body.stream:
+            return StreamingResponse(_stream(job, follow, text, reply, body.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _whole(job, follow, text, reply, request)
+
+    async def _events(job: StreamJob, follow: _Follow) -> AsyncIterator[tuple[str, object]]:
+        """The request's events until it ends; a timeout cancels it (and ends with ("timeout", None))."""
+        deadline = job.t_submit + request_timeout_s
+        first = last = None
+        while True:
+            left = deadline - time.perf_counter()
+            try:
+                kind, value = await asyncio.wait_for(follow.queue.get(), min(max(left, 0.0), DISCONNECT_POLL_S))
+            except asyncio.TimeoutError:
+                if left <= 0:
+                    job.cancelled = True
+                    yield "timeout", None
+                    return
+                yield "idle", None
+                continue
+            now = time.perf_counter()
+            if kind == "tokens":
+                if first is None:
+                    first = now
+                    metrics.ttft_s.observe(now - job.t_submit)
+                else:
+                    for _ in value:  # a step's tokens arrive together: each waited its share
+                        metrics.itl_s.observe((now - last) / len(value))
+                last = now
+            yield kind, value
+            if kind == "done":
+                return
+
+    def _finished(result, text: TextStream) -> tuple[str, dict]:
+        metrics.prompt_tokens.inc(result.prompt_tokens)
+        metrics.completion_tokens.inc(len(result.tokens))
+        return FINISH.get(result.stats.stop, "stop"), usage(result.prompt_tokens, len(result.tokens))
+
+    async def _whole(job: StreamJob, follow: _Follow, text: TextStream, reply: Reply, request: Request):
+        try:
+            async for kind, value in _events(job, follow):
+                if kind == "tokens":
+                    text.feed(value)
+                elif kind == "idle" and await request.is_disconnected():
+                    job.cancelled = True
+                    metrics.requests.labels("499").inc()
+                    return Response(status_code=499)
+                elif kind == "timeout":
+                    raise ApiError(504, f"the request took longer than {request_timeout_s:g} s and was cancelled",
+                                   type="timeout")
+                elif kind == "done":
+                    if isinstance(value, BaseException):
+                        raise ApiError(500, f"generation failed: {value}", type="server_error")
+                    finish, use = _finished(value, text)
+                    metrics.requests.labels("200").inc()
+                    return reply.whole(text.text, finish, figures(value, batcher.version), use)
+        except asyncio.CancelledError:
+            job.cancelled = True
+            raise
+
+    async def _stream(job: StreamJob, follow: _Follow, text: TextStream, reply: Reply, include_usage: bool):
+        first, status = True, "200"
+        try:
+            async for kind, value in _events(job, follow):
+                if kind == "tokens":
+                    piece = text.feed(value)
+                    if piece or first:
+                        yield _sse(reply.chunk(piece, first=first))
+                        first = False
+                elif kind == "timeout":
+                    status = "504"
+                    yield _sse(error_body(f"the request took longer than {request_timeout_s:g} s and was cancelled",
+                                          "timeout"))
+                elif kind == "done":
+                    if isinstance(value, BaseException):
+                        status = "500"
+                        yield _sse(error_body(f"generation failed: {value}", "server_error"))
+                        break
+                    finish, use = _finished(value, text)
+                    yield _sse(reply.chunk(text.finish(), finish, figures(value, batcher.version), first=first))
+                    if include_usage:
+                        yield _sse(reply.usage_chunk(use))
+            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "499"  # the client went away: its sequence leaves the batch at the next step
+            raise
+        finally:
+            job.cancelled = True  # a no-op for a finished sequence
+            metrics.requests.labels(status).inc()
+
+    return app
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _fit(params, batcher: Batcher, prompt: str):
+    """A request without ``max_tokens`` gets the default, or what the context leaves after its prompt."""
+    from dataclasses import replace
+
+    positions = batcher.gen.lm.limits.positions
+    prompt_tokens = len(batcher.gen.tokenize(prompt, params)[0])
+    return replace(params, max_new_tokens=max(1, min(params.max_new_tokens, positions - prompt_tokens)))
+
+
+def served_name(model_uri: str) -> str:
+    """The model id clients name: the registered model's name, or the bank folder's."""
+    from pathlib import Path
+
+    if model_uri.startswith("models:/"):
+        return model_uri[len("models:/"):].split("@")[0].split("/")[0]
+    return Path(model_uri).resolve().name
+
+
+def run(batcher: Batcher, model_uri: str, host: str, port: int, tracking_uri: str | None = None,
+        request_timeout_s: float = 600.0, reload_s: float = 30.0, grace_s: float = 30.0) -> None:
+    """Serve until SIGTERM or Ctrl-C: then stop accepting, let requests in flight finish within
+    ``grace_s``, cancel the rest, and return."""
+    import signal
+
+    import uvicorn
+
+    from knnssd.serving.champion import ChampionWatch, follows_alias
+
+    metrics = ServerMetrics()
+    batcher.observer = metrics
+    metrics.served.info({"model_uri": model_uri, "bank_version": str(batcher.version)})
+    app = create_app(batcher, served_name(model_uri), metrics, request_timeout_s, model_uri)
+    watch = None
+    if reload_s > 0 and follows_alias(model_uri):
+        def swapped(version: str) -> None:
+            metrics.served.info({"model_uri": model_uri, "bank_version": version})
+
+        watch = ChampionWatch(batcher, model_uri, tracking_uri, reload_s, swapped).start()
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                                           timeout_graceful_shutdown=grace_s, lifespan="off"))
+    # uvicorn raises the signal that stopped it again once it has shut down: a handler of our own makes
+    # that a normal end (exit 0) instead of the process's death by SIGTERM
+    before = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        if watch is not None:
+            watch.stop()
+        batcher.close()

@@ -1,0 +1,223 @@
+"""`knnssd serve`, the OpenAI-compatible server, through the real `openai` client and raw HTTP: streams
+equal whole answers and `knnssd generate`, concurrency, exact cuts and counts, disconnects, a full
+queue, timeouts, hostile requests and SIGTERM. (The live champion swap is in test_integration_extend,
+beside the add-domain and promote it needs.)"""
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from knnssd.processes import group_members
+from servers import KnnssdServer as Server
+from test_integration_generate import cli_env, registered  # noqa: F401 - the module's fixture
+
+pytestmark = pytest.mark.integration
+MODEL = "knnssd-smollm2"  # the id `knnssd serve` gives the champion of knnssd-smollm2
+COUNTING = "Count from 1 to 500: 1, 2, 3, 4, 5, 6, 7, 8,"  # the n-gram drafter accepts long blocks of it
+
+
+@pytest.fixture(scope="module")
+def server(registered, tmp_path_factory):  # noqa: F811
+    s = Server(registered["uri"], tmp_path_factory.mktemp("serve"), "--max-queue", "64")
+    yield s
+    s.stop()
+
+
+def mixed_prompts(data_dir: Path, n: int) -> list[str]:
+    domains = ("reasoning", "translation", "text_to_sql", "storytelling", "summarization")
+    rows = {d: [json.loads(x)["prompt"] for x in (data_dir / f"{d}.jsonl").read_text().splitlines() if '"eval"' in x]
+            for d in domains}
+    return [rows[domains[i % len(domains)]][i // len(domains)] for i in range(n)]
+
+
+def streamed(client, **kw) -> tuple[str, list, object]:
+    """The text of a streamed completion, its chunks, and the last chunk with choices."""
+    text, chunks, last = "", [], None
+    for ch in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        chunks.append(ch)
+        if ch.choices:
+            text += ch.choices[0].text
+            last = ch
+    return text, chunks, last
+
+
+def test_streams_equal_whole_answers_and_knnssd_generate(server, registered, data_dir, tmp_path):  # noqa: F811
+    """12 mixed eval prompts, greedy: each streamed text equals the whole answer, and both equal
+    `knnssd generate`'s text for the prompt (where the server's batch is exact); usage agrees."""
+    prompts = mixed_prompts(data_dir, 12)
+    whole = [server.client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0) for p in prompts]
+    for p, w in zip(prompts, whole):
+        text, chunks, last = streamed(server.client, model=MODEL, prompt=p, max_tokens=24, temperature=0)
+        assert text == w.choices[0].text and last.choices[0].finish_reason == w.choices[0].finish_reason
+        assert chunks[-1].usage.completion_tokens == w.usage.completion_tokens <= 24
+        assert w.choices[0].model_extra["knnssd"]["steps"] >= 1
+    inp = tmp_path / "p.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    out = tmp_path / "o.parquet"
+    run = subprocess.run([sys.executable, "-m", "knnssd.cli", "generate", "--model-uri", f"models:/{MODEL}@champion",
+                          "--input", str(inp), "--output", str(out), "--max-new-tokens", "24"],
+                         env=cli_env(registered, {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    generated = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    if server.info()["knnssd"]["exact"]:
+        assert [generated[f"p{i}"]["text"] for i in range(12)] == [w.choices[0].text for w in whole]
+        assert [generated[f"p{i}"]["new_tokens"] for i in range(12)] == [w.usage.completion_tokens for w in whole]
+
+
+def test_32_concurrent_streams_equal_their_answers_alone(server, data_dir):
+    prompts = mixed_prompts(data_dir, 16) * 2
+    alone = [server.client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+             for p in prompts[:16]] * 2
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(lambda p: streamed(server.client, model=MODEL, prompt=p, max_tokens=12,
+                                                    temperature=0)[0], prompts))
+    if server.info()["knnssd"]["exact"]:
+        assert together == alone
+
+
+def test_blocks_are_cut_at_max_tokens_stop_strings_and_eos(server):
+    """The n-gram drafter accepts blocks of several tokens on a counting prompt; a block that crosses
+    ``max_tokens`` or a stop string is cut there, in the text and in the usage, and a chat answer that
+    ends with EOS counts its tokens up to it, never past."""
+    c = server.client
+    long = c.completions.create(model=MODEL, prompt=COUNTING, max_tokens=40, temperature=0)
+    assert long.choices[0].model_extra["knnssd"]["accepted"] > 0  # blocks of more than one token were emitted
+    texts = {}
+    multi = False
+    for k in range(1, 41):
+        text, chunks, last = streamed(c, model=MODEL, prompt=COUNTING, max_tokens=k, temperature=0)
+        assert chunks[-1].usage.completion_tokens == k and last.choices[0].finish_reason == "length"
+        assert long.choices[0].text.startswith(text)
+        texts[k] = text
+        multi |= len([ch for ch in chunks if ch.choices]) < k  # a chunk carried several tokens
+    assert multi
+    stop = " 17,"
+    cut = long.choices[0].text[: long.choices[0].text.index(stop)]
+    k = min(k for k, t in texts.items() if stop in t)  # the token that completes the stop string is the last
+    for stream in (False, True):
+        if stream:
+            text, chunks, last = streamed(c, model=MODEL, prompt=COUNTING, max_tokens=40, temperature=0, stop=[stop])
+            finish, used = last.choices[0].finish_reason, chunks[-1].usage.completion_tokens
+        else:
+            r = c.completions.create(model=MODEL, prompt=COUNTING, max_tokens=40, temperature=0, stop=stop)
+            text, finish, used = r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+        assert (text, finish, used) == (cut, "stop", k), stream
+    ask = lambda n: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}],  # noqa: E731
+                                              max_tokens=n, temperature=0)
+    eos = ask(200)
+    n = eos.usage.completion_tokens
+    assert eos.choices[0].finish_reason == "stop" and n < 200
+    again = ask(n)  # exactly enough: the same answer, ended by EOS
+    assert (again.choices[0].message.content, again.choices[0].finish_reason, again.usage.completion_tokens) == (
+        eos.choices[0].message.content, "stop", n)
+    short = ask(n - 1)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == n - 1
+
+
+def test_hostile_requests_get_a_4xx_in_openai_shape(server):
+    bad = [
+        (b'{"model": "knnssd-smollm2", "prompt": ', 400, "not valid JSON"),
+        (b"[1, 2]", 400, "valid dictionary"),
+        ({"model": MODEL}, 400, "'prompt' is required"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, 400, "must be below the model's context"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": 1e308}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed must be in"),
+        ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "unknown field 'frobnicate'"),
+        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "'n' is not supported"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 5}, 400, "'logprobs' is not supported"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, 400, "must be one string"),
+        ({"model": MODEL, "prompt": [1, 2, 3]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "   "}, 400, "empty prompt"),
+        ({"model": MODEL, "prompt": "hi", "stop": ["x"] * 20}, 400, "stop must be"),
+        ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "only allowed with"),
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "is not served here"),
+    ]
+    chat = [
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+        ({"model": MODEL, "messages": [{"role": "user"}]}, 400, "content"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
+         "'tools' is not supported"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "content parts"),
+    ]
+    for path, cases in (("/v1/completions", bad), ("/v1/chat/completions", chat)):
+        for body, status, message in cases:
+            code, answer, _ = server.post(path, body)
+            err = answer.get("error", {})
+            assert code == status and message in err.get("message", "") and set(err) == {
+                "message", "type", "param", "code"}, (body, code, answer)
+    assert server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    for name in ("knnssd_requests_total", "knnssd_prompt_tokens_total", "knnssd_completion_tokens_total",
+                 "knnssd_drafted_tokens_total", "knnssd_accepted_tokens_total", "knnssd_steps_total",
+                 "knnssd_queue_depth", "knnssd_active_slots", "knnssd_step_seconds_bucket",
+                 "knnssd_time_to_first_token_seconds_bucket", "knnssd_inter_token_latency_seconds_bucket",
+                 'knnssd_served_info{bank_version="1"'):
+        assert name in text, name
+    assert 'knnssd_requests_total{status="400"}' in text
+
+
+def test_one_slot_server_frees_disconnects_refuses_a_full_queue_and_times_out(registered, tmp_path):  # noqa: F811
+    """One slot, a queue of one, 8 s per request: a stream closed by its client leaves the slot at once;
+    a third request while one runs and one waits gets 503 with Retry-After; a request past its time is
+    cancelled with 504; SIGTERM with a stream in flight ends the server with status 0, leaving nothing."""
+    s = Server(registered["uri"], tmp_path, "--batch-size", "1", "--max-queue", "1", "--request-timeout", "8",
+               "--grace-s", "2")
+    try:
+        c = s.client
+        stream = c.completions.create(model=MODEL, prompt=COUNTING, max_tokens=2000, temperature=0, stream=True)
+        next(iter(stream))
+        stream.close()  # the client goes away
+        t0 = time.monotonic()
+        assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=4).usage.completion_tokens == 4
+        assert time.monotonic() - t0 < 6  # not behind the 2000 tokens of the closed stream
+
+        body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 2000, "temperature": 0}
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(s.post, "/v1/completions", body)  # holds the slot
+            time.sleep(1.5)
+            waiting = pool.submit(s.post, "/v1/completions", {**body, "max_tokens": 4})
+            time.sleep(0.5)
+            code, answer, headers = s.post("/v1/completions", {**body, "max_tokens": 4})
+            assert code == 503 and answer["error"]["type"] == "server_busy" and headers.get("retry-after") == "1"
+            code, answer, _ = running.result()
+            assert code == 504 and answer["error"]["type"] == "timeout", answer
+            assert waiting.result()[0] == 200
+
+        stream = c.completions.create(model=MODEL, prompt=COUNTING, max_tokens=2000, temperature=0, stream=True)
+        next(iter(stream))
+    finally:
+        code = s.stop()
+    assert code == 0, s.log_path.read_text()[-3000:]
+    assert not group_members(s.proc.pid)
+
+
+def test_serve_refuses_what_cannot_work_in_one_line(registered, tmp_path):  # noqa: F811
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "KNNSSD_WORK": str(tmp_path / "work")}
+    uri = ["--model-uri", f"models:/{MODEL}@champion"]
+    for args, message in (
+        ([*uri, "--port", "99999"], "cannot serve there"),
+        ([*uri, "--batch-size", "0"], "--batch-size must be 'auto' or an integer >= 1"),
+        ([*uri, "--max-queue", "0"], "--max-queue must be an integer >= 1"),
+        ([*uri, "--request-timeout", "nan"], "--request-timeout must be a number of seconds > 0"),
+        (["--model-uri", f"models:/{MODEL}@nosuch"], "nosuch"),
+        ([*uri, "--dtype", "float16"], "invalid choice: 'float16'"),
+        ([*uri, "--batch-size", "100000"], "--batch-size"),
+    ):
+        run = subprocess.run([sys.executable, "-m", "knnssd.cli", "serve", *args], env=env, capture_output=True,
+                             text=True, timeout=120)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and len(lines) == 1 and message in lines[0], (args, run.stderr[-2000:])

@@ -1,0 +1,76 @@
+"""Units of `knnssd serve` (no model): text handed out token by token, stop strings, and the OpenAI
+request shapes."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from knnssd.engine.params import GenerateParams
+from knnssd.serving.openai_protocol import ApiError, ChatRequest, CompletionRequest
+from knnssd.serving.text_stream import TextStream, stop_cut
+
+
+class Bytes:
+    """A byte-level tokenizer: token i is byte i, as GPT-2-style BPE's tokens are byte strings."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def pieces(text: str, stops=(), sizes=(1,)) -> tuple[list[str], TextStream]:
+    """What a stream hands out for ``text`` arriving ``sizes`` bytes a step, ending, as the engine does,
+    with the step whose tokens complete a stop string."""
+    data, s, out, i, n = list(text.encode()), TextStream(Bytes(), stops), [], 0, 0
+    while i < len(data) and not any(stop in s._decode() for stop in stops):
+        k = sizes[n % len(sizes)]
+        out.append(s.feed(data[i:i + k]))
+        i, n = i + k, n + 1
+    out.append(s.finish())
+    return out, s
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from("ab é€😀\n,"), max_size=30), st.lists(st.integers(1, 5), min_size=1, max_size=4),
+       st.lists(st.text(alphabet="ab é€,", min_size=1, max_size=3), max_size=2))
+def test_streamed_pieces_join_into_the_whole_text_and_never_split_a_character(text, sizes, stops):
+    got, s = pieces(text, tuple(stops), tuple(sizes))
+    assert "".join(got) == s.text == stop_cut(s._decode(), tuple(stops))[0]
+    assert text.startswith(s.text)
+    assert not any("\ufffd" in p for p in got)  # no piece ends inside a UTF-8 character
+    for stop in stops:  # no character of a stop string was sent before the stream knew
+        assert stop not in "".join(got)
+
+
+def test_a_stop_string_is_held_back_until_it_is_decided():
+    got, s = pieces("12, 13, 14, 15", stops=(" 14,",))
+    assert "".join(got) == "12, 13," and s.text == "12, 13,"
+    got, _ = pieces("ab cd", stops=("cx",))
+    assert "".join(got) == "ab cd" and got[-1] == "d"  # "c" waited for the character after it
+
+
+def test_requests_take_openai_fields_and_name_what_they_do_not_support():
+    r = CompletionRequest(model="m", prompt="hi", stop="x", seed=3, max_tokens=5, temperature=0)
+    assert r.params(16) == GenerateParams(max_new_tokens=5, temperature=0.0, seed=3, stop=("x",))
+    assert CompletionRequest(model="m", prompt="hi").params(16).temperature == 1.0  # OpenAI's default
+    assert CompletionRequest(model="m", prompt="hi", n=1, logprobs=None, presence_penalty=0.0).params(16)
+    for field, value in (("n", 2), ("logprobs", 3), ("presence_penalty", 0.5), ("tools", [{}]), ("echo", True),
+                         ("response_format", {"type": "json_object"})):
+        with pytest.raises(ValueError, match=f"'{field}' is not supported"):
+            CompletionRequest(model="m", prompt="hi", **{field: value})
+    for bad in ({"max_tokens": "5"}, {"temperature": True}, {"stream": "yes"}, {"colour": 1}, {"max_tokens": 0}):
+        with pytest.raises(ValueError):
+            CompletionRequest(model="m", prompt="hi", **bad)
+    with pytest.raises(ApiError, match="one string"):
+        CompletionRequest(model="m", prompt=["a", "b"]).text()
+    chat = ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                       max_completion_tokens=7)
+    assert chat.params(1024).max_new_tokens == 7 and chat.messages[0].text() == "hi"
+    with pytest.raises(ValueError):
+        ChatRequest(model="m", messages=[])
+
+
+def test_generate_params_take_stop_strings_as_openai_sends_them():
+    assert GenerateParams.from_dict({"stop": "x"}).stop == ("x",)
+    assert GenerateParams.from_dict({"stop": ["x", "yz"]}).stop == ("x", "yz")
+    for bad in ([""], ["x"] * 17, [3], "a" * 300):
+        with pytest.raises(ValueError, match="stop must be"):
+            GenerateParams.from_dict({"stop": bad})
