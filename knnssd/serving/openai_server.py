@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -257,6 +258,8 @@ def run(batcher: Batcher, model_uri: str, host: str, port: int, tracking_uri: st
     if reload_s > 0 and follows_alias(model_uri):
         def swapped(version: str) -> None:
             metrics.served.info({"model_uri": model_uri, "bank_version": version})
+            print(f"knnssd: {model_uri} is now version {version}: new requests route with its bank", file=sys.stderr,
+                  flush=True)
 
         watch = ChampionWatch(batcher, model_uri, tracking_uri, reload_s, swapped).start()
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
