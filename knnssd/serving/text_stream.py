@@ -26,14 +26,27 @@ class TextStream:
         self.hold = max((len(s) for s in stops), default=1) - 1  # characters that may be a stop's beginning
         self.tokens: list[int] = []
         self.sent = ""
+        # incremental decoding (vLLM's offsets): only the tokens from ``_prefix`` on are decoded again, since
+        # a step's tokens can change how the last few decode (a character's bytes split across tokens)
+        self._decoded, self._prefix, self._read = "", 0, 0
 
     def _decode(self) -> str:
         return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
 
+    def _decode_new(self) -> str:
+        """The whole text so far, decoding only the tail: a step costs the same however long the text."""
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self._prefix:self._read], skip_special_tokens=True)
+        now = decode(self.tokens[self._prefix:], skip_special_tokens=True)
+        if len(now) > len(before) and not now.endswith(REPLACEMENT):
+            self._decoded += now[len(before):]
+            self._prefix, self._read = self._read, len(self.tokens)
+        return self._decoded
+
     def feed(self, tokens: list[int]) -> str:
         """The new text safe to send after ``tokens`` (possibly empty)."""
         self.tokens.extend(tokens)
-        text, stopped = stop_cut(self._decode(), self.stops)
+        text, stopped = stop_cut(self._decode_new(), self.stops)
         if not stopped:
             text = text.rstrip(REPLACEMENT)
             text = text[: max(0, len(text) - self.hold)]
