@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from cli_cases import run_cli
 from knnssd.processes import group_members
 from servers import KnnssdServer as Server
 from test_integration_generate import cli_env, registered  # noqa: F401 - the module's fixture
@@ -206,18 +207,17 @@ def test_one_slot_server_frees_disconnects_refuses_a_full_queue_and_times_out(re
 
 
 def test_serve_refuses_what_cannot_work_in_one_line(registered, tmp_path):  # noqa: F811
+    """Before the model loads: a port it cannot take, counts and seconds out of range, an unknown alias,
+    a dtype it does not know, more slots than the KV budget holds (the pyfunc server's ``KNNSSD_*``
+    settings ended in MLflow's own traceback: trial 4, D10)."""
     env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "KNNSSD_WORK": str(tmp_path / "work")}
-    uri = ["--model-uri", f"models:/{MODEL}@champion"]
-    for args, message in (
-        ([*uri, "--port", "99999"], "cannot serve there"),
-        ([*uri, "--batch-size", "0"], "--batch-size must be 'auto' or an integer >= 1"),
-        ([*uri, "--max-queue", "0"], "--max-queue must be an integer >= 1"),
-        ([*uri, "--request-timeout", "nan"], "--request-timeout must be a number of seconds > 0"),
-        (["--model-uri", f"models:/{MODEL}@nosuch"], "nosuch"),
-        ([*uri, "--dtype", "float16"], "invalid choice: 'float16'"),
-        ([*uri, "--batch-size", "100000"], "--batch-size"),
-    ):
-        run = subprocess.run([sys.executable, "-m", "knnssd.cli", "serve", *args], env=env, capture_output=True,
-                             text=True, timeout=120)
-        lines = run.stderr.strip().splitlines()
-        assert run.returncode == 2 and len(lines) == 1 and message in lines[0], (args, run.stderr[-2000:])
+    uri = ["serve", "--model-uri", f"models:/{MODEL}@champion"]
+    cases = [([*uri, "--port", "99999"], "cannot serve there"),
+             ([*uri, "--batch-size", "0"], "--batch-size must be 'auto' or an integer >= 1"),
+             ([*uri, "--max-queue", "0"], "--max-queue must be an integer >= 1"),
+             ([*uri, "--request-timeout", "nan"], "--request-timeout must be a number of seconds > 0"),
+             (["serve", "--model-uri", f"models:/{MODEL}@nosuch"], "nosuch"),
+             ([*uri, "--dtype", "float16"], "invalid choice: 'float16'"),
+             ([*uri, "--batch-size", "100000"], "--batch-size")]
+    for (args, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
+        assert res.code == 2 and len(res.stderr) == 1 and message in res.stderr[0], (args, res)
