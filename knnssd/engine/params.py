@@ -122,11 +122,15 @@ def batch_size(text: str, name: str = "--batch-size") -> int | None:
     if text == "auto":
         return None
     try:
-        n = int(text)
+        return check_batch_size(int(text), name)
     except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{name} must be 'auto' or an integer >= 1, got '{text}'")
+        raise ValueError(f"{name} must be 'auto' or an integer >= 1, got '{text}'") from None
+
+
+def check_batch_size(n, name: str = "batch size") -> int | None:
+    """The one rule for a batch size once parsed (a request's, a run's): None (auto) or an integer >= 1."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"{name} must be 'auto' or an integer >= 1, got {n!r}")
     return n
 
 

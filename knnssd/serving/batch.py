@@ -31,7 +31,7 @@ from knnssd import locks
 from knnssd.engine.batch_plan import auto_slots, check_slots
 from knnssd.engine.batched import BatchStats
 from knnssd.engine.decode import acceptance_rate, mean_accepted
-from knnssd.engine.params import GenerateParams, check_prompt
+from knnssd.engine.params import GenerateParams, check_batch_size, check_prompt
 from knnssd.prompts import Prompt
 from knnssd.routing.bank import Bank
 from knnssd.serving.routed import Result, RoutedGenerator
@@ -347,8 +347,7 @@ def run(gen: RoutedGenerator, rows: list[Prompt], output: str | os.PathLike, par
     which ``output`` must not be."""
     output = output_path(output)
     check(rows)
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    check_batch_size(batch_size)
     gen.lm.limits.check(params)
     settings = run_settings(params, gen.lm.dtype_name, gen.bank)
     check_paths(output, inputs)

@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from knnssd.engine.params import GenerateParams
+from knnssd.engine.params import GenerateParams, check_batch_size
 from knnssd.prompts import Prompt
 from knnssd.routing import bank as banks
 from knnssd.settings import DTYPES
@@ -35,9 +35,7 @@ class GenerateRequest:
             object.__setattr__(self, "params", GenerateParams.from_dict(self.params))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype '{self.dtype}' is not one of {', '.join(DTYPES)}")
-        b = self.batch_size
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"batch size must be auto or an integer >= 1, got {b!r}")
+        check_batch_size(self.batch_size)
 
     def rows(self) -> list[Prompt]:
         """The input's prompts (of ``split``), checked (``batch.check``); read once while the file is unchanged."""
