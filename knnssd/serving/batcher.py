@@ -82,7 +82,8 @@ class Batcher:
         self._queue = JobQueue()
         self._waiting: set[StreamJob] = set()
         self._lock = threading.Lock()
-        self._pending: tuple[Bank, str | None] | None = None  # a bank to swap in, on the batch's thread
+        self._pending: tuple[Bank, str | None, str | None] | None = None  # a bank to swap in (and the version
+        # it replaces), on the batch's thread
         self._scheduler: Scheduler | None = None
         loaded: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(load, loaded), name="knnssd-batch", daemon=True)
@@ -175,16 +176,22 @@ class Batcher:
         not reloaded); running ones keep their drafters. Applied on the batch's thread, before the
         next sequence starts."""
         with self._lock:
-            self._pending = (bank, version)
+            self._pending = (bank, version, self.version if self._pending is None else self._pending[2])
             self.version = version  # what requests that start from now on are served by
 
     def _current(self) -> RoutedGenerator:
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:
-            bank, version = pending
-            self.gen = RoutedGenerator(self.gen.lm, bank, plain=self.gen.plain)
-            log.info("now routing new requests with bank version %s (%d clusters)", version, len(bank.clusters))
+            bank, version, before = pending
+            try:
+                self.gen = RoutedGenerator(self.gen.lm, bank, plain=self.gen.plain)
+                log.info("now routing new requests with bank version %s (%d clusters)", version, len(bank.clusters))
+            except Exception:  # noqa: BLE001 - the running bank goes on serving
+                log.exception("bank version %s could not be swapped in; the running bank goes on", version)
+                with self._lock:
+                    if self._pending is None:
+                        self.version = before
         return self.gen
 
     def close(self) -> None:

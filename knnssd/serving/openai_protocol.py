@@ -155,7 +155,10 @@ class ChatRequest(_Request):
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template's own rule (e.g. roles that must alternate)
+            raise ApiError(400, f"the model's chat template refused the messages: {str(e)[:200]}", "messages") from None
 
 
 def figures(result: Result, version: str | None) -> dict:
