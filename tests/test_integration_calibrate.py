@@ -133,3 +133,29 @@ def test_calibration_stopped_mid_search_is_resumed_by_its_deployment(isolated, d
     assert len(bank.anchors) == 4 and bank.model == "smollm2" and bank.n_layers == 30
     assert all(c.speedup >= 1.0 for c in bank.clusters)  # plain AR is always a candidate
     assert {"skip_heatmap.png", "anchor_map.png"} <= {p.name for p in folder.iterdir()}
+
+
+def test_a_workers_clusters_take_the_model_in_turn(smollm2, data_dir, tmp_path):
+    """Trial 5, D2: search-worker runs its clusters' stage-1 trials as Prefect tasks on threads, over the
+    process's one decoder; two at once wrote each other's KV cache (CacheFull after 38 s). A worker now
+    waits for the model (``LoadedModel.busy``) that another holds."""
+    import threading
+
+    import numpy as np
+
+    from knnssd.routing import router
+
+    spec = steps.ModelSpec("smollm2", "float32")
+    lm, _ = steps.runtime(spec)
+    texts = [r.prompt for r in steps.load_prompts(small_inputs(data_dir, tmp_path / "in", ("translation",), n=2))]
+    cluster = router.Cluster(0, "translation", np.zeros((1, 4), np.float32), ["a"], {"translation": 1})
+    tiny_budget = budget.Budget(proxy_trials=1, real_candidates=1, proxy_prompts=1, real_prompts=1, max_new_tokens=8)
+    out: list[dict] = []
+    worker = threading.Thread(target=lambda: out.append(steps.proxy_worker(
+        spec, cluster, texts, tiny_budget, str(tmp_path / "j.log"), "turns", 1)))
+    with lm.busy:  # another cluster's task holds the model
+        worker.start()
+        time.sleep(1.5)
+        assert worker.is_alive() and not out
+    worker.join(300)
+    assert out and out[0]["added"] == 1

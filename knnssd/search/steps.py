@@ -173,11 +173,14 @@ def proxy_worker(spec: ModelSpec, cluster: router.Cluster, texts: list[str], bud
     from tqdm import tqdm
 
     lm, dec = runtime(spec)
-    bar = tqdm(total=n_trials, desc=f"worker {cluster.label}", file=sys.stderr, mininterval=2)
-    pr = optimize.proxy_stage(optimize.SearchModel(dec, lm.tokenizer, eos_ids(lm), lambda: step_costs(spec)),
-                              optimize.ClusterJob(cluster.id, texts, storage_for(storage), study_prefix), budget,
-                              n_trials=n_trials, progress=lambda s, t: bar.update(1))
-    bar.close()
+    # the process's one decoder, shared by its clusters' tasks (Prefect runs them on threads): two at once
+    # wrote each other's KV cache ("positions up to 128 do not fit the 128 reserved")
+    with lm.busy:
+        bar = tqdm(total=n_trials, desc=f"worker {cluster.label}", file=sys.stderr, mininterval=2)
+        pr = optimize.proxy_stage(optimize.SearchModel(dec, lm.tokenizer, eos_ids(lm), lambda: step_costs(spec)),
+                                  optimize.ClusterJob(cluster.id, texts, storage_for(storage), study_prefix), budget,
+                                  n_trials=n_trials, progress=lambda s, t: bar.update(1))
+        bar.close()
     return {"cluster": cluster.id, "label": cluster.label, "added": n_trials, "study_trials": len(pr.study.trials)}
 
 
