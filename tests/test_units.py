@@ -35,7 +35,8 @@ def test_skip_mask_round_trip_and_errors():
     for bad, message in (({"n_layers": 6, "skip_attn": [2.7]}, "skip_attn must list layer indices"),
                          ({"n_layers": 6, "skip_mlp": [True]}, "skip_mlp must list layer indices"),
                          ({"n_layers": "6", "skip_attn": [1]}, "n_layers must be an integer"),
-                         ({"n_layers": 6, "skip_attn": 3}, "not a skip mask")):
+                         ({"n_layers": 6, "skip_attn": 3}, "not a skip mask"),
+                         ([1, 2, 3], "not a skip mask")):  # trial 5, D1: a traceback
         with pytest.raises(MaskError, match=message):
             SkipMask.from_dict(bad)
 

@@ -64,6 +64,8 @@ class SkipMask:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SkipMask":
+        if not isinstance(d, dict):
+            raise MaskError(f"not a skip mask (a JSON object with n_layers, skip_attn, skip_mlp): {d!r:.120}")
         try:
             # integers only: ``int()`` would take 2.7 for layer 2, and "3" or true for a count
             for key in ("skip_attn", "skip_mlp"):
