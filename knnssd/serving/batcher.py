@@ -154,8 +154,11 @@ class Batcher:
         job = StreamJob(gen, ids, truncated, params, on_tokens=on_tokens, on_done=on_done, current=self._current,
                         t_submit=time.perf_counter())
         with self._lock:
-            if self.max_queue is not None and len(self._queue) >= self.max_queue:
-                raise QueueFull(f"{len(self._queue)} requests already wait for a slot")
+            # what waits in the queue beyond the free slots (the batch starts one new sequence a step while
+            # others run, so a burst waits there a few steps even with slots free)
+            waiting = len(self._queue) - max(0, self.slots - self.active)
+            if self.max_queue is not None and waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests already wait for a slot")
             self._waiting.add(job)
             self._queue.put(job)
         return job
