@@ -4,9 +4,11 @@ queue, timeouts, hostile requests and SIGTERM. (The live champion swap is in tes
 beside the add-domain and promote it needs.)"""
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,7 +51,8 @@ def streamed(client, **kw) -> tuple[str, list, object]:
     return text, chunks, last
 
 
-def test_streams_equal_whole_answers_and_knnssd_generate(server, registered, data_dir, tmp_path):  # noqa: F811
+def test_streams_equal_whole_answers_and_knnssd_generate(server, registered, data_dir, tmp_path,  # noqa: F811
+                                                         prefect_api):
     """12 mixed eval prompts, greedy: each streamed text equals the whole answer, and both equal
     `knnssd generate`'s text for the prompt (where the server's batch is exact); usage agrees."""
     prompts = mixed_prompts(data_dir, 12)
@@ -64,7 +67,7 @@ def test_streams_equal_whole_answers_and_knnssd_generate(server, registered, dat
     out = tmp_path / "o.parquet"
     run = subprocess.run([sys.executable, "-m", "knnssd.cli", "generate", "--model-uri", f"models:/{MODEL}@champion",
                           "--input", str(inp), "--output", str(out), "--max-new-tokens", "24"],
-                         env=cli_env(registered, {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}),
+                         env=cli_env(registered, {**os.environ, **prefect_api}),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     generated = {r["id"]: r for r in pq.read_table(out).to_pylist()}
@@ -144,6 +147,9 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
         ({"model": MODEL, "prompt": "hi", "stop": ["x"] * 20}, 400, "stop must be"),
         ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "only allowed with"),
         ({"model": "gpt-4", "prompt": "hi"}, 404, "is not served here"),
+        (json.dumps({"model": MODEL, "prompt": "x" * (17 << 20)}).encode(), 413, "larger than 16 MiB"),
+        (b"", 400, "the body must be a JSON object"),  # trial 5, D8: named 'None'
+        (b'{"model": "knnssd-smollm2", "prompt": "hi\xff"}', 400, "error parsing the body"),  # D7: not OpenAI's shape
     ]
     chat = [
         ({"model": MODEL, "messages": []}, 400, "messages"),
@@ -159,7 +165,14 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
             err = answer.get("error", {})
             assert code == status and message in err.get("message", "") and set(err) == {
                 "message", "type", "param", "code"}, (body, code, answer)
+    for method, path, status in (("GET", "/v1/completions", 405), ("GET", "/v1/nothing", 404)):  # D7
+        try:
+            urllib.request.urlopen(urllib.request.Request(server.url + path, method=method), timeout=30)
+        except urllib.error.HTTPError as e:
+            assert e.code == status and set(json.loads(e.read())["error"]) == {"message", "type", "param", "code"}
     assert server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+    seeded = server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0.7, seed=-1)
+    assert seeded.usage.completion_tokens == 2  # D6: -1 is a random seed, as the message and the CLI say
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
         text = r.read().decode()
     for name in ("knnssd_requests_total", "knnssd_prompt_tokens_total", "knnssd_completion_tokens_total",
@@ -198,12 +211,29 @@ def test_one_slot_server_frees_disconnects_refuses_a_full_queue_and_times_out(re
             assert code == 504 and answer["error"]["type"] == "timeout", answer
             assert waiting.result()[0] == 200
 
-        stream = c.completions.create(model=MODEL, prompt=COUNTING, max_tokens=2000, temperature=0, stream=True)
-        next(iter(stream))
+        # trial 5, D4: a whole-answer client that disconnects freed its slot only at the end of its answer
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        raw = json.dumps({**body, "stop": ["zzzz"]}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+        time.sleep(1.5)
+        sock.close()
+        t0 = time.monotonic()
+        assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=4).usage.completion_tokens == 4
+        assert time.monotonic() - t0 < 6
+
+        # trial 5, D5: past the grace period a stream was cut mid-text, and uvicorn logged a traceback
+        stream = urllib.request.urlopen(urllib.request.Request(
+            f"{s.url}/v1/completions", json.dumps({**body, "stream": True, "stop": "zzzz"}).encode(),
+            {"Content-Type": "application/json"}), timeout=120)
+        stream.readline()
     finally:
         code = s.stop()
     assert code == 0, s.log_path.read_text()[-3000:]
     assert not group_members(s.proc.pid)
+    events = [x for x in stream.read().decode().splitlines() if x.strip()]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["type"] == "server_shutdown"
+    assert "Traceback" not in s.log_path.read_text()
 
 
 def test_serve_refuses_what_cannot_work_in_one_line(registered, tmp_path):  # noqa: F811

@@ -104,7 +104,7 @@ class _Request(BaseModel):
         return GenerateParams(max_new_tokens=self.max_tokens or default_max_tokens,
                               temperature=float(1.0 if self.temperature is None else self.temperature),
                               top_k=self.top_k or 0, top_p=float(1.0 if self.top_p is None else self.top_p),
-                              seed=self.seed, stop=stop)
+                              seed=None if self.seed == -1 else self.seed, stop=stop)  # -1: a random seed
 
     @property
     def include_usage(self) -> bool:
@@ -146,7 +146,7 @@ class ChatRequest(_Request):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
 
     def params(self, default_max_tokens: int) -> GenerateParams:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins over the deprecated max_tokens
             self.max_tokens = self.max_completion_tokens
         return super().params(default_max_tokens)
 

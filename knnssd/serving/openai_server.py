@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from knnssd.serving.batcher import Batcher, QueueFull, StreamJob
 from knnssd.serving.metrics import ServerMetrics
@@ -29,6 +30,8 @@ from knnssd.serving.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
+SHUTDOWN = "the server is shutting down and its grace period is over; retry on another server or later"
+MAX_BODY = 16 << 20  # bytes: a prompt is cut to its last tokens anyway, and tokenizing more only costs time
 
 
 class _Follow:
@@ -45,8 +48,9 @@ class _Follow:
 
 
 def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_timeout_s: float = 600.0,
-               source: str = "") -> FastAPI:
-    """``served``: the model id clients name; ``source``: the model URI the bank came from."""
+               source: str = "", stopping=lambda: False) -> FastAPI:
+    """``served``: the model id clients name; ``source``: the model URI the bank came from; ``stopping``:
+    whether the server is shutting down (a request cancelled then is told so, not cut off)."""
     app = FastAPI(title="knnssd", docs_url=None, redoc_url=None)
     tokenizer = batcher.gen.lm.tokenizer
     metrics.queue.set_function(lambda: batcher.queued)
@@ -56,9 +60,37 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
         metrics.requests.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    class Bounded:  # a plain ASGI layer (Starlette's middleware class hides a client's disconnect from handlers):
+        # the body's size, and the end of requests cancelled at shutdown
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            length = dict(scope.get("headers") or ()).get(b"content-length") if scope["type"] == "http" else None
+            if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+                while (await receive()).get("more_body"):  # read and dropped: a client still sending gets the answer
+                    pass
+                too_large = ApiError(413, f"the body is larger than {MAX_BODY >> 20} MiB", type="too_large")
+                return await answer_error(too_large)(scope, receive, send)
+            try:
+                await self.inner(scope, receive, send)
+            except asyncio.CancelledError:
+                if not stopping():
+                    raise
+                # past the grace period: the handler has told its client (an error event, or 503); ending here
+                # keeps uvicorn from logging the cancellation as a failed application
+
+    app.add_middleware(Bounded)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
         return answer_error(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):  # no such route or method, a body unparsed
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return answer_error(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind,
+                                     headers=getattr(e, "headers", None)))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
@@ -68,6 +100,8 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
         loc = [str(x) for x in first["loc"] if x != "body"]
         param = ".".join(loc) or None
         msg = first["msg"].removeprefix("Value error, ")
+        if param is None:  # the body itself: empty, a list, a string, a form
+            return answer_error(ApiError(400, f"the body must be a JSON object ({msg.lower()})"))
         if first["type"] == "extra_forbidden":
             msg = f"unknown field '{param}'"
         elif first["type"] == "missing":
@@ -119,7 +153,8 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
             follow = _Follow()
             job = batcher.submit(prompt, params, lambda t: follow.put("tokens", t), lambda r: follow.put("done", r))
         except ValueError as e:
-            raise ApiError(400, str(e)) from None
+            word = str(e).split(" ", 1)[0]  # the parameter a check names first ("seed must be ...")
+            raise ApiError(400, str(e), word if word in type(body).model_fields else None) from None
         except QueueFull as e:
             raise ApiError(503, f"the server is busy ({e}); retry later", type="server_busy",
                            headers={"Retry-After": "1"}) from None
@@ -164,14 +199,18 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
         return FINISH.get(result.stats.stop, "stop"), usage(result.prompt_tokens, len(result.tokens))
 
     async def _whole(job: StreamJob, follow: _Follow, text: TextStream, reply: Reply, request: Request):
+        checked = time.perf_counter()
         try:
             async for kind, value in _events(job, follow):
+                now = time.perf_counter()
+                if now - checked >= DISCONNECT_POLL_S:  # tokens may arrive every step: look between them too
+                    checked = now
+                    if await request.is_disconnected():
+                        job.cancelled = True  # its slot is freed at the next step
+                        metrics.requests.labels("499").inc()
+                        return Response(status_code=499)
                 if kind == "tokens":
                     text.feed(value)
-                elif kind == "idle" and await request.is_disconnected():
-                    job.cancelled = True
-                    metrics.requests.labels("499").inc()
-                    return Response(status_code=499)
                 elif kind == "timeout":
                     raise ApiError(504, f"the request took longer than {request_timeout_s:g} s and was cancelled",
                                    type="timeout")
@@ -183,7 +222,9 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
                     return reply.whole(text.text, finish, figures(value, batcher.version), use)
         except asyncio.CancelledError:
             job.cancelled = True
-            raise
+            if not stopping():
+                raise
+            return answer_error(ApiError(503, SHUTDOWN, type="server_shutdown"))  # past the grace period
 
     async def _stream(job: StreamJob, follow: _Follow, text: TextStream, reply: Reply, include_usage: bool):
         first, status = True, "200"
@@ -208,9 +249,13 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
                     if include_usage:
                         yield _sse(reply.usage_chunk(use))
             yield "data: [DONE]\n\n"
-        except (asyncio.CancelledError, GeneratorExit):
-            status = "499"  # the client went away: its sequence leaves the batch at the next step
-            raise
+        except (asyncio.CancelledError, GeneratorExit) as e:
+            if isinstance(e, GeneratorExit) or not stopping():
+                status = "499"  # the client went away: its sequence leaves the batch at the next step
+                raise
+            status = "503"  # the server stops past its grace period: the client is told, not cut off
+            yield _sse(error_body(SHUTDOWN, "server_shutdown"))
+            yield "data: [DONE]\n\n"
         finally:
             job.cancelled = True  # a no-op for a finished sequence
             metrics.requests.labels(status).inc()
@@ -253,7 +298,9 @@ def run(batcher: Batcher, model_uri: str, host: str, port: int, tracking_uri: st
     metrics = ServerMetrics()
     batcher.observer = metrics
     metrics.served.info({"model_uri": model_uri, "bank_version": str(batcher.version)})
-    app = create_app(batcher, served_name(model_uri), metrics, request_timeout_s, model_uri)
+    server: uvicorn.Server | None = None
+    app = create_app(batcher, served_name(model_uri), metrics, request_timeout_s, model_uri,
+                     lambda: server is not None and server.should_exit)
     watch = None
     if reload_s > 0 and follows_alias(model_uri):
         def swapped(version: str) -> None:
