@@ -66,7 +66,7 @@ def _rows(path: Path) -> list[dict]:
             import csv
 
             with open(path, encoding="utf-8-sig", newline="") as fh:
-                reader = csv.DictReader(fh)
+                reader = csv.DictReader(fh, strict=True)  # an unterminated quote is an error, not one long row
                 names = reader.fieldnames or []
                 twice = sorted({n for n in names if names.count(n) > 1})
                 if twice:  # DictReader would keep one of them, silently

@@ -36,6 +36,14 @@ def test_a_file_without_splits_calibrates_on_its_first_two_thirds(tmp_path):
         prompts.load(one, split="eval")
 
 
+def test_a_csv_with_an_unterminated_quote_is_refused(tmp_path):
+    """Trial 5: ``a,"unterminated`` was read as one row whose prompt ran to the end of the file."""
+    path = tmp_path / "p.csv"
+    path.write_text('prompt\nfirst\n"unterminated\nsecond\n')
+    with pytest.raises(prompts.PromptError, match="cannot read"):
+        prompts.load(path)
+
+
 def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
     """Trial 4: a .jsonl saved with a UTF-8 byte-order mark was refused ("line 1 is not JSON")."""
     for name in ("p.jsonl", "p.json"):
