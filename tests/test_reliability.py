@@ -727,6 +727,8 @@ def test_more_bad_values_fail_in_seconds_before_any_server(tmp_path):
         "is a file: give the folder": ["watch", "--drop", str(tmp_path / "file")],
         "--trials must be an integer >= 1, got 0": ["demo", "--trials", "0"],
         "skip mask is for 3 layers; the model has 30": ["complete", "--prompt", "hi", "--mask", str(mask)],
+        "--mask is for the layer_skip and hybrid drafters": [  # trial 6: the mask was ignored unsaid
+            "complete", "--prompt", "hi", "--drafter", "ngram", "--mask", str(mask)],
         "--cluster nosuch: no such cluster here; the clusters are code": [
             "search-worker", "--input", str(prompts), "--cluster", "nosuch", "--storage", str(tmp_path / "j.log"),
             *store],

@@ -36,7 +36,8 @@ def test_skip_mask_round_trip_and_errors():
                          ({"n_layers": 6, "skip_mlp": [True]}, "skip_mlp must list layer indices"),
                          ({"n_layers": "6", "skip_attn": [1]}, "n_layers must be an integer"),
                          ({"n_layers": 6, "skip_attn": 3}, "not a skip mask"),
-                         ([1, 2, 3], "not a skip mask")):  # trial 5, D1: a traceback
+                         ([1, 2, 3], "not a skip mask"),  # trial 5, D1: a traceback
+                         ({"n_layers": 6, "skip_mpl": [1]}, "unknown fields \\['skip_mpl'\\]")):  # trial 6
         with pytest.raises(MaskError, match=message):
             SkipMask.from_dict(bad)
 

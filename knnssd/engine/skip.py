@@ -66,6 +66,9 @@ class SkipMask:
     def from_dict(cls, d: dict) -> "SkipMask":
         if not isinstance(d, dict):
             raise MaskError(f"not a skip mask (a JSON object with n_layers, skip_attn, skip_mlp): {d!r:.120}")
+        unknown = sorted(set(d) - {"n_layers", "skip_attn", "skip_mlp"})
+        if unknown:  # a typo ("skip_mpl") would otherwise skip nothing, unsaid
+            raise MaskError(f"skip mask has unknown fields {unknown}; it takes n_layers, skip_attn, skip_mlp")
         try:
             # integers only: ``int()`` would take 2.7 for layer 2, and "3" or true for a count
             for key in ("skip_attn", "skip_mlp"):
