@@ -12,8 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from knnssd.engine.params import GenerateParams
 from knnssd.serving.routed import Result
@@ -92,11 +91,12 @@ class _Request(BaseModel):
             return value
         raise ValueError(f"'{info.field_name}' is not supported by knnssd (got {value!r:.60})")
 
-    @model_validator(mode="after")
-    def _stream_options(self):
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value, info):
+        if value is not None and not info.data.get("stream"):
             raise ValueError("'stream_options' is only allowed with 'stream': true")
-        return self
+        return value
 
     def params(self, default_max_tokens: int) -> GenerateParams:
         """The generation this request asks for (OpenAI's defaults: temperature 1, top_p 1)."""

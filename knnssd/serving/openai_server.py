@@ -66,12 +66,31 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
             self.inner = inner
 
         async def __call__(self, scope, receive, send):
-            length = dict(scope.get("headers") or ()).get(b"content-length") if scope["type"] == "http" else None
-            if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
-                while (await receive()).get("more_body"):  # read and dropped: a client still sending gets the answer
-                    pass
-                too_large = ApiError(413, f"the body is larger than {MAX_BODY >> 20} MiB", type="too_large")
-                return await answer_error(too_large)(scope, receive, send)
+            if scope["type"] == "http" and scope["method"] == "POST":
+                # the body is read here, up to the bound, whether or not a Content-Length announced it (a
+                # chunked body has none); the rest is read and dropped, so a client still sending gets the 413
+                chunks, size, more = [], 0, True
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client went away
+                    more = message.get("more_body", False)
+                    size += len(message.get("body", b""))
+                    if size <= MAX_BODY:
+                        chunks.append(message.get("body", b""))
+                if size > MAX_BODY:
+                    too_large = ApiError(413, f"the body is larger than {MAX_BODY >> 20} MiB", type="too_large")
+                    return await answer_error(too_large)(scope, receive, send)
+                replayed = False
+
+                async def receive_body(receive=receive):
+                    nonlocal replayed
+                    if replayed:
+                        return await receive()
+                    replayed = True
+                    return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+                receive = receive_body
             try:
                 await self.inner(scope, receive, send)
             except asyncio.CancelledError:
@@ -139,7 +158,7 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        return await _generate(body, body.render(tokenizer), True, request)
+        return await _generate(body, await asyncio.to_thread(body.render, tokenizer), True, request)
 
     async def _generate(body, prompt: str, chat: bool, request: Request):
         if body.model != served:
@@ -147,11 +166,15 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
                            code="model_not_found")
         try:
             params = body.params(CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS)
-            if body.max_tokens is None:  # the default bound, cut to what the model's context leaves
-                params = _fit(params, batcher, prompt)
             batcher.gen.lm.limits.check(params)
             follow = _Follow()
-            job = batcher.submit(prompt, params, lambda t: follow.put("tokens", t), lambda r: follow.put("done", r))
+
+            def submit():  # tokenizing a long prompt takes a while: off the event loop, which serves the others
+                fitted = _fit(params, batcher, prompt) if body.max_tokens is None else params
+                return fitted, batcher.submit(prompt, fitted, lambda t: follow.put("tokens", t),
+                                              lambda r: follow.put("done", r))
+
+            params, job = await asyncio.to_thread(submit)
         except ValueError as e:
             word = str(e).split(" ", 1)[0]  # the parameter a check names first ("seed must be ...")
             raise ApiError(400, str(e), word if word in type(body).model_fields else None) from None
