@@ -85,8 +85,8 @@ def test_bank_round_trip_and_validation(tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda r: r.update(min_similarity=float("nan")), "router.min_similarity must be a cosine similarity"),
-    (lambda r: r.update(min_similarity=2), "router.min_similarity must be a cosine similarity"),
+    (lambda r: r.update(min_similarity=float("nan")), "router.min_similarity must be a finite number"),
+    (lambda r: r.update(min_similarity=float("inf")), "router.min_similarity must be a finite number"),
     (lambda r: r.update(k=0), "router.k must be an integer >= 1, got 0"),
     (lambda r: r.update(k=2.5), "router.k must be an integer >= 1, got 2.5"),
     (lambda r: r.update(center=[float("nan")] * len(r["center"])), "router center contains NaN"),

@@ -202,8 +202,9 @@ def validate(bank: Bank) -> None:
         raise BankError("router center contains NaN or infinite values")
     if not (isinstance(bank.router_k, int) and not isinstance(bank.router_k, bool) and bank.router_k >= 1):
         raise BankError(f"router.k must be an integer >= 1, got {bank.router_k!r}")
-    if not (isinstance(bank.min_similarity, (int, float)) and -1.0 <= bank.min_similarity <= 1.0):
-        raise BankError(f"router.min_similarity must be a cosine similarity in [-1, 1], got {bank.min_similarity!r}")
+    # finite, not in [-1, 1]: a threshold computed from held-out prompts may lie below -1 (nothing unmatched)
+    if not (isinstance(bank.min_similarity, (int, float)) and math.isfinite(bank.min_similarity)):
+        raise BankError(f"router.min_similarity must be a finite number, got {bank.min_similarity!r}")
     if bank.fallback is not None and bank.fallback not in ids:
         raise BankError(f"fallback cluster {bank.fallback} is not in the bank")
     for c in bank.clusters:
