@@ -174,7 +174,12 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
                 return fitted, batcher.submit(prompt, fitted, lambda t: follow.put("tokens", t),
                                               lambda r: follow.put("done", r))
 
-            params, job = await asyncio.to_thread(submit)
+            submitting = asyncio.ensure_future(asyncio.to_thread(submit))
+            try:
+                params, job = await asyncio.shield(submitting)
+            except asyncio.CancelledError:  # the client went away while its prompt was tokenized: drop its job
+                submitting.add_done_callback(_drop_job)
+                raise
         except ValueError as e:
             word = str(e).split(" ", 1)[0]  # the parameter a check names first ("seed must be ...")
             raise ApiError(400, str(e), word if word in type(body).model_fields else None) from None
@@ -284,6 +289,12 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
             metrics.requests.labels(status).inc()
 
     return app
+
+
+def _drop_job(submitting: asyncio.Future) -> None:
+    """Cancel the job a submission queued after its request was cancelled (none where it failed)."""
+    if not submitting.cancelled() and submitting.exception() is None:
+        submitting.result()[1].cancelled = True
 
 
 def _sse(payload: dict) -> str:
