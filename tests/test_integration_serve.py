@@ -215,7 +215,8 @@ def test_one_slot_server_frees_disconnects_refuses_a_full_queue_and_times_out(re
         assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=4).usage.completion_tokens == 4
         assert time.monotonic() - t0 < 6  # not behind the 2000 tokens of the closed stream
 
-        body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 2000, "temperature": 0}
+        # long enough to outlast the 8 s timeout however fast the drafts are (2000 tokens once took less)
+        body = {"model": MODEL, "prompt": COUNTING.replace("500", "5000"), "max_tokens": 6000, "temperature": 0}
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(s.post, "/v1/completions", body)  # holds the slot
             time.sleep(1.5)
