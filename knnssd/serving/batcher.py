@@ -149,10 +149,14 @@ class Batcher:
                on_done: Callable[[Result | BaseException], None] | None = None) -> StreamJob:
         """Queue ``prompt``; a bad one raises ``ValueError``, a full queue ``QueueFull``, before anything
         is queued. Set the returned job's ``cancelled`` to drop it."""
-        gen = self.gen
-        ids, truncated = gen.tokenize(prompt, params)
-        job = StreamJob(gen, ids, truncated, params, on_tokens=on_tokens, on_done=on_done, current=self._current,
-                        t_submit=time.perf_counter())
+        return self.submit_ids(*self.gen.tokenize(prompt, params), params, on_tokens, on_done)
+
+    def submit_ids(self, ids: list[int], truncated: bool, params: GenerateParams,
+                   on_tokens: Callable[[list[int]], None] | None = None,
+                   on_done: Callable[[Result | BaseException], None] | None = None) -> StreamJob:
+        """``submit`` for a prompt already tokenized by ``gen.tokenize`` with ``params``."""
+        job = StreamJob(self.gen, ids, truncated, params, on_tokens=on_tokens, on_done=on_done,
+                        current=self._current, t_submit=time.perf_counter())
         with self._lock:
             # what waits in the queue beyond the free slots (the batch starts one new sequence a step while
             # others run, so a burst waits there a few steps even with slots free)
@@ -166,11 +170,10 @@ class Batcher:
     def generate(self, prompts: list[str], params: GenerateParams) -> list[Result]:
         """Results for ``prompts`` in their order, decoded in the running batch. Bad prompts raise
         ``ValueError`` here, before any of them is queued."""
-        for p in prompts:
-            self.gen.tokenize(p, params)
+        tokenized = [self.gen.tokenize(p, params) for p in prompts]
         futures = [Future() for _ in prompts]
-        for p, fut in zip(prompts, futures):
-            self.submit(p, params, on_done=lambda r, fut=fut: fut.set_exception(r) if isinstance(
+        for (ids, truncated), fut in zip(tokenized, futures):
+            self.submit_ids(ids, truncated, params, on_done=lambda r, fut=fut: fut.set_exception(r) if isinstance(
                 r, BaseException) else fut.set_result(r))
         return [f.result() for f in futures]
 

@@ -170,9 +170,12 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
             follow = _Follow()
 
             def submit():  # tokenizing a long prompt takes a while: off the event loop, which serves the others
-                fitted = _fit(params, batcher, prompt) if body.max_tokens is None else params
-                return fitted, batcher.submit(prompt, fitted, lambda t: follow.put("tokens", t),
-                                              lambda r: follow.put("done", r))
+                ids, truncated = batcher.gen.tokenize(prompt, params)
+                fitted = _fit(params, batcher, len(ids)) if body.max_tokens is None else params
+                if truncated and fitted != params:  # fewer new tokens leave room for more of the prompt
+                    ids, truncated = batcher.gen.tokenize(prompt, fitted)
+                return fitted, batcher.submit_ids(ids, truncated, fitted, lambda t: follow.put("tokens", t),
+                                                  lambda r: follow.put("done", r))
 
             submitting = asyncio.ensure_future(asyncio.to_thread(submit))
             try:
@@ -301,12 +304,11 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _fit(params, batcher: Batcher, prompt: str):
+def _fit(params, batcher: Batcher, prompt_tokens: int):
     """A request without ``max_tokens`` gets the default, or what the context leaves after its prompt."""
     from dataclasses import replace
 
     positions = batcher.gen.lm.limits.positions
-    prompt_tokens = len(batcher.gen.tokenize(prompt, params)[0])
     return replace(params, max_new_tokens=max(1, min(params.max_new_tokens, positions - prompt_tokens)))
 
 
