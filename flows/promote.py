@@ -18,6 +18,7 @@ class PromoteParams(BaseModel):
     dtype: str = "auto"
     max_new_tokens: int = Field(64, ge=1)
     tolerance: float = Field(0.03, ge=0, lt=1, allow_inf_nan=False)
+    repeats: int = Field(3, ge=1, description="runs per prompt and bank; the best time counts")
     tracking_uri: str | None = None
 
 
@@ -30,5 +31,6 @@ def promote(params: PromoteParams = PromoteParams()) -> dict:
     if cand["version"] == champ["version"]:
         return {"promote": False, "reason": f"version {cand['version']} already is the champion"}
     rows = eval_prompts(params.inputs, params.per_file, params.extra_inputs)
-    comparison = compare_banks(cand, champ, rows, params.dtype, params.max_new_tokens, params.tolerance)
+    comparison = compare_banks(cand, champ, rows, params.dtype, params.max_new_tokens, params.tolerance,
+                               params.repeats)
     return log_and_promote(params.model, comparison, params.tracking_uri)

@@ -254,7 +254,7 @@ def cmd_promote(a) -> int:
 
     params = PromoteParams(model=a.model, candidate=a.candidate, champion=a.champion, inputs=a.input or [],
                            per_file=a.per_file, dtype=a.dtype, max_new_tokens=a.max_new_tokens,
-                           tolerance=a.tolerance, tracking_uri=a.tracking_uri)
+                           tolerance=a.tolerance, repeats=a.repeats, tracking_uri=a.tracking_uri)
     files = a.input or prompts.domain_files()
     if not promotion.eval_rows(files, a.per_file):
         raise ValueError(f"no eval rows to time on in {', '.join(files)}")
@@ -556,6 +556,7 @@ def parser() -> argparse.ArgumentParser:
     _dtype_arg(o)
     o.add_argument("--max-new-tokens", type=int, default=64)
     o.add_argument("--tolerance", type=float, default=0.03, help="promote when candidate >= (1 - tolerance) x champion speed")
+    o.add_argument("--repeats", type=int, default=3, help="runs per prompt and bank; the best time counts")
     _tracking_arg(o)
     o.set_defaults(fn=cmd_promote)
 

@@ -55,9 +55,9 @@ def eval_prompts(paths: list[str], per_file: int | None, extra: list[str] = ()) 
 
 @task(retries=1, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def compare_banks(candidate: dict, champion: dict, rows: list[prompts.Prompt], dtype: str, max_new_tokens: int,
-                  tolerance: float) -> dict:
+                  tolerance: float, repeats: int = 3) -> dict:
     c = promote.compare(candidate["dir"], champion["dir"], rows, (candidate["version"], champion["version"]), dtype,
-                        max_new_tokens, tolerance)
+                        max_new_tokens, tolerance, repeats)
     return asdict(c)
 
 
@@ -66,7 +66,7 @@ def log_and_promote(model: str, comparison: dict, tracking_uri: str | None) -> d
     metrics = {"ratio": comparison["ratio"], "candidate_s": comparison["candidate_s"],
                "champion_s": comparison["champion_s"], "identical": float(comparison["identical"]),
                **{f"ratio_{tracking.slug(d)}": v for d, v in comparison["per_domain"].items()}}
-    params = {k: comparison[k] for k in ("candidate", "champion", "prompts", "tolerance", "promote")}
+    params = {k: comparison[k] for k in ("candidate", "champion", "prompts", "tolerance", "repeats", "promote")}
     run_id = tracking.log_run("knnssd-promote", params, metrics, uri=tracking_uri,
                               run_name=f"promote-v{comparison['candidate']}-over-v{comparison['champion']}")
     if comparison["promote"]:

@@ -89,3 +89,32 @@ def test_drop_folder_record(tmp_path):
     state.write_text("{torn")
     with pytest.raises(ValueError, match="corrupt"):
         watch.pending(drop, state, "m", 3, True, work)
+
+
+def test_promotion_keeps_each_banks_best_time_so_one_slowed_run_does_not_decide():
+    """A neighbour on the machine slowed one of the candidate's runs 50-fold: with three runs a side
+    the candidate's best time counts; one run alone would have refused it. Order alternates."""
+    from types import SimpleNamespace
+
+    from knnssd.serving.promote import best_times
+
+    calls = []
+
+    class Side:
+        def __init__(self, name, times):
+            self.name, self.times = name, iter(times)
+
+        def generate(self, prompt, params):
+            calls.append(self.name)
+            return SimpleNamespace(latency_s=next(self.times), tokens=[1, 2] if prompt != "odd" else [self.name])
+
+    rows = [Prompt("a", "p"), Prompt("b", "q")]
+    gens = {"candidate": Side("candidate", [5.0, 0.2, 0.25, 0.3, 0.2, 0.2]), "champion": Side("champion", [0.3] * 6)}
+    t, identical = best_times(gens, rows, None, repeats=3)
+    assert t == {"candidate": {"a": 0.2, "b": 0.2}, "champion": {"a": 0.3, "b": 0.3}} and identical
+    assert calls[:6] == ["candidate", "champion", "champion", "candidate", "candidate", "champion"]
+    one, _ = best_times({"candidate": Side("candidate", [5.0, 0.2]), "champion": Side("champion", [0.3] * 2)}, rows,
+                        None, repeats=1)
+    assert sum(one["champion"].values()) / sum(one["candidate"].values()) < 0.2
+    _, identical = best_times({k: Side(k, [0.1] * 3) for k in gens}, [Prompt("c", "odd")], None, repeats=3)
+    assert not identical
