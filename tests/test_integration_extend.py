@@ -46,6 +46,17 @@ def new_domain_file(data_dir: Path, path: Path, n=9) -> Path:
     return path
 
 
+def promotions(uri: str) -> list[dict]:
+    """What each promote run logged, and where the alias points: the cause when the champion did not move."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("knnssd-promote")
+    runs = client.search_runs([exp.experiment_id]) if exp else []
+    return [{**r.data.params, **r.data.metrics} for r in runs] + [
+        {"champion": str(tracking.resolve("models:/knnssd-smollm2@champion", uri).version)}]
+
+
 def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank, data_dir, prefect_api, prefect_harness,
                                                                        tmp_path):
     """The watch-drop-folder deployment from prefect.yaml, on a process worker: a dropped domain file
@@ -100,7 +111,7 @@ def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank,
         n = len(served)
         while time.time() < deadline and len(served) < n + 2:
             time.sleep(0.2)
-        assert server.info()["knnssd"]["bank_version"] == "2", server.log_path.read_text()[-4000:]
+        assert server.info()["knnssd"]["bank_version"] == "2", (promotions(uri), server.log_path.read_text()[-4000:])
     finally:
         stop.set()
         streaming.result(timeout=120)  # a request that failed raises here
