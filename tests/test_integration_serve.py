@@ -201,6 +201,18 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
     assert 'knnssd_requests_total{status="400"}' in text
 
 
+def until_gauge(s: Server, name: str, value: float, within_s: float = 60) -> None:
+    """Wait for the server's /metrics to show ``name`` at ``value`` (a fixed sleep lost the race on a busy
+    machine)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{s.url}/metrics", timeout=30) as r:
+            if f"{name} {float(value)}" in r.read().decode().splitlines():
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{name} never reached {value}")
+
+
 def test_one_slot_server_frees_disconnects_refuses_a_full_queue_and_times_out(registered, tmp_path):  # noqa: F811
     """One slot, a queue of one, 8 s per request: a stream closed by its client leaves the slot at once;
     a third request while one runs and one waits gets 503 with Retry-After; a request past its time is
@@ -220,9 +232,9 @@ def test_one_slot_server_frees_disconnects_refuses_a_full_queue_and_times_out(re
         body = {"model": MODEL, "prompt": COUNTING.replace("500", "5000"), "max_tokens": 6000, "temperature": 0}
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(s.post, "/v1/completions", body)  # holds the slot
-            time.sleep(1.5)
+            until_gauge(s, "knnssd_active_slots", 1)
             waiting = pool.submit(s.post, "/v1/completions", {**body, "max_tokens": 4})
-            time.sleep(0.5)
+            until_gauge(s, "knnssd_queue_depth", 1)
             code, answer, headers = s.post("/v1/completions", {**body, "max_tokens": 4})
             assert code == 503 and answer["error"]["type"] == "server_busy" and headers.get("retry-after") == "1"
             code, answer, _ = running.result()
@@ -234,7 +246,7 @@ def test_one_slot_server_frees_disconnects_refuses_a_full_queue_and_times_out(re
         raw = json.dumps({**body, "stop": ["zzzz"]}).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
-        time.sleep(1.5)
+        until_gauge(s, "knnssd_active_slots", 1)
         sock.close()
         t0 = time.monotonic()
         assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=4).usage.completion_tokens == 4
