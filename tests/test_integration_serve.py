@@ -13,6 +13,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pyarrow.parquet as pq
 import pytest
 
@@ -188,6 +189,12 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
         except urllib.error.HTTPError as e:
             assert e.code == status and set(json.loads(e.read())["error"]) == {"message", "type", "param", "code"}
     assert server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+    with urllib.request.urlopen(urllib.request.Request(server.url + "/health", method="HEAD"), timeout=30) as r:
+        assert r.status == 200 and r.read() == b""  # trial 5 found HEAD a 405
+    # the client's models.retrieve (trial 5 found GET /v1/models/<id> a 404)
+    assert [m.id for m in server.client.models.list()] == [MODEL] and server.client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        server.client.models.retrieve("gpt-4")
     seeded = server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0.7, seed=-1)
     assert seeded.usage.completion_tokens == 2  # D6: -1 is a random seed, as the message and the CLI say
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:

@@ -134,19 +134,31 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
         log.exception("request failed")
         return answer_error(ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health():
         if not batcher.alive:
             return JSONResponse(error_body("the batch's thread has stopped", "server_error"), status_code=503)
         return {"status": "ok", "model": served, "bank_version": batcher.version}
 
+    def card() -> dict:
+        return {"id": served, "object": "model", "created": 0, "owned_by": "knnssd",
+                "knnssd": {"bank_version": batcher.version, "source": source, "base_model": batcher.gen.bank.model,
+                           "clusters": [c.label for c in batcher.gen.bank.clusters], "slots": batcher.slots,
+                           "exact": bool(batcher.plan and batcher.plan.exact)}}
+
+    def check_served(model: str) -> None:
+        if model != served:
+            raise ApiError(404, f"model '{model}' is not served here; this server serves '{served}'", "model",
+                           code="model_not_found")
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": served, "object": "model", "created": 0, "owned_by": "knnssd",
-            "knnssd": {"bank_version": batcher.version, "source": source, "base_model": batcher.gen.bank.model,
-                       "clusters": [c.label for c in batcher.gen.bank.clusters], "slots": batcher.slots,
-                       "exact": bool(batcher.plan and batcher.plan.exact)}}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")  # the client's models.retrieve
+    async def model(model: str):
+        check_served(model)
+        return card()
 
     @app.get("/metrics")
     async def prometheus():
@@ -161,9 +173,7 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
         return await _generate(body, await asyncio.to_thread(body.render, tokenizer), True, request)
 
     async def _generate(body, prompt: str, chat: bool, request: Request):
-        if body.model != served:
-            raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{served}'", "model",
-                           code="model_not_found")
+        check_served(body.model)
         try:
             params = body.params(CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS)
             batcher.gen.lm.limits.check(params)
