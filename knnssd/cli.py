@@ -497,6 +497,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     from knnssd.prompts import DOMAINS
+    from knnssd.serving.promote import REPEATS
 
     p = _Parser(prog="knnssd", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -556,7 +557,7 @@ def parser() -> argparse.ArgumentParser:
     _dtype_arg(o)
     o.add_argument("--max-new-tokens", type=int, default=64)
     o.add_argument("--tolerance", type=float, default=0.03, help="promote when candidate >= (1 - tolerance) x champion speed")
-    o.add_argument("--repeats", type=int, default=3, help="runs per prompt and bank; the best time counts")
+    o.add_argument("--repeats", type=int, default=REPEATS, help="runs per prompt and bank; the best time counts")
     _tracking_arg(o)
     o.set_defaults(fn=cmd_promote)
 

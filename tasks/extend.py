@@ -55,7 +55,7 @@ def eval_prompts(paths: list[str], per_file: int | None, extra: list[str] = ()) 
 
 @task(retries=1, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def compare_banks(candidate: dict, champion: dict, rows: list[prompts.Prompt], dtype: str, max_new_tokens: int,
-                  tolerance: float, repeats: int = 3) -> dict:
+                  tolerance: float, repeats: int) -> dict:
     c = promote.compare(candidate["dir"], champion["dir"], rows, (candidate["version"], champion["version"]), dtype,
                         max_new_tokens, tolerance, repeats)
     return asdict(c)

@@ -3,8 +3,9 @@
 Both banks route and draft over one loaded model; each prompt runs under both (alternating which
 goes first), ``repeats`` times, and each side keeps its best time per prompt: on a machine that also
 serves, one run slowed by the neighbour for seconds would otherwise decide the promotion.
-*ratio* = champion time / candidate time over all prompts (> 1: the candidate is faster). The candidate is promoted when ``ratio >= 1 - tolerance``; greedy outputs of both must
-be identical (they are exact), which is checked too.
+*ratio* = champion time / candidate time over all prompts (> 1: the candidate is faster). The
+candidate is promoted when ``ratio >= 1 - tolerance``; greedy outputs of both must be identical
+(they are exact), which is checked too.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from knnssd import prompts
+
+REPEATS = 3  # runs per prompt and bank (the best time counts)
 
 
 @dataclass
@@ -27,11 +30,11 @@ class Comparison:
     per_domain: dict[str, float]  # ratio per domain
     promote: bool
     tolerance: float
-    repeats: int = 1  # runs per prompt and side; the best counts
+    repeats: int  # runs per prompt and side; the best counts
 
 
 def compare(candidate_dir, champion_dir, rows: list[prompts.Prompt], versions: tuple[str, str], dtype: str = "auto",
-            max_new_tokens: int = 64, tolerance: float = 0.03, repeats: int = 3) -> Comparison:
+            max_new_tokens: int = 64, tolerance: float = 0.03, repeats: int = REPEATS) -> Comparison:
     from tqdm import tqdm
 
     from knnssd import models
