@@ -49,7 +49,7 @@ from knnssd.serving.routed import RoutedGenerator, RoutedJob
 from knnssd.settings import cache_dir
 
 VERSION = "11434.0.0"
-TARGETS = ("llama-bench", "llama-quantize", "llama-lookup", "llama-speculative-simple")
+TARGETS = ("llama-bench", "llama-quantize", "llama-lookup", "llama-speculative-simple", "llama-server")  # serve_load.py
 
 
 def _sdist(version: str, folder: Path) -> Path:
@@ -89,7 +89,7 @@ def build(version: str = VERSION) -> Path:
         shutil.rmtree(root / top, ignore_errors=True)
     print(f"building llama.cpp {version} in {src} (about 8 minutes on 2 cores) ...", file=sys.stderr)
     subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON"],
                    check=True, capture_output=True)
     subprocess.run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
                    check=True, capture_output=True)

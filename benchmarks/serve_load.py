@@ -9,7 +9,7 @@ Targets, each a fresh server on 127.0.0.1, run one after another (never two at o
 - ``plain``: the same server with ``--no-draft``;
 - ``pyfunc``: ``mlflow models serve`` (answers whole: its first token is its last);
 - ``llama-server``: llama.cpp's server on the BF16 copy of the same GGUF with ``-np`` slots, where
-  ``benchmarks/llama_cpp_peer.py`` built it (its cache holds ``llama-server``).
+  ``benchmarks/llama_cpp_peer.py`` built it (it builds ``llama-server`` beside ``llama-bench``).
 
 At concurrency C, C clients (one asyncio task each, in this process) take the mixed eval prompts
 (round-robin over the five domains) from one queue until ``--requests`` of them are done (at least
@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from knnssd import prompts as prompt_sets  # noqa: E402
 from knnssd.reachable import free_port  # noqa: E402
+from knnssd.settings import cache_dir  # noqa: E402
 
 DOMAINS = ("reasoning", "translation", "text_to_sql", "storytelling", "summarization")
 
@@ -141,8 +142,11 @@ def targets(a, port: int) -> list[tuple[str, list[str], dict, str, dict]]:
         out.append(("pyfunc", [str(bin_dir / "mlflow"), "models", "serve", "-m", a.model_uri, "--env-manager", "local",
                                "-h", "127.0.0.1", "-p", str(port)], pyfunc_env, url + "/ping",
                     {"kind": "pyfunc", "url": url}))
-    llama = sorted(Path.home().glob(".cache/knnssd/llama.cpp/*/src/build/bin/llama-server"))
-    bf16 = sorted(Path.home().glob(".cache/knnssd/llama.cpp/*/*.BF16.gguf"))
+    llama = sorted(cache_dir().glob("llama.cpp/*/src/build/bin/llama-server"))
+    bf16 = sorted(cache_dir().glob("llama.cpp/*/*.BF16.gguf"))
+    if "llama-server" in a.targets and not (llama and bf16):
+        print(f"serve_load: no llama-server row: {cache_dir() / 'llama.cpp'} holds no llama-server and BF16 GGUF; "
+              "run benchmarks/llama_cpp_peer.py once to build them", file=sys.stderr)
     if "llama-server" in a.targets and llama and bf16:
         out.append(("llama-server", [str(llama[-1]), "-m", str(bf16[-1]), "--host", "127.0.0.1", "--port", str(port),
                                      "-np", str(a.llama_slots), "-c", str(a.llama_slots * 2048), "-t",
