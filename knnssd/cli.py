@@ -118,7 +118,7 @@ def cmd_complete(a) -> int:
 
     from knnssd import models
     from knnssd.engine.decode import GenerationConfig, generate
-    from knnssd.engine.drafters import DrafterConfig, build
+    from knnssd.engine.drafters import SKIPPING, DrafterConfig, build
     from knnssd.engine.params import GenerateParams, check_prompt, prompt_ids
     from knnssd.engine.skip import SkipMask
 
@@ -128,7 +128,7 @@ def cmd_complete(a) -> int:
     check_prompt(a.prompt)
     cfg = DrafterConfig(kind=a.drafter, max_len=a.max_draft, threshold=a.threshold, int8=a.int8)
     mask = SkipMask.from_json(_read(a.mask, "--mask")) if a.mask else None
-    if mask is not None and a.drafter not in ("layer_skip", "hybrid"):  # it would be ignored
+    if mask is not None and a.drafter not in SKIPPING:  # it would be ignored
         raise ValueError(f"--mask is for the layer_skip and hybrid drafters; --drafter {a.drafter} does not skip")
     if mask is not None:  # the model's config has its layer count: a mask for another model fails before the load
         mask.validate(models.config(a.model).num_hidden_layers)

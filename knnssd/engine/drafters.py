@@ -25,6 +25,7 @@ from knnssd.engine.sequence import Sequence
 from knnssd.engine.skip import MaskError, SkipMask
 
 KINDS = ("none", "layer_skip", "ngram", "hybrid")
+SKIPPING = ("layer_skip", "hybrid")  # the kinds that run a skip mask (the others ignore one)
 
 
 @dataclass
@@ -206,7 +207,7 @@ class DrafterConfig:
         if self.kind == "none":
             return "plain AR"
         parts = [self.kind, f"k<={self.max_len}"]
-        if self.kind in ("layer_skip", "hybrid") and self.mask is not None:
+        if self.kind in SKIPPING and self.mask is not None:
             m = SkipMask.from_dict(self.mask)
             parts.append(f"skip {m.n_skipped}/{2 * m.n_layers}")
             if self.threshold:

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
+from knnssd.engine.drafters import SKIPPING
+
 
 def _plt():
     import matplotlib
@@ -30,7 +32,7 @@ def skip_heatmap(bank, path: Path) -> Path:
     labels = []
     for r, c in enumerate(bank.clusters):
         cfg = c.drafter
-        if c.mask is not None and cfg.kind in ("layer_skip", "hybrid"):
+        if c.mask is not None and cfg.kind in SKIPPING:
             grid[r] = c.mask.bits
         labels.append(f"{c.label} · {cfg.kind}{' int8' if cfg.int8 else ''} · {c.speedup:.2f}x")
     fig, ax = plt.subplots(figsize=(max(6, 0.18 * 2 * n + 3), 0.45 * len(labels) + 1.6))

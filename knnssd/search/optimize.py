@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from knnssd.engine.decode import GenerationConfig
-from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.drafters import SKIPPING, DrafterConfig, build
 from knnssd.engine.decoder import Decoder
 from knnssd.engine.skip import SkipMask
 from knnssd.routing.bank import ClusterResult
@@ -87,7 +87,7 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     samples = teacher_samples(dec, m.tokenizer, job.texts[: budget.proxy_prompts], budget.max_new_tokens, m.eos)
     proposals = {sizes: [ngram_proposals(s, sizes, max(MAX_LENS)) for s in samples] for sizes in NGRAM_SIZES}
     n = dec.n_layers
-    kinds = tuple(k for k in ("layer_skip", "hybrid") if k in budget.kinds) if dec.can_skip else ()
+    kinds = tuple(k for k in SKIPPING if k in budget.kinds) if dec.can_skip else ()
     proxy = job.study("proxy", budget.seed)
     # every worker of a study, and every resumed run, scores with the step costs the study began with, and
     # searches the precisions it began with (studies from before the int8 rule searched budget.int8's)
@@ -211,7 +211,7 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
 def warm_params(config: dict, n_layers: int) -> dict | None:
     """Stage-1 parameters reproducing a configuration's mask and precision (None for n-gram or AR)."""
     cfg = DrafterConfig.from_dict(config)
-    if cfg.kind not in ("layer_skip", "hybrid") or cfg.mask is None:
+    if cfg.kind not in SKIPPING or cfg.mask is None:
         return None
     m = SkipMask.from_dict(cfg.mask)
     m.validate(n_layers)
