@@ -184,10 +184,10 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
             got += sock.recv(65536)
         assert got.count(b"HTTP/1.1 200") == 2
     for method, path, status in (("GET", "/v1/completions", 405), ("GET", "/v1/nothing", 404)):  # D7
-        try:
+        with pytest.raises(urllib.error.HTTPError) as e:  # a 2xx would not raise: it fails the test
             urllib.request.urlopen(urllib.request.Request(server.url + path, method=method), timeout=30)
-        except urllib.error.HTTPError as e:
-            assert e.code == status and set(json.loads(e.read())["error"]) == {"message", "type", "param", "code"}
+        assert e.value.code == status and set(json.loads(e.value.read())["error"]) == {
+            "message", "type", "param", "code"}
     assert server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
     with urllib.request.urlopen(urllib.request.Request(server.url + "/health", method="HEAD"), timeout=30) as r:
         assert r.status == 200 and r.read() == b""  # trial 5 found HEAD a 405
