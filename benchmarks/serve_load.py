@@ -144,14 +144,14 @@ def targets(a, port: int) -> list[tuple[str, list[str], dict, str, dict]]:
                     {"kind": "pyfunc", "url": url}))
     llama = sorted(cache_dir().glob("llama.cpp/*/src/build/bin/llama-server"))
     bf16 = sorted(cache_dir().glob("llama.cpp/*/*.BF16.gguf"))
-    if "llama-server" in a.targets and not (llama and bf16):
-        print(f"serve_load: no llama-server row: {cache_dir() / 'llama.cpp'} holds no llama-server and BF16 GGUF; "
-              "run benchmarks/llama_cpp_peer.py once to build them", file=sys.stderr)
     if "llama-server" in a.targets and llama and bf16:
         out.append(("llama-server", [str(llama[-1]), "-m", str(bf16[-1]), "--host", "127.0.0.1", "--port", str(port),
                                      "-np", str(a.llama_slots), "-c", str(a.llama_slots * 2048), "-t",
                                      str(os.cpu_count() or 2), "--no-webui"],
                     env, url + "/health", {"kind": "openai", "url": url, "model": "llama"}))
+    elif "llama-server" in a.targets:
+        print(f"serve_load: no llama-server row: {cache_dir() / 'llama.cpp'} holds no llama-server and BF16 GGUF; "
+              "run benchmarks/llama_cpp_peer.py once to build them", file=sys.stderr)
     return [t for t in out if t[0] in a.targets]
 
 
