@@ -80,7 +80,13 @@ def test_the_scheduler_shows_each_step_the_tokens_emitted_so_far():
     plan = batch_plan.plan(dec, slots=3)
     jobs = mixed_jobs(dec, "llama", 5, 16)
     seen: dict[int, list[list[int]]] = {}
-    hook = lambda runs: [seen.setdefault(id(r), []).append(list(r.new)) for r in runs]  # noqa: E731
+    alive = []  # a finished run freed here could hand its id to a later one and merge their views
+
+    def hook(runs):
+        alive.extend(runs)
+        for r in runs:
+            seen.setdefault(id(r), []).append(list(r.new))
+
     runs = {}
     sched = Scheduler(dec, jobs, plan, on_step=hook)
     done = list(sched.run())
