@@ -84,7 +84,7 @@ def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank,
     out = run("deployment", "run", "watch-drop-folder/watch-drop-folder-smollm2", "--params", json.dumps(params))
     assert out.returncode == 0, out.stdout + out.stderr
     # `knnssd serve` on the champion (version 1), streaming requests all through add-domain and promote
-    server = KnnssdServer(uri, tmp_path, "--dtype", "float32", "--reload-s", "1")
+    server = KnnssdServer(uri, tmp_path, "--dtype", "float32", "--reload-s", "1", env={"OMP_WAIT_POLICY": "PASSIVE"})
     served, stop = [], threading.Event()
 
     def clients():
