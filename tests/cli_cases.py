@@ -1,32 +1,78 @@
-"""Run many `knnssd` command lines that should fail fast in one child process.
+"""Run many `knnssd` command lines that should fail fast, in one child process per call.
 
-Each case runs ``knnssd.cli.main(argv)`` in the same child, one after another, with its own
-stderr, and reports its exit code, stderr lines and seconds. The child pays the interpreter's
-start and the imports once instead of once per case; anything the child writes to its own
-stderr outside a case (an import-time warning, a traceback) fails the run.
+Each call's cases run as ``knnssd.cli.main(argv)`` in one child, one after another, each with its own
+stderr, and report their exit code, stderr lines and seconds. Anything the child writes to its own
+stderr outside a case (an import-time warning, a traceback), or a child that does not exit 0, fails
+the call.
+
+The children are forked from one helper process per session that has already imported what every
+command imports (torch, transformers, MLflow, pandas): a call then pays neither the interpreter's start
+nor those imports, nor the teardown of their modules at exit (docs/benchmarks.md, 2026-11-27). A child
+takes the call's environment and folder before it runs anything. Prefect is not imported beforehand:
+it reads its settings from the environment when it is imported, and each call has an environment of
+its own.
 """
+import atexit
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 
-CHILD = r"""
-import contextlib, io, json, sys, time
+HELPER = r"""
+import atexit, contextlib, gc, io, json, os, sys, tempfile, time
+import numpy, pandas, pyarrow.parquet, torch, transformers, mlflow  # noqa: F401 - imported once, for every child
 from knnssd.cli import main
 
-results = []
-for argv in json.loads(sys.stdin.read()):
-    err = io.StringIO()
-    t0 = time.monotonic()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as e:  # argparse's usage errors
-            code = e.code
-    results.append([code, err.getvalue(), time.monotonic() - t0])
-print("\n" + json.dumps(results))
+gc.freeze()  # the imports' objects stay out of the children's collections, and their pages shared
+
+def cases(req):
+    os.environ.clear()
+    os.environ.update(req["env"])
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    os.chdir(req["cwd"])
+    results = []
+    for argv in req["argvs"]:
+        err = io.StringIO()
+        t0 = time.monotonic()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                code = main(argv)
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code
+        results.append([code, err.getvalue(), time.monotonic() - t0])
+    return results
+
+
+for line in sys.stdin:
+    req = json.loads(line)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: stdin and stdout are the helper's; its stray stderr goes to the call's file
+        os.close(r)
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.dup2(os.open(req["stray"], os.O_WRONLY | os.O_APPEND), 2)
+        with os.fdopen(w, "w") as out:
+            out.write(json.dumps(cases(req)))
+        atexit._run_exitfuncs()  # what a process's exit runs, less the teardown of modules
+        sys.stderr.flush()  # that the helper still holds
+        os._exit(0)
+    os.close(w)
+    print(json.dumps({"pid": pid}), flush=True)
+    with os.fdopen(r) as inp:
+        results = inp.read()
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"status": os.waitstatus_to_exitcode(status), "results": results}), flush=True)
 """
+
+_helper: subprocess.Popen | None = None
+_pending = b""  # what the helper wrote past the last line read
 
 
 @dataclass
@@ -36,11 +82,67 @@ class Case:
     seconds: float
 
 
+def _start() -> subprocess.Popen:
+    global _helper, _pending
+    if _helper is None or _helper.poll() is not None:
+        with tempfile.NamedTemporaryFile("w", prefix="cli-helper-", suffix=".log", delete=False) as log:
+            _helper = subprocess.Popen([sys.executable, "-c", HELPER], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=log, bufsize=0)
+        _helper.log_path, _pending = log.name, b""
+    return _helper
+
+
+def _line(helper: subprocess.Popen, deadline: float) -> dict:
+    """The helper's next line, read from its pipe as it comes (a buffered reader could hold a line that
+    ``select`` would then never report)."""
+    global _pending
+    while b"\n" not in _pending:
+        if not select.select([helper.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            raise TimeoutError
+        chunk = os.read(helper.stdout.fileno(), 65536)
+        if not chunk:
+            raise AssertionError("the CLI helper process ended: " + open(helper.log_path).read()[-3000:])
+        _pending += chunk
+    line, _pending = _pending.split(b"\n", 1)
+    return json.loads(line)
+
+
+def _stop() -> None:
+    if _helper is not None and _helper.poll() is None:
+        _helper.stdin.close()
+        try:
+            _helper.wait(30)
+        except subprocess.TimeoutExpired:
+            _helper.kill()
+            _helper.wait()
+
+
+atexit.register(_stop)
+
+
 def run_cli(cases: list[list[str]], env: dict | None = None, timeout: float = 300, cwd=None) -> list[Case]:
     """``cases``: argument lists (a ``bytes`` argument is passed as the OS would: surrogate-escaped)."""
-    argvs = [[os.fsdecode(a) for a in argv] for argv in cases]
-    out = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(argvs), env=env, capture_output=True,
-                         text=True, timeout=timeout, cwd=cwd)
-    assert out.returncode == 0 and not out.stderr.strip(), out.stderr[-3000:]
-    return [Case(code, [line for line in err.strip().splitlines() if line.strip()], s)
-            for code, err, s in json.loads(out.stdout.strip().splitlines()[-1])]
+    helper = _start()
+    with tempfile.NamedTemporaryFile(prefix="cli-stray-", suffix=".txt", delete=False) as f:
+        stray = f.name
+    req = {"argvs": [[os.fsdecode(a) for a in argv] for argv in cases], "env": dict(os.environ if env is None else env),
+           "cwd": os.fspath(cwd or os.getcwd()), "stray": stray}
+    try:
+        data = memoryview(json.dumps(req).encode() + b"\n")
+        while data:  # an unbuffered pipe may take part of it
+            data = data[os.write(helper.stdin.fileno(), data):]
+        deadline = time.monotonic() + timeout
+        pid = _line(helper, deadline)["pid"]
+        try:
+            done = _line(helper, deadline)
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            _line(helper, time.monotonic() + 30)
+            raise subprocess.TimeoutExpired(["knnssd", *cases[0]], timeout) from None
+        with open(stray, errors="replace") as f:
+            err = f.read()
+    finally:
+        os.unlink(stray)
+    assert done["status"] == 0 and not err.strip(), (done["status"], err[-3000:])
+    return [Case(code, [line for line in e.strip().splitlines() if line.strip()], s)
+            for code, e, s in json.loads(done["results"])]
