@@ -85,6 +85,7 @@ class Case:
 def _start() -> subprocess.Popen:
     global _helper, _pending
     if _helper is None or _helper.poll() is not None:
+        _stop()  # a helper that ended: its log goes
         with tempfile.NamedTemporaryFile("w", prefix="cli-helper-", suffix=".log", delete=False) as log:
             _helper = subprocess.Popen([sys.executable, "-c", HELPER], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=log, bufsize=0)
@@ -108,13 +109,17 @@ def _line(helper: subprocess.Popen, deadline: float) -> dict:
 
 
 def _stop() -> None:
-    if _helper is not None and _helper.poll() is None:
+    if _helper is None:
+        return
+    if _helper.poll() is None:
         _helper.stdin.close()
         try:
             _helper.wait(30)
         except subprocess.TimeoutExpired:
             _helper.kill()
             _helper.wait()
+    if os.path.exists(_helper.log_path):
+        os.unlink(_helper.log_path)
 
 
 atexit.register(_stop)
