@@ -1,9 +1,9 @@
 """Run many `knnssd` command lines that should fail fast, in one child process per call.
 
 Each call's cases run as ``knnssd.cli.main(argv)`` in one child, one after another, each with its own
-stderr, and report their exit code, stderr lines and seconds. Anything the child writes to its own
-stderr outside a case (an import-time warning, a traceback), or a child that does not exit 0, fails
-the call.
+stderr, and report their exit code, stderr lines and seconds. Anything the child, or the helper it
+is forked from, writes to its own stderr outside a case (an import-time warning, a traceback), or a
+child that does not exit 0, fails the call.
 
 The children are forked from one helper process per session that has already imported what every
 command imports (torch, transformers, MLflow, pandas): a call then pays neither the interpreter's start
@@ -144,8 +144,8 @@ def run_cli(cases: list[list[str]], env: dict | None = None, timeout: float = 30
             os.kill(pid, signal.SIGKILL)
             _line(helper, time.monotonic() + 30)
             raise subprocess.TimeoutExpired(["knnssd", *cases[0]], timeout) from None
-        with open(stray, errors="replace") as f:
-            err = f.read()
+        with open(stray, errors="replace") as f, open(helper.log_path, errors="replace") as g:
+            err = g.read() + f.read()  # the helper's own imports' warnings count as the child's
     finally:
         os.unlink(stray)
     assert done["status"] == 0 and not err.strip(), (done["status"], err[-3000:])
