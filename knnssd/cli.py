@@ -12,11 +12,13 @@ from pathlib import Path
 
 from knnssd.settings import DTYPES
 
-for _key, _value in {"HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true",
-                     "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
-                     # a tracking server that stops answering mid-run fails in seconds, not after minutes of retries
-                     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
-                     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}.items():
+# What every knnssd process runs with unless its environment says otherwise: local and quiet
+ENV_DEFAULTS = {"HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true",
+                "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
+                # a tracking server that stops answering mid-run fails in seconds, not after minutes of retries
+                "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
+                "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+for _key, _value in ENV_DEFAULTS.items():
     os.environ.setdefault(_key, _value)
 
 
