@@ -13,6 +13,7 @@ it reads its settings from the environment when it is imported, and each call ha
 its own.
 """
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -24,15 +25,24 @@ import time
 from dataclasses import dataclass
 
 HELPER = r"""
-import atexit, contextlib, gc, io, json, os, sys, tempfile, time
+import atexit, contextlib, gc, io, json, os, sys, tempfile, threading, time, traceback
+from knnssd.cli import ENV_DEFAULTS, main  # first, as in a process of its own: it sets ENV_DEFAULTS
 import numpy, pandas, pyarrow.parquet, torch, transformers, mlflow  # noqa: F401 - imported once, for every child
-from knnssd.cli import main
 
 gc.freeze()  # the imports' objects stay out of the children's collections, and their pages shared
+# settings these libraries read once, when they load: a call must not ask for others
+LOADED = ("OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "OPENBLAS_", "ATEN_", "HF_", "HUGGINGFACE_")
+AT_LOAD = {k: v for k, v in os.environ.items() if k.startswith(LOADED)}
+
 
 def cases(req):
     os.environ.clear()
     os.environ.update(req["env"])
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    asked = {k: v for k, v in os.environ.items() if k.startswith(LOADED)}
+    if asked != AT_LOAD:
+        raise RuntimeError(f"the call's load-time settings {asked} are not the helper's {AT_LOAD}")
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     os.chdir(req["cwd"])
     results = []
@@ -48,21 +58,32 @@ def cases(req):
     return results
 
 
+def child(req, w):  # a process's life and exit, less the teardown of the modules the helper still holds
+    try:
+        with os.fdopen(w, "w") as out:
+            out.write(json.dumps(cases(req)))
+        threading._shutdown()  # as an exit does: wait for the threads a case left running
+        gc.collect()
+        atexit._run_exitfuncs()
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported, as an uncaught exception would be
+        traceback.print_exc()
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)
+
+
 for line in sys.stdin:
     req = json.loads(line)
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: stdin and stdout are the helper's; its stray stderr goes to the call's file
+    if pid == 0:  # the child: stdin and stdout are the helper's; its stderr goes to the call's file
         os.close(r)
         null = os.open(os.devnull, os.O_RDWR)
         os.dup2(null, 0)
         os.dup2(null, 1)
         os.dup2(os.open(req["stray"], os.O_WRONLY | os.O_APPEND), 2)
-        with os.fdopen(w, "w") as out:
-            out.write(json.dumps(cases(req)))
-        atexit._run_exitfuncs()  # what a process's exit runs, less the teardown of modules
-        sys.stderr.flush()  # that the helper still holds
-        os._exit(0)
+        child(req, w)
     os.close(w)
     print(json.dumps({"pid": pid}), flush=True)
     with os.fdopen(r) as inp:
@@ -125,29 +146,48 @@ def _stop() -> None:
 atexit.register(_stop)
 
 
+def _reset(pid: int | None) -> None:
+    """Stop the call's child, if any, and the helper: a helper left with a call's replies unread would
+    answer the next call with them."""
+    global _helper
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if _helper is not None and _helper.poll() is None:
+        _helper.kill()
+        _helper.wait()
+    _stop()
+    _helper = None
+
+
 def run_cli(cases: list[list[str]], env: dict | None = None, timeout: float = 300, cwd=None) -> list[Case]:
     """``cases``: argument lists (a ``bytes`` argument is passed as the OS would: surrogate-escaped)."""
     helper = _start()
-    with tempfile.NamedTemporaryFile(prefix="cli-stray-", suffix=".txt", delete=False) as f:
-        stray = f.name
-    req = {"argvs": [[os.fsdecode(a) for a in argv] for argv in cases], "env": dict(os.environ if env is None else env),
-           "cwd": os.fspath(cwd or os.getcwd()), "stray": stray}
+    stray = pid = None
     try:
+        with tempfile.NamedTemporaryFile(prefix="cli-stray-", suffix=".txt", delete=False) as f:
+            stray = f.name
+        req = {"argvs": [[os.fsdecode(a) for a in argv] for argv in cases],
+               "env": dict(os.environ if env is None else env), "cwd": os.fspath(cwd or os.getcwd()), "stray": stray}
         data = memoryview(json.dumps(req).encode() + b"\n")
         while data:  # an unbuffered pipe may take part of it
             data = data[os.write(helper.stdin.fileno(), data):]
         deadline = time.monotonic() + timeout
         pid = _line(helper, deadline)["pid"]
-        try:
-            done = _line(helper, deadline)
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            _line(helper, time.monotonic() + 30)
-            raise subprocess.TimeoutExpired(["knnssd", *cases[0]], timeout) from None
+        done = _line(helper, deadline)
         with open(stray, errors="replace") as f, open(helper.log_path, errors="replace") as g:
             err = g.read() + f.read()  # the helper's own imports' warnings count as the child's
+    except TimeoutError:
+        _reset(pid)
+        raise subprocess.TimeoutExpired(["knnssd", *cases[0]], timeout) from None
+    except BaseException:
+        _reset(pid)
+        raise
     finally:
-        os.unlink(stray)
-    assert done["status"] == 0 and not err.strip(), (done["status"], err[-3000:])
+        if stray is not None:
+            os.unlink(stray)
+    if done["status"] != 0 or err.strip():
+        _reset(None)  # the next call starts from a helper whose log is empty
+        raise AssertionError((done["status"], err[-3000:]))
     return [Case(code, [line for line in e.strip().splitlines() if line.strip()], s)
             for code, e, s in json.loads(done["results"])]
