@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 from prefect import flow
 
-from knnssd.serving.promote import REPEATS
+from knnssd.serving.promote import REPEATS, TOLERANCE
 from knnssd.tasks.extend import compare_banks, eval_prompts, fetch_bank, log_and_promote
 
 
@@ -18,7 +18,7 @@ class PromoteParams(BaseModel):
     per_file: int = Field(4, ge=1)
     dtype: str = "auto"
     max_new_tokens: int = Field(64, ge=1)
-    tolerance: float = Field(0.03, ge=0, lt=1, allow_inf_nan=False)
+    tolerance: float = Field(TOLERANCE, ge=0, lt=1, allow_inf_nan=False)
     repeats: int = Field(REPEATS, ge=1, description="runs per prompt and bank; the best time counts")
     tracking_uri: str | None = None
 

@@ -499,7 +499,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     from knnssd.prompts import DOMAINS
-    from knnssd.serving.promote import REPEATS
+    from knnssd.serving.promote import REPEATS, TOLERANCE
 
     p = _Parser(prog="knnssd", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -558,7 +558,7 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--per-file", type=int, default=4)
     _dtype_arg(o)
     o.add_argument("--max-new-tokens", type=int, default=64)
-    o.add_argument("--tolerance", type=float, default=0.03, help="promote when candidate >= (1 - tolerance) x champion speed")
+    o.add_argument("--tolerance", type=float, default=TOLERANCE, help="promote when candidate >= (1 - tolerance) x champion speed")
     o.add_argument("--repeats", type=int, default=REPEATS, help="runs per prompt and bank; the best time counts")
     _tracking_arg(o)
     o.set_defaults(fn=cmd_promote)

@@ -16,6 +16,7 @@ from pathlib import Path
 from knnssd import prompts
 
 REPEATS = 3  # runs per prompt and bank (the best time counts)
+TOLERANCE = 0.03  # promoted when candidate speed >= (1 - TOLERANCE) x champion speed
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Comparison:
 
 
 def compare(candidate_dir, champion_dir, rows: list[prompts.Prompt], versions: tuple[str, str], dtype: str = "auto",
-            max_new_tokens: int = 64, tolerance: float = 0.03, repeats: int = REPEATS) -> Comparison:
+            max_new_tokens: int = 64, tolerance: float = TOLERANCE, repeats: int = REPEATS) -> Comparison:
     from tqdm import tqdm
 
     from knnssd import models
