@@ -42,8 +42,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     One C call on the CPU where ``native`` is built (the same roundings), else four torch ops.
     """
     y = native.rope(x, cos, sin_signed)
-    if y is not None:
-        return y
+    return rotate(x, cos, sin_signed) if y is None else y
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``_rope`` in torch ops alone (what a compiled or captured step runs)."""
     d = cos.shape[-1]
     if d == x.shape[-1]:
         return x * cos + x.roll(d // 2, -1) * sin_signed
@@ -247,23 +250,27 @@ class Decoder:
     def _rope(self, pos: torch.Tensor, h: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         s = self.stack
         if not s.rope_static:  # e.g. dynamic NTK / longrope: cos/sin depend on the sequence length
-            return {key: _rope_pair(*self._rotary(h, pos[None], key)) for key in s.rope_keys}
+            return {key: _rope_pair(*_rotary(s, h, pos[None], key)) for key in s.rope_keys}
         return {key: (c[pos], si[pos]) for key, (c, si) in self.tables().items()}
 
     def tables(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Each rotary key's cos and signed sin (capacity, 1, d) by position, over the cache's whole capacity
         (built again when it grows), for a stack whose tables depend on the position alone."""
         if not self._tables or next(iter(self._tables.values()))[0].shape[0] < self.cache.capacity:
-            s = self.stack
-            table_pos = torch.arange(self.cache.capacity, device=s.device)[None]
-            dummy = torch.empty(0, dtype=s.dtype, device=s.device)
-            self._tables = {key: _rope_pair(*self._rotary(dummy, table_pos, key)) for key in s.rope_keys}
+            self._tables = rope_tables(self.stack, self.cache.capacity)
         return self._tables
 
-    def _rotary(self, x: torch.Tensor, pos: torch.Tensor, key: str):
-        if key == "all":
-            return self.stack.rotary(x, pos)
-        return self.stack.rotary(x, pos, key)
+
+def _rotary(s: Stack, x: torch.Tensor, pos: torch.Tensor, key: str):
+    return s.rotary(x, pos) if key == "all" else s.rotary(x, pos, key)
+
+
+def rope_tables(s: Stack, length: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each rotary key's cos and signed sin (length, 1, d) for positions 0..length-1 (``_rope``'s operands),
+    for a stack whose tables depend on the position alone (``Stack.rope_static``)."""
+    pos = torch.arange(length, device=s.device)[None]
+    dummy = torch.empty(0, dtype=s.dtype, device=s.device)
+    return {key: _rope_pair(*_rotary(s, dummy, pos, key)) for key in s.rope_keys}
 
 
 class SpanMask(NamedTuple):
@@ -278,16 +285,17 @@ def _span_masks(attn: Attention, pos: torch.Tensor, spans: tuple[Span, ...], win
     return tuple(SpanMask(sp, attn.mask(pos[sp.lo : sp.hi], sp.keys, window)) for sp in spans)
 
 
-def _heads(s: Stack, layer: Layer, qkv: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _heads(s: Stack, layer: Layer, qkv: torch.Tensor, rope, rope_fn: Callable = _rope
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (T, H, D), k, v (T, KV, D) of T rows from their QKV projection (T, (H + 2 KV) D): q and k
-    normed per head where the layer does, and rotated."""
+    normed per head where the layer does, and rotated (by ``rope_fn``)."""
     T, H, KV, D = qkv.shape[0], s.n_heads, s.n_kv, s.head_dim
     qkv = qkv.view(T, H + 2 * KV, D)
     if layer.q_norm is not None:
         qk = torch.cat((layer.q_norm(qkv[:, :H]), layer.k_norm(qkv[:, H : H + KV])), dim=1)
     else:
         qk = qkv[:, : H + KV]
-    qk = _rope(qk, *rope)  # (T, H+KV, D)
+    qk = rope_fn(qk, *rope)  # (T, H+KV, D)
     return qk[:, :H], qk[:, H:], qkv[:, H + KV :]
 
 

@@ -1,0 +1,134 @@
+"""The static step (``engine/static_step.py``) and its runner (``engine/graphs.py``) on tiny random models.
+
+It computes what the lean forward computes; it compiles whole (``fullgraph=True``: a graph break fails)
+at fixed shapes, and the compiled step, run again on new inputs in the same buffers, matches the eager
+one without compiling again. These run on every machine; the CUDA-graph cases skip without CUDA.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from knnssd.engine.decoder import Decoder
+from knnssd.engine.graphs import StepRunner, rows_exact
+from knnssd.engine.skip import SkipMask
+from knnssd.engine.stack import from_hf
+from knnssd.engine.static_step import StaticCache, plain, rows_bucket, step
+from tiny import COMMON, tiny
+
+ARCHS = ("llama", "gemma3")  # gemma3: per-head norms, post norms, sliding windows, two rotary tables
+TOL = 1e-4  # fp32: the two forms order a few sums differently
+MASK = dict(attn=(1,), mlp=(2,))
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(2, COMMON["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _long(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_static_step_computes_what_the_lean_forward_does(arch):
+    model = tiny(arch)
+    runner = StepRunner(from_hf(model), StaticCache(from_hf(model), slots=2, length=64), graphs=False)
+    ids = [_ids(24, 1), _ids(24, 2)]
+    mine = [Decoder(from_hf(model)), Decoder(from_hf(model))]
+    # a prefill each: 12 and 9 rows, padded to buckets of 16
+    for b, n in enumerate((12, 9)):
+        got = runner(ids[b][:n], torch.arange(n), torch.full((n,), b))
+        assert torch.allclose(got, mine[b].forward(ids[b][:n], 0).logits, atol=TOL)
+    # a skip-mask draft step of sequence 0, then the full verify pass that rewrites its K/V
+    mask = SkipMask.from_layers(4, **MASK)
+    got = runner(ids[0][12:13], _long(12), _long(0), skip=mask)
+    assert torch.allclose(got, mine[0].forward(ids[0][12:13], 12, mask=mask).logits, atol=TOL)
+    got = runner(ids[0][12:15], torch.arange(12, 15), torch.zeros(3, dtype=torch.long))
+    assert torch.allclose(got, mine[0].forward(ids[0][12:15], 12).logits, atol=TOL)
+    # a packed pass: one row of sequence 1 and two of sequence 0, interleaved
+    got = runner(torch.stack((ids[0][15], ids[1][9], ids[0][16])), _long(15, 9, 16), _long(0, 1, 0))
+    want0 = mine[0].forward(ids[0][15:17], 15).logits
+    want1 = mine[1].forward(ids[1][9:10], 9).logits
+    assert torch.allclose(got, torch.stack((want0[0], want1[0], want0[1])), atol=TOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_step_compiles_whole_and_runs_again_on_new_inputs(arch):
+    """``torch.compile(fullgraph=True, dynamic=False)`` of the full step (inductor) and of a draft step
+    (aot_eager, which checks the same graph in less time). The second call's inputs are new values in the
+    same buffers and must not compile again; each call's logits and K/V are checked against the eager step's
+    on a copy of the cache."""
+    s = plain(from_hf(tiny(arch)))
+    cache = StaticCache(s, slots=2, length=64)
+    prompt = _ids(10, 3)
+    step(s, cache.k, cache.v, cache.tables, prompt, torch.arange(10), torch.zeros(10, dtype=torch.long))
+    ids, pos, slots = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    mask = SkipMask.from_layers(4, **MASK)
+    for skip, backend in ((None, "inductor"), (mask, "aot_eager")):
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+        calls = [(_ids(4, 4), _long(10, 11, 12, 13), _long(0, 0, 0, 0)),
+                 (_ids(4, 5), _long(10, 3, 11, 12), _long(0, 1, 0, 2))]  # the second: other slots, a scratch row
+        for n, (i, p, sl) in enumerate(calls):
+            ids.copy_(i), pos.copy_(p), slots.copy_(sl)
+            k, v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
+            with torch.inference_mode():
+                want = step(s, k, v, cache.tables, ids, pos, slots, skip)
+                with torch.compiler.set_stance("fail_on_recompile" if n else "default"):
+                    got = compiled(s, cache.k, cache.v, cache.tables, ids, pos, slots, skip)
+            assert torch.allclose(got, want, atol=1e-5), (arch, skip, n)
+            for a, b in zip(cache.k + cache.v, k + v):
+                assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_rows_go_to_buckets_and_scratch_rows_leave_the_slots_alone():
+    assert [rows_bucket(n) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+    with pytest.raises(ValueError, match="at most"):
+        rows_bucket(10**6)
+    s = from_hf(tiny("llama"))
+    cache = StaticCache(s, slots=1, length=64)
+    runner = StepRunner(s, cache, graphs=False)
+    runner(_ids(3, 6), torch.arange(3), torch.zeros(3, dtype=torch.long))  # 3 rows in a bucket of 4
+    written = [(t[0, :, :3] != 0).any().item() for t in cache.k]
+    assert all(written)
+    assert all(not (t[0, :, 3:] != 0).any() for t in cache.k + cache.v)  # the padding row wrote only scratch
+
+
+def test_without_cuda_the_runner_runs_eagerly_and_says_so(caplog):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    s = from_hf(tiny("llama"))
+    with caplog.at_level(logging.INFO, logger="knnssd.engine.graphs"):
+        runner = StepRunner(s, StaticCache(s, slots=1, length=64))
+    assert not runner.graphs
+    assert "runs eagerly" in caplog.text
+    runner(_ids(2, 7), torch.arange(2), torch.zeros(2, dtype=torch.long))
+    assert runner.captures == []
+
+
+def test_rows_exact_compares_each_row_count_with_one_row_steps():
+    s = from_hf(tiny("llama"))
+    runner = StepRunner(s, StaticCache(s, slots=1, length=64), graphs=False)
+    runner(_ids(8, 8), torch.arange(8), torch.zeros(8, dtype=torch.long))
+    found = rows_exact(runner, _ids(6, 9), slot=0, start=8)
+    assert sorted(found) == [2, 3, 4, 5, 6] and all(isinstance(x, bool) for x in found.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graphed_steps_replay_what_the_eager_step_computes(arch):
+    model = tiny(arch, dtype=torch.bfloat16).to("cuda")
+    s = from_hf(model)
+    graphed = StepRunner(s, StaticCache(s, slots=2, length=64))
+    eager = StepRunner(s, StaticCache(s, slots=2, length=64), graphs=False)
+    ids = _ids(16, 10).cuda()
+    for runner in (graphed, eager):
+        runner(ids[:10], torch.arange(10, device="cuda"), torch.zeros(10, dtype=torch.long, device="cuda"))
+    mask = SkipMask.from_layers(4, **MASK)
+    for t in range(10, 16):
+        for skip in (mask, None):
+            args = (ids[t : t + 1], torch.tensor([t], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda"))
+            assert torch.equal(graphed(*args, skip=skip), eager(*args, skip=skip))
+    assert {(c.skip, c.rows) for c in graphed.captures} == {(None, 1), (mask, 1)}
