@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from knnssd.engine.decoder import Decoder
-from knnssd.engine.graphs import StepRunner, rows_exact
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.drafters import LayerSkip, NGram
+from knnssd.engine.graphs import StaticDecoder, StepRunner
 from knnssd.engine.skip import SkipMask
 from knnssd.engine.stack import from_hf
 from knnssd.engine.static_step import StaticCache, plain, rows_bucket, step
-from tiny import COMMON, tiny
+from tiny import COMMON, hf_greedy, prompt_ids, tiny
 
 ARCHS = ("llama", "gemma3")  # gemma3: per-head norms, post norms, sliding windows, two rotary tables
 TOL = 1e-4  # fp32: the two forms order a few sums differently
@@ -39,16 +41,16 @@ def test_the_static_step_computes_what_the_lean_forward_does(arch):
     mine = [Decoder(from_hf(model)), Decoder(from_hf(model))]
     # a prefill each: 12 and 9 rows, padded to buckets of 16
     for b, n in enumerate((12, 9)):
-        got = runner(ids[b][:n], torch.arange(n), torch.full((n,), b))
+        got = runner(ids[b][:n], torch.arange(n), torch.full((n,), b))[0]
         assert torch.allclose(got, mine[b].forward(ids[b][:n], 0).logits, atol=TOL)
     # a skip-mask draft step of sequence 0, then the full verify pass that rewrites its K/V
     mask = SkipMask.from_layers(4, **MASK)
-    got = runner(ids[0][12:13], _long(12), _long(0), skip=mask)
+    got = runner(ids[0][12:13], _long(12), _long(0), skip=mask)[0]
     assert torch.allclose(got, mine[0].forward(ids[0][12:13], 12, mask=mask).logits, atol=TOL)
-    got = runner(ids[0][12:15], torch.arange(12, 15), torch.zeros(3, dtype=torch.long))
+    got = runner(ids[0][12:15], torch.arange(12, 15), torch.zeros(3, dtype=torch.long))[0]
     assert torch.allclose(got, mine[0].forward(ids[0][12:15], 12).logits, atol=TOL)
     # a packed pass: one row of sequence 1 and two of sequence 0, interleaved
-    got = runner(torch.stack((ids[0][15], ids[1][9], ids[0][16])), _long(15, 9, 16), _long(0, 1, 0))
+    got = runner(torch.stack((ids[0][15], ids[1][9], ids[0][16])), _long(15, 9, 16), _long(0, 1, 0))[0]
     want0 = mine[0].forward(ids[0][15:17], 15).logits
     want1 = mine[1].forward(ids[1][9:10], 9).logits
     assert torch.allclose(got, torch.stack((want0[0], want1[0], want0[1])), atol=TOL)
@@ -78,7 +80,7 @@ def test_the_step_compiles_whole_and_runs_again_on_new_inputs(arch):
                 want = step(s, k, v, cache.tables, ids, pos, slots, skip)
                 with torch.compiler.set_stance("fail_on_recompile" if n else "default"):
                     got = compiled(s, cache.k, cache.v, cache.tables, ids, pos, slots, skip)
-            assert torch.allclose(got, want, atol=1e-5), (arch, skip, n)
+            assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want)), (arch, skip, n)
             for a, b in zip(cache.k + cache.v, k + v):
                 assert torch.allclose(a, b, atol=1e-5)
 
@@ -108,12 +110,19 @@ def test_without_cuda_the_runner_runs_eagerly_and_says_so(caplog):
     assert runner.captures == []
 
 
-def test_rows_exact_compares_each_row_count_with_one_row_steps():
-    s = from_hf(tiny("llama"))
-    runner = StepRunner(s, StaticCache(s, slots=1, length=64), graphs=False)
-    runner(_ids(8, 8), torch.arange(8), torch.zeros(8, dtype=torch.long))
-    found = rows_exact(runner, _ids(6, 9), slot=0, start=8)
-    assert sorted(found) == [2, 3, 4, 5, 6] and all(isinstance(x, bool) for x in found.values())
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_static_decoder_runs_the_decoding_loop_as_the_lean_decoder_does(arch):
+    """Plain decoding, an n-gram drafter and a skip-mask drafter on ``StaticDecoder`` give HF's greedy tokens;
+    its exactness is probed on its own step."""
+    dec = StaticDecoder(Decoder(from_hf(tiny(arch))), length=512, graphs=False)
+    assert dec.exactness.step == "static" and isinstance(dec.exactness.exact, bool)
+    config = GenerationConfig(max_new_tokens=24)
+    for i in (0, 1):
+        for drafter in (None, NGram(max_len=4), LayerSkip(SkipMask.from_layers(4, **MASK), max_len=3)):
+            new, stats = generate(dec, prompt_ids(arch, i), drafter, config)
+            assert tuple(new) == hf_greedy(arch, i, 24), (arch, i, drafter)
+    with pytest.raises(ValueError, match="int8"):
+        dec.int8_stack()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -130,5 +139,18 @@ def test_graphed_steps_replay_what_the_eager_step_computes(arch):
     for t in range(10, 16):
         for skip in (mask, None):
             args = (ids[t : t + 1], torch.tensor([t], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda"))
-            assert torch.equal(graphed(*args, skip=skip), eager(*args, skip=skip))
+            assert all(torch.equal(a, b) for a, b in zip(graphed(*args, skip=skip), eager(*args, skip=skip)))
     assert {(c.skip, c.rows) for c in graphed.captures} == {(None, 1), (mask, 1)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_graphed_static_decoder_drafts_to_its_own_plain_tokens():
+    dec = StaticDecoder(Decoder(from_hf(tiny("llama", dtype=torch.bfloat16).to("cuda"))), length=512)
+    assert dec.exactness.step == "static_graphed"
+    config = GenerationConfig(max_new_tokens=24)
+    for i in (0, 1):
+        own, _ = generate(dec, prompt_ids("llama", i), None, config)
+        if dec.exactness.exact:
+            for drafter in (NGram(max_len=4), LayerSkip(SkipMask.from_layers(4, **MASK), max_len=3)):
+                assert generate(dec, prompt_ids("llama", i), drafter, config)[0] == own
+    assert {c.rows for c in dec.runner.captures} >= {1, 4}

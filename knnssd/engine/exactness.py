@@ -350,10 +350,10 @@ def remember(record: Path, result: Exactness, candidates: tuple[Attention, ...] 
 
 
 def probe_fixed(dec, step: str, max_t: int = MAX_T) -> "Exactness":
-    """Measure a decoder whose step cannot be changed (the HF fallback)."""
+    """Measure a decoder whose step cannot be changed (the HF fallback, the static step)."""
     equal, total = _probe_rows(dec, max_t)
     exact = equal == total
-    p = next(dec.model.parameters())
+    p = dec.stack.embed if hasattr(dec, "stack") else next(dec.model.parameters())
     dtype = _dtype_name(p.dtype)
     note = "" if exact else (f"the {step} step gives {equal}/{total} rows bitwise equal to one-token steps, so "
                              "speculative output may differ from plain decoding where two tokens nearly tie")

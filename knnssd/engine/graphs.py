@@ -6,11 +6,12 @@ shared by all of them, and replayed for every later call with the same key, what
 capture that fails leaves its key eager, with a log line. Captures are recorded (``captures``) with
 their time and the memory they took.
 
-Whether a graphed T-row pass is exact (its rows bitwise equal to T one-row steps, the property a
-greedy verify pass needs) depends on the device's kernels; ``rows_exact`` measures it, and a caller
-verifies on graphs only at the row counts it found exact.
+``StaticDecoder`` runs one sequence on it with ``decoder.Decoder``'s interface, so the decoding loop and
+the drafters run unchanged. Whether its graphed T-row pass is exact (its rows bitwise equal to T
+one-row steps, the property a greedy verify pass needs) depends on the device's kernels: the load-time
+probe (``exactness.probe_fixed``) measures it on the graphed step itself.
 
-Terms: n rows of a call, R its bucket, V vocabulary.
+Terms: n rows of a call, R its bucket, V vocabulary, E hidden size.
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from typing import NamedTuple
 
 import torch
 
-from knnssd.engine.skip import SkipMask
+from knnssd.engine import exactness
+from knnssd.engine.cache import CacheFull
+from knnssd.engine.decoder import Decoder, Output
+from knnssd.engine.skip import MaskError, SkipMask
 from knnssd.engine.stack import Stack
 from knnssd.engine.static_step import StaticCache, plain, rows_bucket, step
 
@@ -41,13 +45,14 @@ class Capture(NamedTuple):
 
 class _Graph(NamedTuple):
     graph: "torch.cuda.CUDAGraph"
-    out: torch.Tensor  # (R, V) logits, overwritten by every replay
+    logits: torch.Tensor  # (R, V), overwritten by every replay
+    hidden: torch.Tensor  # (R, E)
 
 
 class StepRunner:
-    """``runner(ids, pos, slots, skip)`` -> logits (n, V) of n rows (``static_step.step``), on CUDA graphs when
-    ``graphs`` and the device is CUDA, else eagerly. The logits are a view of a buffer the next call of
-    the same key overwrites."""
+    """``runner(ids, pos, slots, skip)`` -> logits (n, V) and hidden states (n, E) of n rows
+    (``static_step.step``), on CUDA graphs when ``graphs`` and the device is CUDA, else eagerly. They are views
+    of buffers that the next call of the same key overwrites."""
 
     def __init__(self, s: Stack, cache: StaticCache, graphs: bool = True):
         self.stack, self.cache = plain(s), cache
@@ -61,7 +66,7 @@ class StepRunner:
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None
-                 ) -> torch.Tensor:
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, pos, slots: (n,) long on the cache's device."""
         n = ids.shape[0]
         R = rows_bucket(n)
@@ -80,8 +85,9 @@ class StepRunner:
             g = self._graphs[key]
             if g is not None:
                 g.graph.replay()
-                return g.out[:n]
-        return self._eager(skip, R)[:n]
+                return g.logits[:n], g.hidden[:n]
+        logits, hidden = self._eager(skip, R)
+        return logits[:n], hidden[:n]
 
     def _buffers(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if R not in self._inputs:
@@ -89,7 +95,7 @@ class StepRunner:
             self._inputs[R] = (z(), z(), z())
         return self._inputs[R]
 
-    def _eager(self, skip: SkipMask | None, R: int) -> torch.Tensor:
+    def _eager(self, skip: SkipMask | None, R: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cache
         return step(self.stack, c.k, c.v, c.tables, *self._inputs[R], skip)
 
@@ -110,7 +116,7 @@ class StepRunner:
             t0 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._eager(skip, R)
+                logits, hidden = self._eager(skip, R)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
         except Exception as e:  # any failure leaves this key eager, never silently
@@ -120,21 +126,44 @@ class StepRunner:
         grown = torch.cuda.memory_reserved() - before
         self.captures.append(Capture(skip, R, seconds, grown))
         log.info("captured the %s step for %d rows in %.2f s (%.1f MiB)", kind, R, seconds, grown / 2**20)
-        return _Graph(graph, out)
+        return _Graph(graph, logits, hidden)
 
 
-@torch.inference_mode()
-def rows_exact(runner: StepRunner, ids: torch.Tensor, slot: int, start: int) -> dict[int, bool]:
-    """For T = 2..len(ids): are the rows of one T-row pass over ``ids`` (T,) at positions start.. of ``slot``
-    bitwise equal to T one-row steps at the same positions? The slot's positions from ``start`` on are
-    overwritten."""
-    device = runner.stack.device
-    T = ids.shape[0]
-    pos = torch.arange(start, start + T, device=device)
-    slots = torch.full((T,), slot, dtype=torch.long, device=device)
-    single = torch.cat([runner(ids[t : t + 1], pos[t : t + 1], slots[:1]).clone() for t in range(T)])
-    out = {}
-    for t in range(2, T + 1):
-        rows = runner(ids[:t], pos[:t], slots[:t])
-        out[t] = bool(torch.equal(rows, single[:t]))
-    return out
+class StaticDecoder:
+    """One sequence on the static step: ``decoder.Decoder``'s interface for the decoding loop (``decode.py``)
+    and the drafters (``forward``, ``reserve``, ``rollback``), over slot 0 of a ``StaticCache`` of ``length``
+    positions, on a ``StepRunner``. A skip mask's draft step is a graph of its own; int8 draft weights,
+    tapped or influence outputs are not offered (they raise). ``exactness`` is measured on this step
+    (``exactness.probe_fixed``), since its rows are not the eager decoder's."""
+
+    can_skip = True
+
+    def __init__(self, dec: Decoder, length: int, graphs: bool = True):
+        self.stack, self.attention, self.device, self.n_layers = dec.stack, dec.attention, dec.device, dec.n_layers
+        self.cache = StaticCache(plain(dec.stack), slots=1, length=length)
+        self.runner = StepRunner(dec.stack, self.cache, graphs)
+        self.length = length
+        self._pos = torch.arange(length, device=self.device)
+        self._slots = torch.zeros(length, dtype=torch.long, device=self.device)
+        self.exactness = None
+        self.exactness = exactness.probe_fixed(self, "static_graphed" if self.runner.graphs else "static")
+
+    def int8_stack(self) -> Stack:
+        raise MaskError("the static step runs full-precision weights: no int8 drafts")
+
+    def reserve(self, n: int) -> None:
+        if n > self.length:
+            raise CacheFull(f"{n} positions do not fit the static cache's {self.length}")
+
+    def rollback(self, length: int) -> None:
+        """Nothing to do: later positions are masked and overwritten."""
+
+    def forward(self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack: Stack | None = None,
+                last: bool = False, tap: int | None = None, influence: bool = False) -> Output:
+        if stack is not None and stack is not self.stack or tap is not None or influence:
+            raise MaskError("the static step runs the model's own weights and returns no tapped or influence outputs")
+        T = ids.shape[0]
+        self.reserve(start + T)
+        logits, hidden = self.runner(ids, self._pos[start : start + T], self._slots[:T], mask)
+        logits = logits[-1:] if last else logits
+        return Output(logits.clone(), hidden.clone())  # the runner's buffers are overwritten by its next call

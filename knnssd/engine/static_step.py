@@ -96,8 +96,10 @@ class StaticCache:
 
 
 def step(s: Stack, k: list[torch.Tensor], v: list[torch.Tensor], tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
-         ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None) -> torch.Tensor:
-    """Logits (R, V) float32 of R rows; writes their K/V into ``k``, ``v`` (for the layers whose attention runs).
+         ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (R, V) float32 and final-normed hidden states (R, E) of R rows; writes their K/V into ``k``, ``v``
+    (for the layers whose attention runs).
 
     s: a ``plain`` stack. k[i], v[i]: (S, KV, L, D), layer i's cache. tables[key]: (cos (L, 1, d), signed sin
     (L, 1, d)). ids, pos, slots: (R,) long. skip: sub-layers to skip (a draft step), or None (the full model).
@@ -115,7 +117,8 @@ def step(s: Stack, k: list[torch.Tensor], v: list[torch.Tensor], tables: dict[st
             h = h + _attn_out(layer, _attend(s, layer, i, h, k, v, rope[layer.rope], masks[layer.window], pos, slots))
         if skip is None or not skip.mlp[i]:
             h = h + _mlp(layer, h)
-    return _logits(s, s.norm(h)[0])
+    hidden = s.norm(h)[0]
+    return _logits(s, hidden), hidden
 
 
 def _attend(s: Stack, layer: Layer, i: int, h: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], rope,
