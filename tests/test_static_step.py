@@ -154,3 +154,12 @@ def test_the_graphed_static_decoder_drafts_to_its_own_plain_tokens():
             for drafter in (NGram(max_len=4), LayerSkip(SkipMask.from_layers(4, **MASK), max_len=3)):
                 assert generate(dec, prompt_ids("llama", i), drafter, config)[0] == own
     assert {c.rows for c in dec.runner.captures} >= {1, 4}
+
+
+def test_a_long_prefill_runs_in_chunks_of_the_largest_captured_bucket():
+    s = from_hf(tiny("llama"))
+    dec, lean = StaticDecoder(Decoder(s), length=512, graphs=False), Decoder(from_hf(tiny("llama")))
+    ids = _ids(150, 11)  # three chunks: 64, 64 and 22 rows
+    got, want = dec.forward(ids, 0), lean.forward(ids, 0)
+    assert torch.allclose(got.logits, want.logits, atol=TOL) and torch.allclose(got.hidden, want.hidden, atol=TOL)
+    assert torch.allclose(dec.forward(ids[:100], 0, last=True).logits, want.logits[99:100], atol=TOL)

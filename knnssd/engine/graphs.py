@@ -164,6 +164,13 @@ class StaticDecoder:
             raise MaskError("the static step runs the model's own weights and returns no tapped or influence outputs")
         T = ids.shape[0]
         self.reserve(start + T)
-        logits, hidden = self.runner(ids, self._pos[start : start + T], self._slots[:T], mask)
-        logits = logits[-1:] if last else logits
-        return Output(logits.clone(), hidden.clone())  # the runner's buffers are overwritten by its next call
+        parts = []  # a long prefill runs in chunks of the largest captured bucket, each over the K/V of the last
+        for lo in range(0, T, CAPTURE_ROWS):
+            hi = min(T, lo + CAPTURE_ROWS)
+            logits, hidden = self.runner(ids[lo:hi], self._pos[start + lo : start + hi], self._slots[: hi - lo], mask)
+            if last and hi < T:
+                continue
+            parts.append((logits[-1:] if last else logits, hidden))
+        if len(parts) == 1:  # the runner's buffers are overwritten by its next call
+            return Output(parts[0][0].clone(), parts[0][1].clone())
+        return Output(torch.cat([x for x, _ in parts]), torch.cat([h for _, h in parts]))
