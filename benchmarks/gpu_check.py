@@ -1,0 +1,342 @@
+"""The prepared GPU check (issue 44): the static step, eager and on CUDA graphs, in one short run.
+
+    python benchmarks/gpu_check.py --out "$OUT" [--weights artifacts/gpu]
+
+It needs torch and transformers only, as a GPU machine's own Python has them (``gpu_pack.py`` packs the real
+weights for it), and writes ``gpu_check.json`` and ``gpu_check.md`` to ``--out``:
+
+- the exactness probe's choice for the eager engine and for the graphed static step;
+- SmolLM2-135M in bf16, one prompt at a time: own plain decoding eager (``decoder.Decoder``) and graphed
+  (``graphs.StaticDecoder``), each drafter graphed (n-gram, layer-skip at 25% and 50% of the sub-layers,
+  hybrid), HF ``generate``, and each drafter's agreement with graphed plain decoding;
+- packed plain decoding on the static step at 1, 16 and 64 sequences, eager and graphed;
+- a random-weight Llama-2-7B-shaped model: its graphed one-row step against the bandwidth floor of its
+  weights, and its 25% and 50% skip draft steps.
+
+Without ``--weights`` SmolLM2's shape gets random weights: the speeds hold, the drafters' acceptance does not.
+``--smoke`` runs tiny shapes on any device, to check the script itself (a test runs it on the CPU).
+docs/gpu.md says how to carry the weights and the prompts to a GPU machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, where knnssd is not installed
+
+from knnssd.engine.decode import GenerationConfig, generate  # noqa: E402
+from knnssd.engine.decoder import Decoder, make_decoder  # noqa: E402
+from knnssd.engine.drafters import Hybrid, LayerSkip, NGram  # noqa: E402
+from knnssd.engine.graphs import StaticDecoder, StepRunner  # noqa: E402
+from knnssd.engine.skip import SkipMask  # noqa: E402
+from knnssd.engine.stack import Stack, from_hf  # noqa: E402
+from knnssd.engine.static_step import StaticCache  # noqa: E402
+from knnssd.engine.timing import median_ms, sync  # noqa: E402
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+               rms_norm_eps=1e-5)
+LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, max_position_embeddings=4096, tie_word_embeddings=False)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+def llama(shape: dict, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """A random-weight Llama of ``shape``, built in bf16 on ``device``."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(**shape, initializer_range=0.05))
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval().requires_grad_(False)
+
+
+def dequantize(b: dict) -> torch.Tensor:
+    """The fp32 weights of one packed tensor (``gpu_pack.py``): ``gguf``'s de-quantization in torch, the same
+    operations in the same order (Q4_1: d q + m, Q8_0: q d, per block of 32)."""
+    data, shape = b["data"], tuple(b["shape"])
+    if b["type"] == "F32":
+        return data.contiguous().view(torch.float32).reshape(shape)
+    width = 34 if b["type"] == "Q8_0" else 20  # bytes a block: fp16 d (and m), then 32 int8 or 32 nibbles
+    blk = data.reshape(-1, width)
+    d = blk[:, :2].contiguous().view(torch.float16).float()  # (blocks, 1)
+    if b["type"] == "Q8_0":
+        return (blk[:, 2:].contiguous().view(torch.int8).float() * d).reshape(shape)
+    m = blk[:, 2:4].contiguous().view(torch.float16).float()
+    qs = blk[:, 4:]
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=1).float()  # the low nibbles are a block's first 16 values
+    return (d * q + m).reshape(shape)
+
+
+def load_packed(folder: Path, device: torch.device):
+    """SmolLM2 and its tokenizer from ``gpu_pack.py``'s folder (its ``a/`` and ``b/`` parts), in bf16."""
+    import transformers as tf
+
+    first = folder / "a"
+    config = tf.AutoConfig.from_pretrained(first)
+    tok = tf.AutoTokenizer.from_pretrained(first)
+    blocks = {}
+    for part in sorted(folder.glob("*/blocks-*.pt")):
+        blocks.update(torch.load(part, weights_only=True))
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    model.to_empty(device="cpu").to(torch.bfloat16)
+    state = {name: dequantize(b) for name, b in blocks.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [n for n in missing if not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise SystemExit(f"{folder}: the packed weights do not fit the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    model.tie_weights()
+    return model.to(device).eval().requires_grad_(False), tok
+
+
+def smollm2(a, device: torch.device):
+    """SmolLM2 from ``--weights`` (``gpu_pack.py``'s folder) and its tokenizer, else its shape with random
+    weights (no tokenizer)."""
+    if a.weights is None:
+        return llama(TINY if a.smoke else SMOLLM2, device), None, "random weights, SmolLM2's shape"
+    model, tok = load_packed(Path(a.weights), device)
+    return model, tok, "SmolLM2-135M-Instruct's Q4_1 GGUF, de-quantized to bf16 as knnssd loads it"
+
+
+def prompt_ids(a, tok, vocab: int) -> list[list[int]]:
+    """Eval rows of ``--prompts`` (jsonl with ``prompt``; rows marked calib are skipped) in the chat template,
+    or random ids whose second half repeats the first (so n-gram lookup finds matches)."""
+    path = a.prompts or (Path(a.weights) / "a" / "prompts.jsonl" if a.weights else None)
+    if tok is not None and path:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r.get("split") != "calib"][: a.n_prompts]
+        return [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False) for r in rows]
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(a.n_prompts):
+        half = torch.randint(2, vocab, (a.prompt_len // 2,), generator=g).tolist()
+        out.append(half + half)
+    return out
+
+
+def decode_rows(dec, prompts: list[list[int]], drafter_of, config: GenerationConfig) -> tuple[float, list[list[int]], float]:
+    """(decode tokens/s over the prompts after a warm-up, each prompt's tokens, mean accepted length)."""
+    generate(dec, prompts[0], drafter_of(), GenerationConfig(max_new_tokens=8))  # warm-up: captures, kernels
+    tokens, new, secs, acc, steps = [], 0, 0.0, 0, 0
+    for ids in prompts:
+        out, stats = generate(dec, ids, drafter_of(), config)
+        tokens.append(out)
+        new += stats.new_tokens
+        secs += stats.total_s - stats.prefill_s
+        acc += sum(stats.accepted)
+        steps += stats.steps
+    return new / secs, tokens, (acc + steps) / max(steps, 1)
+
+
+def influence_masks(dec: Decoder, fractions: tuple[float, ...]) -> dict[float, SkipMask]:
+    """For each fraction, the mask that skips that share of sub-layers with the smallest updates relative to
+    the residual stream (``Decoder.forward(influence=True)``, as the search's first masks are chosen)."""
+    ids = torch.arange(2, 66, device=dec.device)
+    dec.reserve(64)
+    sizes = dec.forward(ids, 0, influence=True).influence  # (2, L)
+    order = sorted(((float(sizes[k, i]), k, i) for k in (0, 1) for i in range(dec.n_layers)))
+    out = {}
+    for f in fractions:
+        skip = order[: round(f * 2 * dec.n_layers)]
+        out[f] = SkipMask.from_layers(dec.n_layers, attn=[i for _, k, i in skip if k == 0],
+                                      mlp=[i for _, k, i in skip if k == 1])
+    return out
+
+
+def engine_section(a, device: torch.device) -> tuple[dict, "Stack"]:
+    model, tok, weights = smollm2(a, device)
+    vocab = model.config.vocab_size
+    prompts = prompt_ids(a, tok, vocab)
+    config = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_ids=())  # every prompt decodes the same length
+    eager = make_decoder(model)
+    masks = influence_masks(eager, (0.25, 0.5))
+    t0 = time.perf_counter()
+    static = StaticDecoder(eager, length=a.length)
+    setup_s = time.perf_counter() - t0
+    rows, base = {}, None
+    eager_tps, eager_tokens, _ = decode_rows(eager, prompts, lambda: None, config)
+    rows["plain, eager engine"] = dict(tok_s=eager_tps, mean_accepted=1.0)
+    drafters = {
+        "plain, graphed": lambda: None,
+        "n-gram, graphed": lambda: NGram(max_len=8),
+        "layer-skip 25%, graphed": lambda: LayerSkip(masks[0.25], max_len=4),
+        "layer-skip 50%, graphed": lambda: LayerSkip(masks[0.5], max_len=4),
+        "hybrid (n-gram, 25%), graphed": lambda: Hybrid(NGram(max_len=8), LayerSkip(masks[0.25], max_len=4)),
+    }
+    for name, make in drafters.items():
+        tps, tokens, mean_acc = decode_rows(static, prompts, make, config)
+        if base is None:
+            base = (tps, tokens)
+        rows[name] = dict(tok_s=tps, mean_accepted=mean_acc, vs_graphed_plain=tps / base[0],
+                          agreement=sum(x == y for x, y in zip(tokens, base[1])) / len(prompts))
+    rows["plain, graphed"]["equal_to_eager_engine"] = sum(x == y for x, y in zip(base[1], eager_tokens)) / len(prompts)
+    t0 = time.perf_counter()
+    n = 0
+    for ids in prompts:
+        x = torch.tensor([ids], device=device)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=a.max_new_tokens, do_sample=False,
+                             min_new_tokens=a.max_new_tokens)
+        n += out.shape[1] - x.shape[1]
+    sync(device)
+    rows["HF generate (prefill included)"] = dict(tok_s=n / (time.perf_counter() - t0))
+    return dict(weights=weights, prompts=len(prompts), max_new_tokens=a.max_new_tokens,
+                probe_eager=eager.exactness.describe(), probe_graphed=static.exactness.describe(),
+                graphed_exact=static.exactness.exact, static_setup_s=setup_s,
+                captures=[dict(mask=c.skip.n_skipped if c.skip else 0, rows=c.rows, seconds=c.seconds, mib=c.bytes / 2**20)
+                          for c in static.runner.captures],
+                masks={str(f): m.to_dict() for f, m in masks.items()}, rows=rows), eager.stack
+
+
+def throughput_section(a, stack, device: torch.device) -> dict:
+    """Packed plain decoding on the static step: B sequences, one row each a step, greedy on the device."""
+    out = {}
+    steps = 8 if a.smoke else 64
+    for B in a.sizes:
+        for graphs in (False, True):
+            cache = StaticCache(stack, slots=B, length=a.prompt_len + steps + 16)
+            runner = StepRunner(stack, cache, graphs=graphs)
+            slots = torch.arange(B, device=device)
+            ids = torch.randint(2, stack.embed.shape[0], (B,), device=device)
+            for b in range(B):  # a prompt each
+                p = torch.randint(2, stack.embed.shape[0], (a.prompt_len,), device=device)
+                runner(p, torch.arange(a.prompt_len, device=device), slots[b : b + 1].expand(a.prompt_len))
+            pos = torch.full((B,), a.prompt_len, device=device)
+
+            def run(n: int) -> None:
+                nonlocal ids
+                for _ in range(n):
+                    logits, _ = runner(ids, pos, slots)
+                    ids = logits.argmax(-1)
+                    pos.add_(1)
+
+            run(2)  # capture
+            pos.fill_(a.prompt_len)
+            sync(device)
+            t0 = time.perf_counter()
+            run(steps)
+            sync(device)
+            out[f"{B} {'graphed' if graphs else 'eager'}"] = dict(tok_s=B * steps / (time.perf_counter() - t0))
+    return out
+
+
+def read_bandwidth(device: torch.device, mib: int) -> float:
+    """Bytes per second of a sum over ``mib`` MiB of bf16 (best of 10), the bound of reading weights once."""
+    x = torch.ones(mib * 2**20 // 2, dtype=torch.bfloat16, device=device)
+    best = min(median_ms(lambda: x.sum(), device, repeats=1, warmup=1) for _ in range(10))
+    return x.nbytes / (best / 1e3)
+
+
+def big_section(a, device: torch.device) -> dict:
+    model = llama(TINY if a.smoke else LLAMA2_7B, device)
+    s = from_hf(model)
+    weight_bytes = sum(t.numel() * t.element_size() for layer in s.layers
+                       for t in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight))
+    weight_bytes += s.lm_head.weight.numel() * s.lm_head.weight.element_size()
+    del model
+    cache = StaticCache(s, slots=1, length=256)  # a short cache: the floor counts weights, and keys add little
+    runner = StepRunner(s, cache, graphs=device.type == "cuda")
+    ids = torch.randint(2, s.embed.shape[0], (128,), device=device)
+    runner(ids, torch.arange(128, device=device), torch.zeros(128, dtype=torch.long, device=device))
+    one = (ids[:1], torch.tensor([128], device=device), torch.zeros(1, dtype=torch.long, device=device))
+    L = s.n_layers
+    masks = {"25%": SkipMask.from_layers(L, attn=range(1, L, 4), mlp=range(3, L, 4)),
+             "50%": SkipMask.from_layers(L, attn=range(1, L, 2), mlp=range(0, L, 2))}
+    full_ms = median_ms(lambda: runner(*one), device, repeats=20, warmup=3)
+    bandwidth = read_bandwidth(device, 64 if a.smoke else 2048)
+    floor_ms = weight_bytes / bandwidth * 1e3
+    drafts = {name: median_ms(lambda m=m: runner(*one, skip=m), device, repeats=20, warmup=3) / full_ms
+              for name, m in masks.items()}
+    return dict(shape="tiny" if a.smoke else "Llama-2-7B", weight_gib=weight_bytes / 2**30,
+                read_gb_s=bandwidth / 1e9, step_ms=full_ms, floor_ms=floor_ms, step_over_floor=full_ms / floor_ms,
+                graphed=runner.graphs, draft_cost_vs_full=drafts)
+
+
+def markdown(r: dict) -> str:
+    e, t, b = r["engine"], r["throughput"], r["big"]
+    lines = [f"# GPU check, {r['when']}", "", f"{r['device']}; torch {r['torch']}, transformers {r['transformers']}; "
+             f"code {r['commit']}.", "", f"- Probe, eager engine: {e['probe_eager']}",
+             f"- Probe, graphed static step: {e['probe_graphed']}", f"- SmolLM2: {e['weights']}; {e['prompts']} prompts x "
+             f"{e['max_new_tokens']} tokens. Graphed plain decoding's tokens equal the eager engine's in "
+             f"{e['rows']['plain, graphed']['equal_to_eager_engine']:.0%} of the prompts; agreement is with graphed "
+             "plain decoding.", "", "| decoding | tok/s | x graphed plain | mean accepted | agreement |",
+             "|---|---:|---:|---:|---:|"]
+    for name, row in e["rows"].items():
+        cells = [f"{row['tok_s']:.1f}", f"{row['vs_graphed_plain']:.2f}" if "vs_graphed_plain" in row else "-",
+                 f"{row['mean_accepted']:.2f}" if "mean_accepted" in row else "-",
+                 f"{row['agreement']:.2f}" if "agreement" in row else "-"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| packed plain decoding (sequences, form) | tok/s |", "|---|---:|"]
+    lines += [f"| {k} | {v['tok_s']:.1f} |" for k, v in t.items()]
+    lines += ["", f"- {b['shape']}-shaped, random weights ({b['weight_gib']:.2f} GiB): one-row step {b['step_ms']:.3f} ms "
+              f"{'graphed' if b['graphed'] else 'eager'}, floor {b['floor_ms']:.3f} ms at {b['read_gb_s']:.0f} GB/s read: "
+              f"{b['step_over_floor']:.2f}x the floor.",
+              "- Draft steps against the full step: " + ", ".join(f"{k} skipped {v:.2f}" for k, v in
+                                                                  b["draft_cost_vs_full"].items()) + ".",
+              f"- Captures: {len(e['captures'])}, {sum(c['seconds'] for c in e['captures']):.2f} s, "
+              f"{sum(c['mib'] for c in e['captures']):.1f} MiB.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
+    ap.add_argument("--weights", help="gpu_pack.py's folder (SmolLM2's weights, tokenizer and prompts); without it, "
+                    "random weights of SmolLM2's shape")
+    ap.add_argument("--prompts", help="a jsonl of prompts (field 'prompt'; rows with split 'calib' are skipped); "
+                    "default: the one in --weights")
+    ap.add_argument("--n-prompts", type=int, default=5, help="prompts (the packed ones: one per domain)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128, help="length of random prompts")
+    ap.add_argument("--length", type=int, default=2048, help="positions of the static cache")
+    ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the script, not the GPU")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.n_prompts, a.max_new_tokens, a.prompt_len, a.length, a.sizes = 2, 12, 24, 512, [1, 4]
+    device = torch.device(a.device)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    t0 = time.perf_counter()
+    engine, stack = engine_section(a, device)
+    report = dict(when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), host=platform.node(),
+                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                  torch=torch.__version__, transformers=transformers.__version__, commit=_commit(), smoke=a.smoke,
+                  engine=engine, throughput=throughput_section(a, stack, device), big=big_section(a, device))
+    report["seconds"] = time.perf_counter() - t0
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    (out / "gpu_check.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+def _commit() -> str:
+    head = Path(__file__).resolve().parents[1] / ".git" / "HEAD"
+    try:
+        ref = head.read_text().strip()
+        if ref.startswith("ref: "):
+            ref = (head.parent / ref[5:]).read_text().strip()
+        return ref[:7]
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()

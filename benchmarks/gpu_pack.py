@@ -1,0 +1,124 @@
+"""Pack SmolLM2 for the GPU check: its GGUF blocks as they are, in parts that each fit one device call.
+
+    .venv/bin/python benchmarks/gpu_pack.py [--out artifacts/gpu] [--data ../shared/data] [--prompts 8]
+
+A device call carries at most 64 MiB, and the GGUF holds 92 MiB of blocks (Q4_1 projections, a Q8_0
+embedding, fp32 norms), which the GPU machine's Python could not read anyway (it has no ``gguf`` package).
+So this writes, under ``--out``:
+
+    a/  config.json, the tokenizer, prompts.jsonl (eval rows, round robin over the domains), blocks-0.pt
+    b/  blocks-1.pt
+
+Each ``blocks-N.pt`` maps HF parameter names to the file's raw blocks (uint8) with their type, the query and
+key rows already in HF's order. ``gpu_check.load_packed`` de-quantizes them in torch, as ``gguf`` does (d q + m
+in fp32); this script checks that the result equals the converted model knnssd loads, bitwise, before it
+writes anything. docs/gpu.md gives the two calls that carry ``a/`` and ``b/``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_check import dequantize  # noqa: E402
+
+GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+DOMAINS = ("reasoning", "storytelling", "summarization", "text_to_sql", "translation")
+PART_MIB = 52  # a call also carries the working tree (about 2 MiB); leave room
+
+
+def hf_name(name: str) -> str:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    _, layer, kind, _ = name.split(".")
+    return f"model.layers.{layer}.{GGUF_NAMES[kind]}.weight"
+
+
+def unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """GGUF's query/key rows (llama.cpp interleaves each head's rotary halves) in HF's order, as transformers
+    reorders the de-quantized rows; whole rows move, so the blocks of each row stay as they are."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, -1).swapaxes(1, 2).reshape(n, -1)
+
+
+def read_blocks(path: Path, config: dict) -> dict[str, dict]:
+    import gguf
+
+    out = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        kind = t.tensor_type.name
+        if kind not in ("Q4_1", "Q8_0", "F32"):
+            raise SystemExit(f"{t.name} is {kind}: gpu_check de-quantizes Q4_1, Q8_0 and F32 only")
+        shape = tuple(int(x) for x in reversed(t.shape))  # (rows, columns)
+        data = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(shape[0], -1)
+        name = hf_name(t.name)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+            data = unpermute_rows(data, heads)
+        out[name] = dict(type=kind, shape=shape, data=data.contiguous())
+    return out
+
+
+def eval_prompts(data: Path, n: int) -> list[dict]:
+    rows = {d: [r for r in map(json.loads, (data / f"{d}.jsonl").read_text().splitlines()) if r["split"] == "eval"]
+            for d in DOMAINS}
+    return [dict(id=rows[d][i // len(DOMAINS)]["id"], split="eval", prompt=rows[d][i // len(DOMAINS)]["prompt"])
+            for i, d in ((i, DOMAINS[i % len(DOMAINS)]) for i in range(n))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="artifacts/gpu")
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--prompts", type=int, default=8)
+    a = ap.parse_args()
+    from safetensors.torch import load_file
+
+    from knnssd import models
+
+    _, folder = models._source("smollm2")
+    config = json.loads((folder / "config.json").read_text())
+    blocks = read_blocks(models.embedded_gguf("smollm2"), config)
+    want = load_file(folder / "model.safetensors")
+    for name, w in want.items():
+        if name not in blocks:
+            raise SystemExit(f"{name} is not in the GGUF")
+        if not torch.equal(dequantize(blocks[name]), w):
+            raise SystemExit(f"{name}: de-quantized blocks differ from the converted model")
+    print(f"{len(blocks)} tensors de-quantize to the converted model's weights, bitwise")
+    out = Path(a.out)
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "a").mkdir(parents=True)
+    (out / "b").mkdir()
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (folder / f).exists():
+            shutil.copy(folder / f, out / "a" / f)
+    (out / "a" / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in eval_prompts(Path(a.data), a.prompts)))
+    parts, size = [{}, {}], 0
+    budget = PART_MIB * 2**20 - sum(p.stat().st_size for p in (out / "a").iterdir())
+    for name, b in blocks.items():
+        size += b["data"].numel()
+        parts[0 if size <= budget else 1][name] = b
+    for i, part in enumerate(parts):
+        torch.save(part, out / "ab"[i] / f"blocks-{i}.pt")
+    for d in ("a", "b"):
+        mib = sum(p.stat().st_size for p in (out / d).iterdir()) / 2**20
+        print(f"{out / d}: {mib:.1f} MiB")
+        if mib > PART_MIB:
+            raise SystemExit(f"{out / d} does not fit one device call")
+
+
+if __name__ == "__main__":
+    main()
