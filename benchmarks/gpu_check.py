@@ -1,6 +1,6 @@
 """The prepared GPU check (issue 44): the static step, eager and on CUDA graphs, in one short run.
 
-    python benchmarks/gpu_check.py --out "$OUT" [--weights artifacts/gpu]
+    python3 benchmarks/gpu_check.py --out "$OUT" [--weights artifacts/gpu]
 
 It needs torch and transformers only, as a GPU machine's own Python has them (``gpu_pack.py`` packs the real
 weights for it), and writes ``gpu_check.json`` and ``gpu_check.md`` to ``--out``:
@@ -196,7 +196,7 @@ def engine_section(a, device: torch.device) -> tuple[dict, "Stack"]:
     rows["HF generate (prefill included)"] = dict(tok_s=n / (time.perf_counter() - t0))
     return dict(weights=weights, prompts=len(prompts), max_new_tokens=a.max_new_tokens,
                 probe_eager=eager.exactness.describe(), probe_graphed=static.exactness.describe(),
-                graphed_exact=static.exactness.exact, static_setup_s=setup_s,
+                graphed_exact=static.exactness.exact, cuda_graphs=static.runner.graphs, static_setup_s=setup_s,
                 captures=[dict(mask=c.skip.n_skipped if c.skip else 0, rows=c.rows, seconds=c.seconds, mib=c.bytes / 2**20)
                           for c in static.runner.captures],
                 masks={str(f): m.to_dict() for f, m in masks.items()}, rows=rows), eager.stack
@@ -242,7 +242,7 @@ def read_bandwidth(device: torch.device, mib: int) -> float:
 
 
 def big_section(a, device: torch.device) -> dict:
-    model = llama(TINY if a.smoke else LLAMA2_7B, device)
+    model = llama(LLAMA2_7B if a.big == "7b" else TINY, device)
     s = from_hf(model)
     weight_bytes = sum(t.numel() * t.element_size() for layer in s.layers
                        for t in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight))
@@ -257,11 +257,11 @@ def big_section(a, device: torch.device) -> dict:
     masks = {"25%": SkipMask.from_layers(L, attn=range(1, L, 4), mlp=range(3, L, 4)),
              "50%": SkipMask.from_layers(L, attn=range(1, L, 2), mlp=range(0, L, 2))}
     full_ms = median_ms(lambda: runner(*one), device, repeats=20, warmup=3)
-    bandwidth = read_bandwidth(device, 64 if a.smoke else 2048)
+    bandwidth = read_bandwidth(device, 2048 if a.big == "7b" else 64)
     floor_ms = weight_bytes / bandwidth * 1e3
     drafts = {name: median_ms(lambda m=m: runner(*one, skip=m), device, repeats=20, warmup=3) / full_ms
               for name, m in masks.items()}
-    return dict(shape="tiny" if a.smoke else "Llama-2-7B", weight_gib=weight_bytes / 2**30,
+    return dict(shape="Llama-2-7B" if a.big == "7b" else "tiny", weight_gib=weight_bytes / 2**30,
                 read_gb_s=bandwidth / 1e9, step_ms=full_ms, floor_ms=floor_ms, step_over_floor=full_ms / floor_ms,
                 graphed=runner.graphs, draft_cost_vs_full=drafts)
 
@@ -270,7 +270,9 @@ def markdown(r: dict) -> str:
     e, t, b = r["engine"], r["throughput"], r["big"]
     lines = [f"# GPU check, {r['when']}", "", f"{r['device']}; torch {r['torch']}, transformers {r['transformers']}; "
              f"code {r['commit']}.", "", f"- Probe, eager engine: {e['probe_eager']}",
-             f"- Probe, graphed static step: {e['probe_graphed']}", f"- SmolLM2: {e['weights']}; {e['prompts']} prompts x "
+             f"- Probe, graphed static step: {e['probe_graphed']}",
+             f"- CUDA graphs: {'captured' if e['cuda_graphs'] else 'none (not CUDA): the graphed rows ran eagerly'}.",
+             f"- SmolLM2: {e['weights']}; {e['prompts']} prompt(s) x "
              f"{e['max_new_tokens']} tokens. Graphed plain decoding's tokens equal the eager engine's in "
              f"{e['rows']['plain, graphed']['equal_to_eager_engine']:.0%} of the prompts; agreement is with graphed "
              "plain decoding.", "", "| decoding | tok/s | x graphed plain | mean accepted | agreement |",
@@ -305,10 +307,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--length", type=int, default=2048, help="positions of the static cache")
     ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--big", choices=["7b", "tiny"], default="7b", help="the large shape: Llama-2-7B, or a tiny one "
+                    "(a CPU run: 7B random weights take 13.5 GB)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the script, not the GPU")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.n_prompts, a.max_new_tokens, a.prompt_len, a.length, a.sizes = 2, 12, 24, 512, [1, 4]
+        a.n_prompts, a.max_new_tokens, a.prompt_len, a.length, a.sizes, a.big = 2, 12, 24, 512, [1, 4], "tiny"
     device = torch.device(a.device)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
