@@ -275,8 +275,10 @@ class Run:
         return len(self.new) - before
 
     def finish(self) -> tuple[list[int], DecodeStats]:
-        """The new tokens and the stats (``new_tokens`` set)."""
+        """The new tokens and the stats (``new_tokens`` set); the drafter hears that the sequence ended."""
         self.stats.new_tokens = len(self.new)
+        if self.drafter is not None:
+            self.drafter.finish(self.seq)
         return self.new, self.stats
 
     def complete(self) -> tuple[list[int], DecodeStats]:

@@ -8,6 +8,8 @@ decoder with its KV cache); the full model then verifies them in one pass (``dec
     NGram      prompt lookup: continue the latest earlier occurrence of the last n tokens (prompt
                + generated text), trying the longest n first; costs no forward pass
     Hybrid     NGram when it finds a match, LayerSkip otherwise
+    Suffix     SuffixDecoding: the most frequent continuation of the longest earlier match, in the
+               sequence or in a cache of earlier outputs shared by a bank's sequences (``suffix.py``)
 
 ``DrafterConfig`` is the serialisable description (what the search tunes and banks store);
 ``build`` turns it into a drafter for a given decoder.
@@ -19,12 +21,12 @@ from typing import Protocol
 
 import torch
 
-from knnssd.engine import draft_policy
+from knnssd.engine import draft_policy, suffix
 from knnssd.engine.sampling import draw, probs
 from knnssd.engine.sequence import Sequence
 from knnssd.engine.skip import MaskError, SkipMask
 
-KINDS = ("none", "layer_skip", "ngram", "hybrid")
+KINDS = ("none", "layer_skip", "ngram", "hybrid", "suffix")
 SKIPPING = ("layer_skip", "hybrid")  # the kinds that run a skip mask (the others ignore one)
 
 
@@ -55,6 +57,8 @@ class Drafter(Protocol):
 
     def next_len(self, k: int, drafted: int, accepted: int) -> int: ...
 
+    def finish(self, seq: "Sequence") -> None: ...
+
 
 class _Feedback:
     """The draft-length feedback every drafter shares (``draft_policy.next_len``, as the search's simulator)."""
@@ -65,6 +69,9 @@ class _Feedback:
     def next_len(self, k: int, drafted: int, accepted: int) -> int:
         """The next draft length after a step that drafted ``drafted`` tokens and accepted ``accepted``."""
         return draft_policy.next_len(k, self.max_len, self.adaptive, drafted, accepted)
+
+    def finish(self, seq: "Sequence") -> None:
+        """The sequence has ended (a drafter that learns from finished outputs keeps them)."""
 
 
 class LayerSkip(_Feedback):
@@ -150,6 +157,29 @@ class NGram(_Feedback):
         return []
 
 
+class Suffix(_Feedback):
+    """SuffixDecoding's chain (``suffix.propose``) over an index of the sequence (its prompt and tokens so far,
+    extended as it grows) and ``cache``, the bank's earlier outputs, which ``finish`` adds the sequence's to."""
+
+    def __init__(self, max_len: int = 8, min_prob: float = 0.1, factor: float = 1.0,
+                 cache: suffix.SuffixCache | None = None):
+        self.max_len, self.min_prob, self.factor, self.cache = max_len, min_prob, factor, cache
+        self._seq_id: object = None
+        self._index = suffix.SuffixIndex()
+        self._done = 0
+
+    def propose(self, seq: "Sequence", k: int) -> Draft:
+        if self._seq_id != seq.uid or self._done > len(seq.tokens):
+            self._seq_id, self._index, self._done = seq.uid, suffix.SuffixIndex(), 0
+        self._index.extend(seq.tokens[self._done :])
+        self._done = len(seq.tokens)
+        return Draft.of(suffix.propose(self._index, self.cache, seq.tokens, k, self.min_prob, self.factor), seq.device)
+
+    def finish(self, seq: "Sequence") -> None:
+        if self.cache is not None:
+            self.cache.add(seq.tokens[seq.n_prompt :])
+
+
 class Hybrid(_Feedback):
     def __init__(self, ngram: NGram, layer_skip: LayerSkip):
         self.ngram, self.layer_skip = ngram, layer_skip
@@ -174,6 +204,8 @@ class DrafterConfig:
     ngram_sizes: list[int] = field(default_factory=lambda: [3, 2, 1])
     ngram_max_len: int | None = None  # NGram's own cap in hybrid (default: max_len)
     adaptive: bool = False  # adapt the draft length: +2 after a fully accepted draft, -1 after a rejection
+    suffix_min_prob: float = 0.1  # a suffix draft stops before its first token less likely than this
+    suffix_factor: float = 1.0  # a suffix draft is at most this times its match's length
 
     def __post_init__(self):
         """One-line ``ValueError``s: a draft length under 1 silently turned drafting off, and a NaN
@@ -192,6 +224,11 @@ class DrafterConfig:
         sizes = self.ngram_sizes
         if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
             raise ValueError(f"ngram_sizes must be integers >= 1, got {sizes!r}")
+        p, f = self.suffix_min_prob, self.suffix_factor
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"suffix_min_prob must be a probability in [0, 1], got {p!r}")
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f < float("inf"):
+            raise ValueError(f"suffix_factor must be a number > 0, got {f!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -216,15 +253,23 @@ class DrafterConfig:
                 parts.append("int8")
         if self.kind in ("ngram", "hybrid"):
             parts.append("n=" + ",".join(map(str, self.ngram_sizes)))
+        if self.kind == "suffix":
+            parts.append(f"p>={self.suffix_min_prob:g} x{self.suffix_factor:g}")
         if self.adaptive:
             parts.append("adaptive")
         return " ".join(parts)
 
 
-def build(cfg: DrafterConfig, n_layers: int, can_skip: bool = True) -> Drafter | None:
-    """A drafter for a model with ``n_layers`` layers; None for plain AR. Raises MaskError on a bad mask."""
+def build(cfg: DrafterConfig, n_layers: int, can_skip: bool = True, cache: suffix.SuffixCache | None = None
+          ) -> Drafter | None:
+    """A drafter for a model with ``n_layers`` layers; None for plain AR. Raises MaskError on a bad mask.
+    ``cache``: the earlier outputs a suffix drafter reads and adds to (a bank's, shared by its sequences)."""
     if cfg.kind == "none":
         return None
+    if cfg.kind == "suffix":
+        d = Suffix(cfg.max_len, cfg.suffix_min_prob, cfg.suffix_factor, cache)
+        d.adaptive = cfg.adaptive
+        return d
     ngram = NGram(tuple(cfg.ngram_sizes), cfg.ngram_max_len or cfg.max_len)
     if cfg.kind == "ngram":
         ngram.adaptive = cfg.adaptive
