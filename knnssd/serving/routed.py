@@ -21,6 +21,7 @@ from knnssd.engine.batch_plan import BatchPlan
 from knnssd.engine.batched import BatchStats, decode_batch
 from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Run, prefill
 from knnssd.engine.drafters import build
+from knnssd.engine.suffix import SuffixCache
 from knnssd.engine.params import GenerateParams, prompt_ids
 from knnssd.engine.decoder import Decoder
 from knnssd.routing import bank as banks
@@ -66,7 +67,9 @@ class RoutedGenerator:
             log.warning("bank was tuned in %s and runs in %s: outputs stay exact, its speedups may not hold "
                         "(calibrate with --dtype %s for this setting)", bank.dtype, lm.dtype_name, lm.dtype_name)
         self.router = bank.router()
-        self.drafters = {c.id: build(c.drafter, self.decoder.n_layers, self.decoder.can_skip) for c in bank.clusters}
+        self.suffix_cache = SuffixCache()  # this bank's earlier outputs, read by its suffix drafters
+        self.drafters = {c.id: build(c.drafter, self.decoder.n_layers, self.decoder.can_skip, self.suffix_cache)
+                         for c in bank.clusters}
         self.eos = models.eos_ids(lm)
         self._int8_weights()
 
@@ -174,7 +177,7 @@ class RoutedJob:
             d = None
         else:
             d = drafter(cluster.id) if drafter is not None else build(cluster.drafter, g.decoder.n_layers,
-                                                                     g.decoder.can_skip)
+                                                                     g.decoder.can_skip, g.suffix_cache)
         run = Run(seq, logits, d, cfg, g.lm.tokenizer if p.stop else None)
         run.stats.prefill_s = t1 - t0
         return run
