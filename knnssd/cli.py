@@ -519,7 +519,7 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("complete", help="generate for one prompt with a drafter")
     _model_args(c)
     c.add_argument("--prompt", required=True)
-    c.add_argument("--drafter", default="hybrid", choices=["none", "layer_skip", "ngram", "hybrid"])
+    c.add_argument("--drafter", default="hybrid", choices=["none", "layer_skip", "ngram", "hybrid", "suffix"])
     c.add_argument("--mask", default=None, help="skip mask JSON file")
     c.add_argument("--max-draft", type=int, default=6)
     c.add_argument("--threshold", type=float, default=0.5)

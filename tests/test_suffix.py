@@ -108,3 +108,12 @@ def test_the_drafter_indexes_a_sequence_incrementally():
     seq.tokens += [3, 1, 2]  # accepted tokens: the index grows by these only
     assert d.propose(seq, 4).tokens.tolist() == [3, 1, 2]
     assert d._done == 8
+
+
+def test_complete_offers_every_drafter_kind():
+    from knnssd.cli import parser
+    from knnssd.engine.drafters import KINDS
+
+    complete = next(a for a in parser()._subparsers._group_actions[0].choices["complete"]._actions
+                    if a.dest == "drafter")
+    assert tuple(complete.choices) == KINDS
