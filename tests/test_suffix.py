@@ -78,6 +78,7 @@ def test_suffix_settings_are_checked():
     cfg = DrafterConfig(kind="suffix", max_len=6, suffix_min_prob=0.2, suffix_factor=2.0)
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.describe() == "suffix k<=6 p>=0.2 x2"
+    assert DrafterConfig(kind="suffix").describe() == "suffix k<=8 p>=0.1 x4"
     d = build(cfg, 4, cache=SuffixCache())
     assert isinstance(d, Suffix) and d.cache is not None
 
@@ -98,7 +99,7 @@ def test_greedy_suffix_drafting_gives_plain_decodings_tokens(arch):
 
 
 def test_the_drafter_indexes_a_sequence_incrementally():
-    d = Suffix(max_len=4, min_prob=0.0)
+    d = Suffix(max_len=4, min_prob=0.0, factor=1.0)
 
     class Seq:  # the fields ``propose`` reads
         uid, tokens, device, n_prompt = 7, [1, 2, 3, 1, 2], torch.device("cpu"), 5

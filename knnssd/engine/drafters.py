@@ -161,7 +161,7 @@ class Suffix(_Feedback):
     """SuffixDecoding's chain (``suffix.propose``) over an index of the sequence (its prompt and tokens so far,
     extended as it grows) and ``cache``, the bank's earlier outputs, which ``finish`` adds the sequence's to."""
 
-    def __init__(self, max_len: int = 8, min_prob: float = 0.1, factor: float = 1.0,
+    def __init__(self, max_len: int = 8, min_prob: float = 0.1, factor: float = 4.0,
                  cache: suffix.SuffixCache | None = None):
         self.max_len, self.min_prob, self.factor, self.cache = max_len, min_prob, factor, cache
         self._seq_id: object = None
@@ -205,7 +205,7 @@ class DrafterConfig:
     ngram_max_len: int | None = None  # NGram's own cap in hybrid (default: max_len)
     adaptive: bool = False  # adapt the draft length: +2 after a fully accepted draft, -1 after a rejection
     suffix_min_prob: float = 0.1  # a suffix draft stops before its first token less likely than this
-    suffix_factor: float = 1.0  # a suffix draft is at most this times its match's length
+    suffix_factor: float = 4.0  # a suffix draft is at most this times its match's length (docs/benchmarks.md)
 
     def __post_init__(self):
         """One-line ``ValueError``s: a draft length under 1 silently turned drafting off, and a NaN
