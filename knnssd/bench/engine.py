@@ -47,7 +47,8 @@ def even_mask(n_layers: int, fraction: float) -> SkipMask:
 
 def fixed_drafters(n_layers: int, can_skip: bool) -> dict[str, DrafterConfig]:
     """The untuned drafters the engine benchmark compares (search.py tunes them per cluster)."""
-    out = {"ngram": DrafterConfig(kind="ngram", max_len=8, ngram_sizes=[3, 2, 1], adaptive=True)}
+    out = {"ngram": DrafterConfig(kind="ngram", max_len=8, ngram_sizes=[3, 2, 1], adaptive=True),
+           "suffix": DrafterConfig(kind="suffix", max_len=8)}  # no cache: each prompt its own, as n-gram's
     if can_skip:
         none = SkipMask.none(n_layers).to_dict()
         out["int8_draft"] = DrafterConfig(kind="layer_skip", mask=none, max_len=8, threshold=0.3, int8=True,

@@ -1,0 +1,106 @@
+"""Suffix drafting against n-gram lookup and today's routing, on streams of eval prompts, in one process.
+
+    .venv/bin/python benchmarks/suffix_stream.py --tracking-uri sqlite:///artifacts/mlflow.db \\
+        --mixed 20 --repetitive text_to_sql:20 --max-new-tokens 128
+
+Two streams, each decoded one prompt after another, greedy: ``--mixed`` eval prompts round robin over the
+five domains, and ``--repetitive`` eval prompts of one domain (the same task again and again, as a batch
+flow runs it). Each prompt runs every method, the order rotating prompt by prompt:
+
+    plain          own plain decoding, the reference
+    ngram          prompt lookup, n = 3, 2, 1, up to 8 tokens, adaptive (bench-engine's)
+    suffix         the suffix drafter over the prompt and its own tokens only
+    suffix+cache   the same with one cache of the stream's earlier outputs (its own runs' only)
+    routed         the registered bank (``--model-uri``) as ``knnssd generate`` runs it
+
+Prints tokens/s (prefill included) against plain, mean accepted length (tokens a full-model pass) and
+agreement with plain's tokens, per stream, as JSON and as a Markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from knnssd import prompts as prompt_sets
+from knnssd.bench.throughput import mixed_prompts
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.params import GenerateParams
+from knnssd.engine.suffix import SuffixCache
+from knnssd.serving.routed import RoutedGenerator
+
+METHODS = ("plain", "ngram", "suffix", "suffix+cache", "routed")
+
+
+def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:
+    dec, lm = gen.decoder, gen.lm
+    params = GenerateParams(max_new_tokens=max_new)
+    config = GenerationConfig(max_new_tokens=max_new, eos_ids=gen.eos)
+    cache = SuffixCache()
+    configs = {"ngram": DrafterConfig(kind="ngram", max_len=8, ngram_sizes=[3, 2, 1], adaptive=True),
+               "suffix": DrafterConfig(kind="suffix", max_len=8)}
+    totals = {m: dict(tokens=0, seconds=0.0, accepted=0, steps=0, equal=0) for m in METHODS}
+    for i, text in enumerate(texts):
+        ids, _ = gen.tokenize(text, params)
+        order = METHODS[i % len(METHODS):] + METHODS[: i % len(METHODS)]
+        outs = {}
+        for m in order:
+            t0 = time.perf_counter()
+            if m == "routed":
+                r = gen.generate(text, params)
+                new, st = r.tokens, r.stats
+            else:
+                drafter = None if m == "plain" else build(configs[m.split("+")[0]], dec.n_layers, dec.can_skip,
+                                                          cache if m == "suffix+cache" else None)
+                with lm.busy:
+                    new, st = generate(dec, ids, drafter, config)
+            t = totals[m]
+            t["seconds"] += time.perf_counter() - t0
+            t["tokens"] += len(new)
+            t["accepted"] += sum(st.accepted)
+            t["steps"] += st.steps
+            outs[m] = list(new)
+        for m in METHODS:
+            totals[m]["equal"] += outs[m] == outs["plain"]
+        print(f"  {i + 1}/{len(texts)}", file=sys.stderr)
+    plain = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    return {m: dict(tok_s=t["tokens"] / t["seconds"], vs_plain=t["tokens"] / t["seconds"] / plain,
+                    mean_accepted=(t["accepted"] + t["steps"]) / max(1, t["steps"]), agreement=t["equal"] / len(texts),
+                    tokens=t["tokens"]) for m, t in totals.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-uri", default="models:/knnssd-smollm2@champion")
+    ap.add_argument("--tracking-uri", default=None)
+    ap.add_argument("--data", default=None, help="the prompt folder (default: ../shared/data)")
+    ap.add_argument("--mixed", type=int, default=20, help="eval prompts, round robin over the domains")
+    ap.add_argument("--repetitive", default="text_to_sql:20", help="DOMAIN:N eval prompts of one domain")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="auto")
+    a = ap.parse_args()
+    data = prompt_sets.default_data_dir() if a.data is None else __import__("pathlib").Path(a.data)
+    gen = RoutedGenerator.from_model_uri(a.model_uri, dtype=a.dtype, tracking_uri=a.tracking_uri)
+    domain, n = a.repetitive.split(":")
+    streams = {"mixed": [p.prompt for p in mixed_prompts(data, a.mixed)],
+               f"repetitive ({domain})": [p.prompt for p in prompt_sets.load_domains(data, (domain,), "eval", int(n))]}
+    warm = streams["mixed"][0]
+    stream(gen, [warm], 16)  # warm-up: every method once
+    report = dict(model=gen.lm.name, dtype=gen.lm.dtype_name, threads=torch.get_num_threads(),
+                  max_new_tokens=a.max_new_tokens, bank=a.model_uri)
+    for name, texts in streams.items():
+        print(f"{name}: {len(texts)} prompts", file=sys.stderr)
+        report[name] = stream(gen, texts, a.max_new_tokens)
+    print(json.dumps(report, indent=1))
+    for name in streams:
+        print(f"\n{name}\n\n| method | tok/s | x plain | mean accepted | agreement |\n|---|---:|---:|---:|---:|")
+        for m, r in report[name].items():
+            print(f"| {m} | {r['tok_s']:.1f} | {r['vs_plain']:.2f} | {r['mean_accepted']:.2f} | {r['agreement']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
