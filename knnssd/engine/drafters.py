@@ -173,7 +173,11 @@ class Suffix(_Feedback):
             self._seq_id, self._index, self._done = seq.uid, suffix.SuffixIndex(), 0
         self._index.extend(seq.tokens[self._done :])
         self._done = len(seq.tokens)
-        return Draft.of(suffix.propose(self._index, self.cache, seq.tokens, k, self.min_prob, self.factor), seq.device)
+        return Draft.of(self.lookup(self._index, seq.tokens, k), seq.device)
+
+    def lookup(self, index: suffix.SuffixIndex, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens after ``tokens``, which ``index`` holds (the search's simulator calls this too)."""
+        return suffix.propose(index, self.cache, tokens, k, self.min_prob, self.factor)
 
     def finish(self, seq: "Sequence") -> None:
         if self.cache is not None:

@@ -4,8 +4,8 @@ Terms:
     D        the trie's depth: every substring of at most D tokens is a path from the root
     count    how many times a node's path occurs; a child's count over its parent's estimates the
              probability of that next token after the path
-    match    the longest suffix of the sequence (at most D tokens) that occurred before and was followed
-             by something
+    match    the longest suffix of the sequence (at most ``MATCH`` tokens) that occurred before and was
+             followed by something
     score    a draft's summed token probabilities, as arctic-inference scores one
 
 A ``SuffixIndex`` indexes one token list incrementally (``append``: O(D) a token, over the nodes of the
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from collections import deque
 
-DEPTH = 24  # longest context matched (SuffixDecoding's default max_tree_depth is 24)
+DEPTH = 24  # the trie's depth: a match and the draft below it (SuffixDecoding's default max_tree_depth is 24)
+MATCH = 12  # the longest context matched, leaving room below it for a draft of DEPTH - MATCH tokens
 
 
 class _Node:
@@ -133,13 +134,13 @@ class SuffixCache:
 
 def propose(own: SuffixIndex, cache: SuffixCache | None, tokens: list[int], k: int, min_prob: float,
             factor: float) -> list[int]:
-    """Up to ``k`` tokens: the better-scored chain of the sequence's own match and the cache's. A match leaves
-    room below it in the trie for a chain of ``k`` (at most depth - k tokens long)."""
+    """Up to ``k`` tokens: the better-scored chain of the sequence's own match and the cache's. The match does
+    not depend on ``k``, so a shorter draft is a prefix of a longer one (the search's simulator relies on it)."""
     best: tuple[list[int], float] = ([], 0.0)
     for index in (own, cache.index if cache is not None else None):
         if index is None:
             continue
-        node, m = index.match(tokens, max(1, index.depth - k))
+        node, m = index.match(tokens, min(MATCH, index.depth - 1))
         if node is None:
             continue
         draft = chain(node, min(k, max(1, int(factor * m))), min_prob)
