@@ -22,7 +22,7 @@ def _simulated_as_run(dec, i: int, n: int, policy: proxy.Policy, traced: bool) -
     cont, _ = generate(dec, ids, None, GenerationConfig(max_new_tokens=n))
     s = proxy.Sample(ids, cont)
     traces = proxy.trace(dec, [s], SkipMask.none(4), False, 64) if traced else None
-    props = [proxy.ngram_proposals(s, policy.ngram_sizes, 10)]
+    props = [proxy.suffix_proposals(s, 10) if policy.kind == "suffix" else proxy.ngram_proposals(s, policy.ngram_sizes, 10)]
     _, acc, mean = proxy.simulate([s], traces, policy, COSTS, 1.0, props)
     cfg = proxy.to_config(policy, SkipMask.none(4) if traced else None, False)
     out, st = generate(dec, ids, build(cfg, 4), GenerationConfig(max_new_tokens=n))
@@ -35,6 +35,32 @@ def test_simulated_ngram_counts_equal_real_loop(adaptive):
     dec = make_decoder(tiny("llama"))
     for i in (1, 3):
         _simulated_as_run(dec, i, 40, proxy.Policy("ngram", 5, adaptive=adaptive, ngram_sizes=(2, 1)), traced=False)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_simulated_suffix_counts_equal_real_loop(adaptive):
+    dec = make_decoder(tiny("llama"))
+    for i in (1, 3):
+        _simulated_as_run(dec, i, 40, proxy.Policy("suffix", 6, adaptive=adaptive), traced=False)
+
+
+def test_a_search_may_take_suffix_and_picks_its_best_pure_policy():
+    from knnssd.engine.drafters import KINDS
+    from knnssd.search.budget import SEARCHED, Budget
+
+    assert Budget(kinds=["suffix"]).kinds == ("suffix",) and "suffix" not in Budget().kinds
+    with pytest.raises(ValueError, match="choose from layer_skip, ngram, hybrid, suffix"):
+        Budget(kinds=["tree"])
+    dec = make_decoder(tiny("llama"))
+    samples = []
+    for i in (1, 3):
+        cont, _ = generate(dec, prompt_ids("llama", i), None, GenerationConfig(max_new_tokens=30))
+        samples.append(proxy.Sample(prompt_ids("llama", i), cont))
+    props = {"suffix": [proxy.suffix_proposals(s, 10) for s in samples]}
+    pol, (speedup, acc, mean) = proxy.best_policy(samples, None, COSTS, 0.0, props, ("suffix",))
+    assert pol.kind == "suffix" and pol.threshold == 0.0 and speedup > 0 and mean >= 1.0
+    assert proxy.to_config(pol, None, False).kind == "suffix"
+    assert set(SEARCHED) == set(KINDS) - {"none"}  # every kind a bank may hold, but plain
 
 
 @pytest.mark.parametrize("kind,threshold,adaptive", [("layer_skip", 0.6, False), ("hybrid", 0.6, True)])

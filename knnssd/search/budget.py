@@ -20,6 +20,12 @@ def setting(default, help: str, flag: str | None = None):
     return field(default=default, metadata=meta)
 
 
+# The drafter kinds a search may take (``engine.drafters.KINDS`` but "none": plain decoding always is a
+# candidate). suffix is not searched by default: on the embedded model it measured no faster than n-gram
+# lookup (docs/benchmarks.md).
+SEARCHED = ("layer_skip", "ngram", "hybrid", "suffix")
+
+
 @dataclass
 class Budget:
     """What one cluster's search may spend, and on what."""
@@ -32,14 +38,15 @@ class Budget:
     max_new_tokens: int = setting(64, "tokens generated per prompt while searching")
     context: int = setting(192, "prompt tokens kept in teacher-forced passes")
     seed: int = setting(0, "sampler seed")
-    kinds: tuple[str, ...] = setting(("layer_skip", "ngram", "hybrid"), "drafter kinds searched; plain AR always is")
+    kinds: tuple[str, ...] = setting(("layer_skip", "ngram", "hybrid"), "drafter kinds searched, of "
+                                     + ", ".join(SEARCHED) + "; plain AR always is")
     int8: bool = setting(True, "int8 draft weights allowed (--no-int8: full precision only, the paper's layer skipping)",
                          "--no-int8")
 
     def __post_init__(self):
-        unknown = set(self.kinds) - {"layer_skip", "ngram", "hybrid"}
+        unknown = set(self.kinds) - set(SEARCHED)
         if unknown or not self.kinds:
-            raise ValueError(f"unknown drafter kinds {sorted(unknown)}; choose from layer_skip, ngram, hybrid")
+            raise ValueError(f"unknown drafter kinds {sorted(unknown)}; choose from {', '.join(SEARCHED)}")
         self.kinds = tuple(self.kinds)
         for st in settings():  # one line each, naming the option a user typed
             v = getattr(self, st.name)

@@ -34,8 +34,8 @@ from knnssd.routing.bank import ClusterResult
 from knnssd.search import cancel, objective
 from knnssd.search.budget import Budget
 from knnssd.search.costs import Costs
-from knnssd.search.proxy import (MAX_LENS, NGRAM_SIZES, Policy, Sample, best_policy, influence, influence_masks,
-                                 ngram_proposals, teacher_samples, to_config)
+from knnssd.search.proxy import (LOOKUPS, MAX_LENS, NGRAM_SIZES, Policy, Sample, best_policy, influence,
+                                 influence_masks, ngram_proposals, suffix_proposals, teacher_samples, to_config)
 from knnssd.search.study import finished, open_study, search_space, trial_mask, trial_params
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     dec = m.dec
     samples = teacher_samples(dec, m.tokenizer, job.texts[: budget.proxy_prompts], budget.max_new_tokens, m.eos)
     proposals = {sizes: [ngram_proposals(s, sizes, max(MAX_LENS)) for s in samples] for sizes in NGRAM_SIZES}
+    if "suffix" in budget.kinds:
+        proposals["suffix"] = [suffix_proposals(s, max(MAX_LENS)) for s in samples]
     n = dec.n_layers
     kinds = tuple(k for k in SKIPPING if k in budget.kinds) if dec.can_skip else ()
     proxy = job.study("proxy", budget.seed)
@@ -141,14 +143,15 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
     stage1 = proxy_stage(m, job, budget, progress, deadline=deadline)
     proxy, samples, proposals, kinds, costs = stage1.study, stage1.samples, stage1.proposals, stage1.kinds, stage1.costs
 
-    # candidates for stage 2: the best pure n-gram policy + the best distinct proxy configurations
+    # candidates for stage 2: the best pure lookup policies (n-gram, suffix) + the best distinct proxy configurations
     cands: list[tuple[DrafterConfig, float]] = []
-    if "ngram" in budget.kinds:
-        pol, (sp, _, _) = best_policy(samples, None, costs, 0.0, proposals, ("ngram",))
+    lookups = [k for k in LOOKUPS if k in budget.kinds]
+    for kind in lookups:
+        pol, (sp, _, _) = best_policy(samples, None, costs, 0.0, proposals, (kind,))
         cands.append((to_config(pol, None, False), sp))
     ranked = sorted((t for t in proxy.trials if t.value is not None), key=lambda t: -t.value) if kinds else []
     seen = {json.dumps(c.to_dict(), sort_keys=True) for c, _ in cands}
-    quota = budget.real_candidates + (1 if "ngram" in budget.kinds else 0)
+    quota = budget.real_candidates + len(lookups)
     for t in ranked:
         if len(cands) >= quota:
             break

@@ -20,7 +20,8 @@ import torch
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine import draft_policy
 from knnssd.engine.exactness import MAX_T
-from knnssd.engine.drafters import DrafterConfig, NGram
+from knnssd.engine.drafters import DrafterConfig, NGram, Suffix
+from knnssd.engine.suffix import SuffixIndex
 from knnssd.engine.decoder import Decoder
 from knnssd.engine.skip import SkipMask
 from knnssd.search import cancel
@@ -73,7 +74,7 @@ def trace(dec: Decoder, samples: list[Sample], mask: SkipMask, int8: bool, conte
 
 @dataclass(frozen=True)
 class Policy:
-    kind: str  # "layer_skip" | "hybrid" | "ngram"
+    kind: str  # "layer_skip" | "hybrid" | "ngram" | "suffix"
     max_len: int
     threshold: float = 0.0
     adaptive: bool = False
@@ -85,6 +86,24 @@ def ngram_proposals(sample: Sample, sizes: tuple[int, ...], max_len: int) -> lis
     ng = NGram(sizes, max_len)
     key = object()
     return [[]] + [ng.lookup(key, sample.prompt + sample.cont[:j], max_len) for j in range(1, len(sample.cont))]
+
+
+def suffix_proposals(sample: Sample, max_len: int) -> list[list[int]]:
+    """proposal[j] = what the suffix drafter (its defaults, no cache) would propose after prompt + cont[:j]
+    (for j = 1..n-1), its index grown token by token as the drafter's is; a shorter draft is a prefix."""
+    d, index = Suffix(max_len), SuffixIndex()
+    toks = list(sample.prompt)
+    index.extend(toks)
+    out: list[list[int]] = [[]]
+    for j in range(1, len(sample.cont)):
+        toks.append(sample.cont[j - 1])
+        index.append(sample.cont[j - 1])
+        out.append(d.lookup(index, toks, max_len))
+    return out
+
+
+PROPOSING = ("ngram", "hybrid", "suffix")  # the kinds whose drafts come from ``proposals`` (no forward pass)
+LOOKUPS = ("ngram", "suffix")  # those that draft by lookup alone
 
 
 def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, costs: Costs, draft_ms: float,
@@ -99,12 +118,12 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
         while j < n:
             d_tokens: list[bool] = []
             cost = 0.0
-            prop = proposals[si][j] if proposals is not None and policy.kind in ("ngram", "hybrid") else []
+            prop = proposals[si][j] if proposals is not None and policy.kind in PROPOSING else []
             kk = draft_policy.cap(k, n - j, PROBED)
             if kk > 0 and draft_policy.hybrid_uses_ngram(prop):
                 prop = prop[:kk]
                 d_tokens = [prop[i] == s.cont[j + i] for i in range(len(prop))]
-            elif policy.kind != "ngram" and kk > 0:
+            elif policy.kind not in LOOKUPS and kk > 0:
                 tr = traces[si]
                 kept = draft_policy.confident(tr.conf[j : j + kk], policy.threshold)
                 d_tokens = [bool(x) for x in tr.match[j : j + kept]]
@@ -128,10 +147,11 @@ def best_policy(samples, traces, costs, draft_ms, proposals_by_sizes, kinds) -> 
     best, best_res = None, (0.0, 0.0, 0.0)
     for kind in kinds:
         sizes_opts = NGRAM_SIZES if kind in ("ngram", "hybrid") else (NGRAM_SIZES[0],)
-        thr_opts = THRESHOLDS if kind != "ngram" else (0.0,)
+        thr_opts = THRESHOLDS if kind not in LOOKUPS else (0.0,)
         for sizes, thr, k, adaptive in itertools.product(sizes_opts, thr_opts, MAX_LENS, (False, True)):
             pol = Policy(kind, k, thr, adaptive, sizes)
-            res = simulate(samples, traces, pol, costs, draft_ms, proposals_by_sizes.get(sizes))
+            props = proposals_by_sizes.get("suffix" if kind == "suffix" else sizes)
+            res = simulate(samples, traces, pol, costs, draft_ms, props)
             if res[0] > best_res[0]:
                 best, best_res = pol, res
     return best, best_res
@@ -141,6 +161,8 @@ def to_config(policy: Policy, mask: SkipMask | None, int8: bool) -> DrafterConfi
     if policy.kind == "ngram":
         return DrafterConfig(kind="ngram", max_len=policy.max_len, adaptive=policy.adaptive,
                              ngram_sizes=list(policy.ngram_sizes))
+    if policy.kind == "suffix":
+        return DrafterConfig(kind="suffix", max_len=policy.max_len, adaptive=policy.adaptive)
     return DrafterConfig(kind=policy.kind, mask=mask.to_dict(), max_len=policy.max_len, threshold=policy.threshold,
                          int8=int8, ngram_sizes=list(policy.ngram_sizes), adaptive=policy.adaptive)
 
