@@ -139,13 +139,14 @@ def exact_joint(model, prompt: list[int], warp: Warp, length: int = 3) -> dict:
     ("none", Warp(0.8, top_k=4)),
     ("layer_skip", Warp(0.8, top_k=4)),  # drafted with no host read, cut at the threshold on the device
     ("ngram", Warp(1.0, top_k=3)),
+    ("suffix", Warp(1.0, top_k=3)),  # a chain of point masses, as n-gram's
     ("hybrid", Warp(1.2, top_k=5, top_p=0.9)),
 ])
 def test_speculative_sampling_distribution(kind, warp):
     model = tiny("llama")
     dec = make_decoder(model)
     prompt = prompt_ids("llama", 1)
-    if kind == "ngram":  # every token occurs in the prompt, so the lookup always proposes something
+    if kind in ("ngram", "suffix"):  # every token occurs in the prompt, so a lookup always proposes something
         prompt = list(range(2, model.config.vocab_size)) + prompt
     expected = exact_joint(model, prompt, warp)
     cfg = DrafterConfig(kind=kind, mask=SkipMask.from_layers(4, attn=[2], mlp=[1]).to_dict(), max_len=3,

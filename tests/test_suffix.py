@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.decoder import make_decoder
 from knnssd.engine.drafters import DrafterConfig, Suffix, build
-from knnssd.engine.suffix import SuffixCache, SuffixIndex, chain, propose
+from knnssd.engine.suffix import MATCH, SequenceIndex, SuffixCache, SuffixIndex, chain, draft_length, propose
 from tiny import hf_greedy, prompt_ids, tiny
 
 tokens = st.lists(st.integers(0, 4), min_size=0, max_size=40)
@@ -49,6 +49,12 @@ def test_the_trie_counts_every_substring_and_takes_lists_back(lists, depth):
     assert _walk(index) == _counts(lists[1:], depth)
 
 
+def _own(toks: list[int], depth: int = 8) -> SequenceIndex:
+    index = SequenceIndex(depth)
+    index.extend(toks)
+    return index
+
+
 def test_a_draft_continues_the_most_frequent_earlier_match():
     index = SuffixIndex(8)
     toks = [5, 1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2]
@@ -56,10 +62,20 @@ def test_a_draft_continues_the_most_frequent_earlier_match():
     node, m = index.match(toks, 6)
     assert m == 2  # of the suffixes, only [1, 2] occurred before with a continuation
     assert chain(node, 4, 0.0)[0][0] == 3  # after [1, 2]: 3 twice, 4 once
-    assert propose(index, None, toks, 4, 0.0, 1.0) == [3, 9]  # at most factor x match length tokens
-    assert propose(index, None, toks, 4, 0.0, 3.0) == [3, 9, 1, 2]
-    assert propose(index, None, toks, 4, 0.9, 3.0) == []  # 3 has probability 2/4 there
-    assert propose(SuffixIndex(8), None, [1, 2], 4, 0.0, 1.0) == []
+    assert propose(_own(toks), None, 4, 0.0, 1.0) == [3, 9]  # at most factor x match length tokens
+    assert propose(_own(toks), None, 4, 0.0, 3.0) == [3, 9, 1, 2]
+    assert propose(_own(toks), None, 4, 0.9, 3.0) == []  # 3 has probability 2/4 there
+    assert propose(_own([1, 2]), None, 4, 0.0, 1.0) == []
+
+
+@given(st.lists(st.integers(0, 3), max_size=60), st.integers(1, 8), st.sampled_from([0.0, 0.3]),
+       st.sampled_from([1.0, 4.0]), st.sampled_from([8, 24]))
+def test_the_sequence_index_drafts_what_a_trie_of_the_sequence_would(toks, k, min_prob, factor, depth):
+    trie = SuffixIndex(depth)
+    trie.extend(toks)
+    node, m = trie.match(toks, min(MATCH, depth - 1))
+    want = chain(node, draft_length(k, m, factor), min_prob) if node is not None else ([], 0.0)
+    assert _own(toks, depth).draft(k, min_prob, factor) == want
 
 
 def test_the_cache_keeps_the_last_outputs_and_drafts_from_them():
@@ -67,7 +83,7 @@ def test_the_cache_keeps_the_last_outputs_and_drafts_from_them():
     for out in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9]):
         cache.add(out)
     assert len(cache) == 2 and cache.index.node([1]) is None and cache.index.node([5, 6, 7]).count == 1
-    assert propose(SuffixIndex(8), cache, [0, 5, 6], 4, 0.0, 2.0) == [7, 8]
+    assert propose(_own([0, 5, 6]), cache, 4, 0.0, 2.0) == [7, 8]
 
 
 def test_suffix_settings_are_checked():
@@ -108,7 +124,7 @@ def test_the_drafter_indexes_a_sequence_incrementally():
     assert d.propose(seq, 4).tokens.tolist() == [3, 1]
     seq.tokens += [3, 1, 2]  # accepted tokens: the index grows by these only
     assert d.propose(seq, 4).tokens.tolist() == [3, 1, 2]
-    assert d._done == 8
+    assert len(d._index.tokens) == 8
 
 
 def test_complete_offers_every_drafter_kind():

@@ -165,19 +165,17 @@ class Suffix(_Feedback):
                  cache: suffix.SuffixCache | None = None):
         self.max_len, self.min_prob, self.factor, self.cache = max_len, min_prob, factor, cache
         self._seq_id: object = None
-        self._index = suffix.SuffixIndex()
-        self._done = 0
+        self._index = suffix.SequenceIndex()
 
     def propose(self, seq: "Sequence", k: int) -> Draft:
-        if self._seq_id != seq.uid or self._done > len(seq.tokens):
-            self._seq_id, self._index, self._done = seq.uid, suffix.SuffixIndex(), 0
-        self._index.extend(seq.tokens[self._done :])
-        self._done = len(seq.tokens)
-        return Draft.of(self.lookup(self._index, seq.tokens, k), seq.device)
+        if self._seq_id != seq.uid or len(self._index.tokens) > len(seq.tokens):
+            self._seq_id, self._index = seq.uid, suffix.SequenceIndex()
+        self._index.extend(seq.tokens[len(self._index.tokens) :])
+        return Draft.of(self.lookup(self._index, k), seq.device)
 
-    def lookup(self, index: suffix.SuffixIndex, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens after ``tokens``, which ``index`` holds (the search's simulator calls this too)."""
-        return suffix.propose(index, self.cache, tokens, k, self.min_prob, self.factor)
+    def lookup(self, index: suffix.SequenceIndex, k: int) -> list[int]:
+        """Up to k tokens after the sequence ``index`` holds (the search's simulator calls this too)."""
+        return suffix.propose(index, self.cache, k, self.min_prob, self.factor)
 
     def finish(self, seq: "Sequence") -> None:
         if self.cache is not None:

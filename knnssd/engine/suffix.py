@@ -8,10 +8,11 @@ Terms:
              followed by something
     score    a draft's summed token probabilities, as arctic-inference scores one
 
-A ``SuffixIndex`` indexes one token list incrementally (``append``: O(D) a token, over the nodes of the
-suffixes ending at the end). Each sequence has one over its prompt and its tokens so far; a
-``SuffixCache`` holds one over the outputs of the last ``requests`` finished sequences (evicted oldest
-first, their counts taken back), shared by the sequences of a bank. A ``Suffix`` drafter matches the
+A ``SuffixIndex`` indexes token lists incrementally (``append``: O(D) a token, over the nodes of the
+suffixes ending at the end). A ``SuffixCache`` holds one over the outputs of the last ``requests``
+finished sequences (evicted oldest first, their counts taken back), shared by the sequences of a bank.
+A sequence's own prompt and tokens go into a ``SequenceIndex`` instead, which drafts what a trie of
+them would, from the positions of each token. A ``Suffix`` drafter matches the
 sequence in both, and from the better match drafts the most frequent continuation, token by token,
 while each token's probability stays at ``min_prob`` or more, and for at most ``factor`` times the match
 length (a long match earns a long draft; SuffixDecoding's adaptive speculation).
@@ -132,18 +133,71 @@ class SuffixCache:
         return len(self._held)
 
 
-def propose(own: SuffixIndex, cache: SuffixCache | None, tokens: list[int], k: int, min_prob: float,
-            factor: float) -> list[int]:
+def draft_length(k: int, m: int, factor: float) -> int:
+    """A draft after a match of ``m`` tokens: at most ``factor`` times ``m`` (at least 1), and ``k``."""
+    return min(k, max(1, int(factor * m)))
+
+
+class SequenceIndex:
+    """One sequence's tokens, indexed by position: what a ``SuffixIndex`` of them would draft (the same match,
+    counts and chain, ``test_suffix`` checks it), at one list append a token instead of ``depth`` trie nodes.
+    A prompt of 900 tokens took tens of milliseconds to put into a trie. Matches are found from the earlier
+    positions of the last token, each extended backwards."""
+
+    def __init__(self, depth: int = DEPTH):
+        self.depth = depth
+        self.tokens: list[int] = []
+        self._at: dict[int, list[int]] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self._at.setdefault(t, []).append(len(self.tokens))
+            self.tokens.append(t)
+
+    def draft(self, k: int, min_prob: float, factor: float) -> tuple[list[int], float]:
+        """(tokens, score) of the chain after the longest earlier match (``chain``'s rule)."""
+        toks, n = self.tokens, len(self.tokens)
+        if n < 2:
+            return [], 0.0
+        longest = min(MATCH, self.depth - 1)
+        length = {}  # earlier end position -> how many tokens before it equal the sequence's last ones
+        for q in self._at[toks[-1]]:
+            if q >= n - 1:
+                break
+            m = 1
+            while m < longest and q - m >= 0 and toks[q - m] == toks[n - 1 - m]:
+                m += 1
+            length[q] = m
+        m = max(length.values(), default=0)
+        if m == 0:
+            return [], 0.0
+        occ = [q for q, lq in length.items() if lq >= m] + [n - 1]  # every occurrence of the match, in order
+        out, score = [], 0.0
+        for _ in range(min(draft_length(k, m, factor), self.depth - m)):
+            counts: dict[int, int] = {}
+            for q in occ:
+                if q + 1 < n:
+                    counts[toks[q + 1]] = counts.get(toks[q + 1], 0) + 1
+            if not counts:
+                break
+            token, c = max(counts.items(), key=lambda kv: kv[1])
+            p = c / len(occ)
+            if p < min_prob:
+                break
+            out.append(token)
+            score += p
+            occ = [q + 1 for q in occ if q + 1 < n and toks[q + 1] == token]
+        return out, score
+
+
+def propose(own: SequenceIndex, cache: SuffixCache | None, k: int, min_prob: float, factor: float) -> list[int]:
     """Up to ``k`` tokens: the better-scored chain of the sequence's own match and the cache's. The match does
     not depend on ``k``, so a shorter draft is a prefix of a longer one (the search's simulator relies on it)."""
-    best: tuple[list[int], float] = ([], 0.0)
-    for index in (own, cache.index if cache is not None else None):
-        if index is None:
-            continue
-        node, m = index.match(tokens, min(MATCH, index.depth - 1))
-        if node is None:
-            continue
-        draft = chain(node, min(k, max(1, int(factor * m))), min_prob)
-        if draft[1] > best[1]:
-            best = draft
+    best = own.draft(k, min_prob, factor)
+    if cache is not None:
+        node, m = cache.index.match(own.tokens, min(MATCH, cache.index.depth - 1))
+        if node is not None:
+            found = chain(node, draft_length(k, m, factor), min_prob)
+            if found[1] > best[1]:
+                best = found
     return best[0]

@@ -21,7 +21,7 @@ from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, me
 from knnssd.engine import draft_policy
 from knnssd.engine.exactness import MAX_T
 from knnssd.engine.drafters import DrafterConfig, NGram, Suffix
-from knnssd.engine.suffix import SuffixIndex
+from knnssd.engine.suffix import SequenceIndex
 from knnssd.engine.decoder import Decoder
 from knnssd.engine.skip import SkipMask
 from knnssd.search import cancel
@@ -91,14 +91,12 @@ def ngram_proposals(sample: Sample, sizes: tuple[int, ...], max_len: int) -> lis
 def suffix_proposals(sample: Sample, max_len: int) -> list[list[int]]:
     """proposal[j] = what the suffix drafter (its defaults, no cache) would propose after prompt + cont[:j]
     (for j = 1..n-1), its index grown token by token as the drafter's is; a shorter draft is a prefix."""
-    d, index = Suffix(max_len), SuffixIndex()
-    toks = list(sample.prompt)
-    index.extend(toks)
+    d, index = Suffix(max_len), SequenceIndex()
+    index.extend(sample.prompt)
     out: list[list[int]] = [[]]
     for j in range(1, len(sample.cont)):
-        toks.append(sample.cont[j - 1])
-        index.append(sample.cont[j - 1])
-        out.append(d.lookup(index, toks, max_len))
+        index.extend(sample.cont[j - 1 : j])
+        out.append(d.lookup(index, max_len))
     return out
 
 
