@@ -39,6 +39,7 @@ class Capture(NamedTuple):
 
     skip: SkipMask | None
     rows: int
+    slot: int | None  # the one sequence's slot the graph reads, or None (rows of any slots)
     seconds: float
     bytes: int
 
@@ -60,14 +61,15 @@ class StepRunner:
         if graphs and not self.graphs:
             log.info("CUDA graphs need a CUDA device; the static step runs eagerly on %s", s.device)
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._graphs: dict[tuple[SkipMask | None, int], _Graph | None] = {}  # None: eager (capture failed)
+        self._graphs: dict[tuple, _Graph | None] = {}  # (skip, R, slot) -> graph; None: eager (capture failed)
         self._pool = None
         self.captures: list[Capture] = []
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids, pos, slots: (n,) long on the cache's device."""
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None,
+                 slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, pos, slots: (n,) long on the cache's device; ``slot``: every row's, where they are one sequence's
+        (``static_step.step``)."""
         n = ids.shape[0]
         R = rows_bucket(n)
         bi, bp, bs = self._buffers(R)
@@ -79,14 +81,14 @@ class StepRunner:
             bp[n:].zero_()
             bs[n:].fill_(self.cache.scratch)
         if self.graphs and R <= CAPTURE_ROWS:
-            key = (skip, R)
+            key = (skip, R, slot)
             if key not in self._graphs:
-                self._graphs[key] = self._capture(skip, R)
+                self._graphs[key] = self._capture(skip, R, slot)
             g = self._graphs[key]
             if g is not None:
                 g.graph.replay()
                 return g.logits[:n], g.hidden[:n]
-        logits, hidden = self._eager(skip, R)
+        logits, hidden = self._eager(skip, R, slot)
         return logits[:n], hidden[:n]
 
     def _buffers(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,20 +97,20 @@ class StepRunner:
             self._inputs[R] = (z(), z(), z())
         return self._inputs[R]
 
-    def _eager(self, skip: SkipMask | None, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager(self, skip: SkipMask | None, R: int, slot: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cache
-        return step(self.stack, c.k, c.v, c.tables, *self._inputs[R], skip)
+        return step(self.stack, c.k, c.v, c.tables, *self._inputs[R], skip, slot)
 
-    def _capture(self, skip: SkipMask | None, R: int) -> _Graph | None:
-        """The graph of (skip, R), its warm-up and capture run on the inputs in the buffers (they write the K/V
-        that the call itself writes); None where capturing fails."""
+    def _capture(self, skip: SkipMask | None, R: int, slot: int | None) -> _Graph | None:
+        """The graph of (skip, R, slot), its warm-up and capture run on the inputs in the buffers (they write the
+        K/V that the call itself writes); None where capturing fails."""
         kind = "full" if skip is None else f"draft ({skip.n_skipped} sub-layers skipped)"
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(WARMUP):
-                    self._eager(skip, R)
+                    self._eager(skip, R, slot)
             torch.cuda.current_stream().wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -116,15 +118,16 @@ class StepRunner:
             t0 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits, hidden = self._eager(skip, R)
+                logits, hidden = self._eager(skip, R, slot)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
         except Exception as e:  # any failure leaves this key eager, never silently
             log.warning("capturing the %s step for %d rows failed (%s: %s); it runs eagerly", kind, R,
                         type(e).__name__, e)
+            torch.cuda.synchronize()  # an error the capture hid surfaces here, not in the eager step after it
             return None
         grown = torch.cuda.memory_reserved() - before
-        self.captures.append(Capture(skip, R, seconds, grown))
+        self.captures.append(Capture(skip, R, slot, seconds, grown))
         log.info("captured the %s step for %d rows in %.2f s (%.1f MiB)", kind, R, seconds, grown / 2**20)
         return _Graph(graph, logits, hidden)
 

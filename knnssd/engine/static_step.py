@@ -96,13 +96,15 @@ class StaticCache:
 
 
 def step(s: Stack, k: list[torch.Tensor], v: list[torch.Tensor], tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
-         ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+         ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None,
+         slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (R, V) float32 and final-normed hidden states (R, E) of R rows; writes their K/V into ``k``, ``v``
     (for the layers whose attention runs).
 
     s: a ``plain`` stack. k[i], v[i]: (S, KV, L, D), layer i's cache. tables[key]: (cos (L, 1, d), signed sin
     (L, 1, d)). ids, pos, slots: (R,) long. skip: sub-layers to skip (a draft step), or None (the full model).
+    slot: where every real row is of one sequence, its slot (a constant, so a graph of its own): the rows then
+    read that slot's keys as one view, where rows of several slots each read a copy of their own slot's.
     """
     length = k[0].shape[2]
     h = Decoder._embed(s, ids)  # (1, R, E)
@@ -114,7 +116,8 @@ def step(s: Stack, k: list[torch.Tensor], v: list[torch.Tensor], tables: dict[st
                 ok = allowed(pos, length, layer.window)  # (R, L)
                 masks[layer.window] = torch.zeros(ok.shape, dtype=k[i].dtype, device=h.device).masked_fill(
                     ~ok, float("-inf"))[:, None, None]  # (R, 1, 1, L)
-            h = h + _attn_out(layer, _attend(s, layer, i, h, k, v, rope[layer.rope], masks[layer.window], pos, slots))
+            h = h + _attn_out(layer, _attend(s, layer, i, h, k, v, rope[layer.rope], masks[layer.window], pos, slots,
+                                             slot))
         if skip is None or not skip.mlp[i]:
             h = h + _mlp(layer, h)
     hidden = s.norm(h)[0]
@@ -122,13 +125,18 @@ def step(s: Stack, k: list[torch.Tensor], v: list[torch.Tensor], tables: dict[st
 
 
 def _attend(s: Stack, layer: Layer, i: int, h: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], rope,
-            mask: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """(1, R, H D): every row's K/V written at (slot, position), then each row's query alone over its slot's keys."""
+            mask: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, slot: int | None) -> torch.Tensor:
+    """(1, R, H D): every row's K/V written at (slot, position), then each row's queries alone over its slot's
+    keys, each KV head's G = H / KV query heads as its rows (no repeated K/V, and no ``enable_gqa``, which
+    not every CUDA kernel takes)."""
     q, kr, vr = _heads(s, layer, layer.qkv(layer.attn_norm(h))[0], rope, rope_fn=rotate)  # (R, H, D), (R, KV, D)
     k[i][slots, :, pos] = kr.to(k[i].dtype)
     v[i][slots, :, pos] = vr.to(v[i].dtype)
-    keys, values = k[i].index_select(0, slots), v[i].index_select(0, slots)  # (R, KV, L, D)
-    q = q[:, :, None].to(keys.dtype)  # (R, H, 1, D)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=s.scale,
-                                         enable_gqa=s.n_heads != s.n_kv)  # (R, H, 1, D)
-    return out.reshape(1, q.shape[0], -1).to(h.dtype)
+    R = q.shape[0]
+    if slot is None:
+        keys, values = k[i].index_select(0, slots), v[i].index_select(0, slots)  # (R, KV, L, D), copied
+    else:
+        keys, values = k[i][slot : slot + 1].expand(R, -1, -1, -1), v[i][slot : slot + 1].expand(R, -1, -1, -1)
+    q = q.view(R, s.n_kv, s.n_heads // s.n_kv, s.head_dim).to(keys.dtype)  # (R, KV, G, D)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=s.scale)  # (R, KV, G, D)
+    return out.reshape(1, R, -1).to(h.dtype)
