@@ -140,7 +140,7 @@ def test_graphed_steps_replay_what_the_eager_step_computes(arch):
         for skip in (mask, None):
             args = (ids[t : t + 1], torch.tensor([t], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda"))
             assert all(torch.equal(a, b) for a, b in zip(graphed(*args, skip=skip), eager(*args, skip=skip)))
-    assert {(c.skip, c.rows) for c in graphed.captures} == {(None, 1), (mask, 1)}
+    assert {(c.skip, c.rows, c.slot) for c in graphed.captures} == {(None, 1, None), (mask, 1, None)}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -156,10 +156,30 @@ def test_the_graphed_static_decoder_drafts_to_its_own_plain_tokens():
     assert {c.rows for c in dec.runner.captures} >= {1, 4}
 
 
-def test_a_long_prefill_runs_in_chunks_of_the_largest_captured_bucket():
+def test_a_long_prefill_runs_in_chunks_of_the_largest_captured_bucket(monkeypatch):
+    """Each chunk's outputs are kept before the next chunk runs: here, as a replayed graph's are, they live in one
+    buffer per bucket that every call of the bucket overwrites."""
+    buffers = {}
+    eager = StepRunner.__call__
+
+    @torch.inference_mode()
+    def replayed(self, ids, pos, slots, skip=None, slot=None):
+        logits, hidden = eager(self, ids, pos, slots, skip, slot)
+        n, key = ids.shape[0], (skip, rows_bucket(ids.shape[0]), slot)
+        if key not in buffers:
+            buffers[key] = (logits.new_empty(key[1], logits.shape[1]), hidden.new_empty(key[1], hidden.shape[1]))
+        bl, bh = buffers[key]
+        bl[:n].copy_(logits), bh[:n].copy_(hidden)
+        return bl[:n], bh[:n]
+
+    monkeypatch.setattr(StepRunner, "__call__", replayed)
     s = from_hf(tiny("llama"))
     dec, lean = StaticDecoder(Decoder(s), length=512, graphs=False), Decoder(from_hf(tiny("llama")))
     ids = _ids(150, 11)  # three chunks: 64, 64 and 22 rows
     got, want = dec.forward(ids, 0), lean.forward(ids, 0)
     assert torch.allclose(got.logits, want.logits, atol=TOL) and torch.allclose(got.hidden, want.hidden, atol=TOL)
-    assert torch.allclose(dec.forward(ids[:100], 0, last=True).logits, want.logits[99:100], atol=TOL)
+    got = dec.forward(ids[:100], 0, last=True)  # two chunks: the last row's logits, every row's hidden state
+    assert torch.allclose(got.logits, want.logits[99:100], atol=TOL)
+    assert torch.allclose(got.hidden, want.hidden[:100], atol=TOL)
+    with pytest.raises(ValueError, match="at least 312 positions"):
+        StaticDecoder(Decoder(s), length=256, graphs=False)

@@ -142,8 +142,12 @@ class StaticDecoder:
     can_skip = True
 
     def __init__(self, dec: Decoder, length: int, graphs: bool = True):
+        least = exactness.CONTEXTS[-1] + exactness.MAX_T  # the probe's longest context
+        if length < least:
+            raise ValueError(f"a static decoder needs a cache of at least {least} positions (the exactness probe's), "
+                             f"not {length}")
         self.stack, self.attention, self.device, self.n_layers = dec.stack, dec.attention, dec.device, dec.n_layers
-        self.cache = StaticCache(plain(dec.stack), slots=1, length=length)
+        self.cache = StaticCache(dec.stack, slots=1, length=length)
         self.runner = StepRunner(dec.stack, self.cache, graphs)
         self.length = length
         self._pos = torch.arange(length, device=self.device)
@@ -167,13 +171,12 @@ class StaticDecoder:
             raise MaskError("the static step runs the model's own weights and returns no tapped or influence outputs")
         T = ids.shape[0]
         self.reserve(start + T)
-        parts = []  # a long prefill runs in chunks of the largest captured bucket, each over the K/V of the last
-        for lo in range(0, T, CAPTURE_ROWS):
+        logits, hidden = [], []  # a long prefill runs in chunks of the largest captured bucket, each over the
+        for lo in range(0, T, CAPTURE_ROWS):  # K/V of the last; clones: the next call overwrites the runner's buffers
             hi = min(T, lo + CAPTURE_ROWS)
-            logits, hidden = self.runner(ids[lo:hi], self._pos[start + lo : start + hi], self._slots[: hi - lo], mask)
-            if last and hi < T:
-                continue
-            parts.append((logits[-1:] if last else logits, hidden))
-        if len(parts) == 1:  # the runner's buffers are overwritten by its next call
-            return Output(parts[0][0].clone(), parts[0][1].clone())
-        return Output(torch.cat([x for x, _ in parts]), torch.cat([h for _, h in parts]))
+            x, h = self.runner(ids[lo:hi], self._pos[start + lo : start + hi], self._slots[: hi - lo], mask, slot=0)
+            if not last or hi == T:
+                logits.append((x[-1:] if last else x).clone())
+            hidden.append(h.clone())
+        return Output(torch.cat(logits) if len(logits) > 1 else logits[0],
+                      torch.cat(hidden) if len(hidden) > 1 else hidden[0])
