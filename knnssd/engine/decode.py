@@ -26,6 +26,7 @@ from knnssd.engine.cache import KVCache
 from knnssd.engine.drafters import Draft, Drafter
 from knnssd.engine.sampling import Verdict, Warp, accept_greedy, accept_sampled, draw, probs
 from knnssd.engine.sequence import Sequence
+from knnssd.engine.timing import sync
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,7 @@ def generate(
     """Generate from ``prompt_ids``; returns (new tokens, stats). Greedy output equals plain greedy decoding."""
     t0 = time.perf_counter()
     seq, logits, _ = prefill(decoder, prompt_ids, config)
+    sync(decoder.device)  # a GPU prefill ends here, not inside the first decode step
     t1 = time.perf_counter()
     new, stats = decode(seq, logits, drafter, config, tokenizer)
     stats.prefill_s = t1 - t0
