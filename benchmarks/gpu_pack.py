@@ -72,18 +72,23 @@ def read_blocks(path: Path, config: dict) -> dict[str, dict]:
 
 
 def eval_prompts(data: Path, n: int) -> list[dict]:
+    """``n`` eval rows, round robin over the domains."""
     rows = {d: [r for r in map(json.loads, (data / f"{d}.jsonl").read_text().splitlines()) if r["split"] == "eval"]
             for d in DOMAINS}
+    want = -(-n // len(DOMAINS))
+    short = [d for d in DOMAINS if len(rows[d]) < want]
+    if short:
+        raise SystemExit(f"{data}: too few eval rows in {', '.join(short)} for {n} prompts")
     return [dict(id=rows[d][i // len(DOMAINS)]["id"], split="eval", prompt=rows[d][i // len(DOMAINS)]["prompt"])
             for i, d in ((i, DOMAINS[i % len(DOMAINS)]) for i in range(n))]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="artifacts/gpu")
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     ap.add_argument("--prompts", type=int, default=8)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from safetensors.torch import load_file
 
     from knnssd import models
@@ -98,7 +103,8 @@ def main() -> None:
         if not torch.equal(dequantize(blocks[name]), w):
             raise SystemExit(f"{name}: de-quantized blocks differ from the converted model")
     print(f"{len(blocks)} tensors de-quantize to the converted model's weights, bitwise")
-    out = Path(a.out)
+    final = Path(a.out)
+    out = final.with_name(final.name + ".partial")  # the last pack stays until this one fits
     shutil.rmtree(out, ignore_errors=True)
     (out / "a").mkdir(parents=True)
     (out / "b").mkdir()
@@ -115,9 +121,12 @@ def main() -> None:
         torch.save(part, out / "ab"[i] / f"blocks-{i}.pt")
     for d in ("a", "b"):
         mib = sum(p.stat().st_size for p in (out / d).iterdir()) / 2**20
-        print(f"{out / d}: {mib:.1f} MiB")
+        print(f"{final / d}: {mib:.1f} MiB")
         if mib > PART_MIB:
-            raise SystemExit(f"{out / d} does not fit one device call")
+            shutil.rmtree(out)
+            raise SystemExit(f"{final / d} would not fit one device call ({mib:.1f} MiB)")
+    shutil.rmtree(final, ignore_errors=True)
+    out.rename(final)
 
 
 if __name__ == "__main__":

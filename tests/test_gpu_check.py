@@ -14,6 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gpu_check  # noqa: E402
+import gpu_pack  # noqa: E402
+from conftest import DATA  # noqa: E402
 
 
 def test_the_gpu_check_runs_as_prepared_and_writes_its_report(tmp_path):
@@ -35,3 +37,19 @@ def test_packed_blocks_de_quantize_as_gguf_does(kind):
     data = torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8).reshape(6, -1)
     got = gpu_check.dequantize(dict(type=kind, shape=(6, 64), data=data))
     assert torch.equal(got, torch.from_numpy(want))
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="needs the prompt sets")
+def test_the_packed_model_is_the_one_knnssd_loads(tmp_path):
+    """The pack's weights, built as the check builds them, give the logits of ``models.load`` in bf16, bitwise: its
+    rotary tables included (a model built empty and filled from a state dict had kept garbage in them)."""
+    from knnssd import models
+
+    gpu_pack.main(["--out", str(tmp_path / "gpu"), "--data", str(DATA), "--prompts", "5"])
+    packed, tok = gpu_check.load_packed(tmp_path / "gpu", torch.device("cpu"))
+    lm = models.load("smollm2", "bfloat16", "cpu")
+    ids = torch.tensor([tok("The capital of France is").input_ids])
+    with torch.inference_mode():
+        assert torch.equal(packed(ids).logits, lm.model(ids).logits)
+    assert len((tmp_path / "gpu" / "a" / "prompts.jsonl").read_text().splitlines()) == 5
+    assert not (tmp_path / "gpu.partial").exists()
