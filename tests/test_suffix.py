@@ -84,6 +84,10 @@ def test_the_cache_keeps_the_last_outputs_and_drafts_from_them():
         cache.add(out)
     assert len(cache) == 2 and cache.index.node([1]) is None and cache.index.node([5, 6, 7]).count == 1
     assert propose(_own([0, 5, 6]), cache, 4, 0.0, 2.0) == [7, 8]
+    small = SuffixCache(requests=10, tokens=6, depth=8)  # and by tokens: the oldest go first
+    for out in ([1, 2, 3], [4, 5, 6], [7, 8], list(range(10, 20))):
+        small.add(out)
+    assert len(small) == 2 and small.index.node([1]) is None and small.index.node([4, 5]).count == 1
 
 
 def test_suffix_settings_are_checked():

@@ -159,7 +159,8 @@ class NGram(_Feedback):
 
 class Suffix(_Feedback):
     """SuffixDecoding's chain (``suffix.propose``) over an index of the sequence (its prompt and tokens so far,
-    extended as it grows) and ``cache``, the bank's earlier outputs, which ``finish`` adds the sequence's to."""
+    extended as it grows) and ``cache``, the earlier outputs of the sequences drafted with it, which ``finish``
+    adds this one's to."""
 
     def __init__(self, max_len: int = 8, min_prob: float = 0.1, factor: float = 4.0,
                  cache: suffix.SuffixCache | None = None):

@@ -112,21 +112,27 @@ def chain(node: _Node, k: int, min_prob: float) -> tuple[list[int], float]:
 
 
 class SuffixCache:
-    """The outputs of the last ``requests`` finished sequences in one ``SuffixIndex``."""
+    """The outputs of the last ``requests`` finished sequences in one ``SuffixIndex``, and of no more than
+    ``tokens`` tokens together (the oldest go first): a trie node is a Python object, about 3 KB of them a
+    token at depth 24, so the budget bounds its memory (16,384 tokens: about 50 MB)."""
 
-    def __init__(self, requests: int = 256, depth: int = DEPTH):
+    def __init__(self, requests: int = 256, tokens: int = 16384, depth: int = DEPTH):
         self.index = SuffixIndex(depth)
-        self.requests = requests
+        self.requests, self.tokens = requests, tokens
         self._held: deque[list[int]] = deque()
+        self._size = 0
 
     def add(self, output: list[int]) -> None:
-        if not output or self.requests < 1:
+        if not output or self.requests < 1 or len(output) > self.tokens:
             return
         self.index.start()
         self.index.extend(output)
         self._held.append(list(output))
-        while len(self._held) > self.requests:
-            self.index.remove(self._held.popleft())
+        self._size += len(output)
+        while len(self._held) > self.requests or self._size > self.tokens:
+            old = self._held.popleft()
+            self.index.remove(old)
+            self._size -= len(old)
         self.index.start()
 
     def __len__(self) -> int:

@@ -67,7 +67,7 @@ class RoutedGenerator:
             log.warning("bank was tuned in %s and runs in %s: outputs stay exact, its speedups may not hold "
                         "(calibrate with --dtype %s for this setting)", bank.dtype, lm.dtype_name, lm.dtype_name)
         self.router = bank.router()
-        self.suffix_cache = SuffixCache()  # this bank's earlier outputs, read by its suffix drafters
+        self.suffix_cache = SuffixCache()  # the earlier outputs of this bank's suffix-drafted sequences
         self.drafters = {c.id: build(c.drafter, self.decoder.n_layers, self.decoder.can_skip, self.suffix_cache)
                          for c in bank.clusters}
         self.eos = models.eos_ids(lm)
