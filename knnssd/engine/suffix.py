@@ -6,16 +6,16 @@ Terms:
              probability of that next token after the path
     match    the longest suffix of the sequence (at most ``MATCH`` tokens) that occurred before and was
              followed by something
-    score    a draft's summed token probabilities, as arctic-inference scores one
+    score    a draft's summed token probabilities, as arctic-inference scores one (``SequenceIndex.draft``)
 
 A ``SuffixIndex`` indexes token lists incrementally (``append``: O(D) a token, over the nodes of the
 suffixes ending at the end). A ``SuffixCache`` holds one over the outputs of the last ``requests``
 finished sequences (evicted oldest first, their counts taken back), shared by the sequences of a bank.
 A sequence's own prompt and tokens go into a ``SequenceIndex`` instead, which drafts what a trie of
-them would, from the positions of each token. A ``Suffix`` drafter matches the
-sequence in both, and from the better match drafts the most frequent continuation, token by token,
-while each token's probability stays at ``min_prob`` or more, and for at most ``factor`` times the match
-length (a long match earns a long draft; SuffixDecoding's adaptive speculation).
+them would, from the positions of each token. A ``Suffix`` drafter matches the sequence in its own
+tokens, or where they have no match, in the cache, and drafts the most frequent continuation, token by
+token, while each token's probability stays at ``min_prob`` or more, and for at most ``factor`` times the
+match length (a long match earns a long draft; SuffixDecoding's adaptive speculation).
 
 Written here rather than taken from arctic-inference (whose suffix tree vLLM uses): its 0.3.0 ships only
 as source, built with CMake and nanobind against torch >= 2.10 and protobuf 5.29.6 in an isolated
@@ -197,13 +197,12 @@ class SequenceIndex:
 
 
 def propose(own: SequenceIndex, cache: SuffixCache | None, k: int, min_prob: float, factor: float) -> list[int]:
-    """Up to ``k`` tokens: the better-scored chain of the sequence's own match and the cache's. The match does
-    not depend on ``k``, so a shorter draft is a prefix of a longer one (the search's simulator relies on it)."""
-    best = own.draft(k, min_prob, factor)
-    if cache is not None:
-        node, m = cache.index.match(own.tokens, min(MATCH, cache.index.depth - 1))
-        if node is not None:
-            found = chain(node, draft_length(k, m, factor), min_prob)
-            if found[1] > best[1]:
-                best = found
-    return best[0]
+    """Up to ``k`` tokens: the chain after the sequence's own match, or where it has none, after the cache's.
+    (SuffixDecoding takes the better-scored of the two; replayed on SmolLM2's outputs, the cache only as a
+    fallback was accepted longer in five domains of six: docs/benchmarks.md.) The match does not depend on
+    ``k``, so a shorter draft is a prefix of a longer one (the search's simulator relies on it)."""
+    out = own.draft(k, min_prob, factor)[0]
+    if out or cache is None:
+        return out
+    node, m = cache.index.match(own.tokens, min(MATCH, cache.index.depth - 1))
+    return chain(node, draft_length(k, m, factor), min_prob)[0] if node is not None else []
