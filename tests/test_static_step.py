@@ -58,29 +58,32 @@ def test_the_static_step_computes_what_the_lean_forward_does(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_step_compiles_whole_and_runs_again_on_new_inputs(arch):
-    """``torch.compile(fullgraph=True, dynamic=False)`` of the full step (inductor) and of a draft step
-    (aot_eager, which checks the same graph in less time). The second call's inputs are new values in the
-    same buffers and must not compile again; each call's logits and K/V are checked against the eager step's
-    on a copy of the cache."""
+    """``torch.compile(fullgraph=True, dynamic=False)`` of the full step (inductor), and of a draft step and a
+    one-sequence step (aot_eager, which checks the same graph in less time). The second call's inputs are new
+    values in the same buffers and must not compile again; each call's logits and K/V are checked against the
+    eager step's on a copy of the cache."""
     s = plain(from_hf(tiny(arch)))
     cache = StaticCache(s, slots=2, length=64)
     prompt = _ids(10, 3)
     step(s, cache.k, cache.v, cache.tables, prompt, torch.arange(10), torch.zeros(10, dtype=torch.long))
     ids, pos, slots = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
     mask = SkipMask.from_layers(4, **MASK)
-    for skip, backend in ((None, "inductor"), (mask, "aot_eager")):
+    packed = [(_ids(4, 4), _long(10, 11, 12, 13), _long(0, 0, 0, 0)),
+              (_ids(4, 5), _long(10, 3, 11, 12), _long(0, 1, 0, 2))]  # the second: other slots, a scratch row
+    one = [(_ids(4, 6), _long(10, 11, 12, 13), _long(0, 0, 0, 0)),
+           (_ids(4, 7), _long(12, 13, 14, 0), _long(0, 0, 0, 2))]  # one sequence's rows, read as a view of slot 0
+    for skip, backend, slot, calls in ((None, "inductor", None, packed), (mask, "aot_eager", None, packed),
+                                       (None, "aot_eager", 0, one)):
         torch._dynamo.reset()
         compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
-        calls = [(_ids(4, 4), _long(10, 11, 12, 13), _long(0, 0, 0, 0)),
-                 (_ids(4, 5), _long(10, 3, 11, 12), _long(0, 1, 0, 2))]  # the second: other slots, a scratch row
         for n, (i, p, sl) in enumerate(calls):
             ids.copy_(i), pos.copy_(p), slots.copy_(sl)
             k, v = [t.clone() for t in cache.k], [t.clone() for t in cache.v]
             with torch.inference_mode():
-                want = step(s, k, v, cache.tables, ids, pos, slots, skip)
+                want = step(s, k, v, cache.tables, ids, pos, slots, skip, slot)
                 with torch.compiler.set_stance("fail_on_recompile" if n else "default"):
-                    got = compiled(s, cache.k, cache.v, cache.tables, ids, pos, slots, skip)
-            assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want)), (arch, skip, n)
+                    got = compiled(s, cache.k, cache.v, cache.tables, ids, pos, slots, skip, slot)
+            assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want)), (arch, skip, slot, n)
             for a, b in zip(cache.k + cache.v, k + v):
                 assert torch.allclose(a, b, atol=1e-5)
 

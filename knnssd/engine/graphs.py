@@ -1,7 +1,7 @@
 """Static steps run over one ``StaticCache``, replayed from CUDA graphs where the device has them.
 
 A call's rows are copied into the input buffers of their bucket (``static_step.rows_bucket``) and padded
-with scratch rows. Each (skip mask, bucket) is captured once, at its first use, into one memory pool
+with scratch rows. Each (skip mask, bucket, slot) is captured once, at its first use, into one memory pool
 shared by all of them, and replayed for every later call with the same key, whatever the request. A
 capture that fails leaves its key eager, with a log line. Captures are recorded (``captures``) with
 their time and the memory they took.
