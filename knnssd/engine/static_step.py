@@ -27,7 +27,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from knnssd.engine.attention import allowed
+from knnssd.engine.attention import allowed, to_additive
 from knnssd.engine.decoder import Decoder, _attn_out, _heads, _logits, _mlp, rope_tables, rotate
 from knnssd.engine.skip import SkipMask
 from knnssd.engine.stack import Int8Linear, Layer, Linear, Norm, PackedLinear, Stack, UnsupportedArchitecture
@@ -109,13 +109,11 @@ def step(s: Stack, k: list[torch.Tensor], v: list[torch.Tensor], tables: dict[st
     length = k[0].shape[2]
     h = Decoder._embed(s, ids)  # (1, R, E)
     rope = {key: (cos[pos], sin[pos]) for key, (cos, sin) in tables.items()}  # (R, 1, d) each
-    masks: dict[int | None, torch.Tensor] = {}
+    masks: dict[int | None, torch.Tensor] = {}  # by window: (R, 1, 1, L), 0 / -inf
     for i, layer in enumerate(s.layers):
         if skip is None or not skip.attn[i]:
             if layer.window not in masks:
-                ok = allowed(pos, length, layer.window)  # (R, L)
-                masks[layer.window] = torch.zeros(ok.shape, dtype=k[i].dtype, device=h.device).masked_fill(
-                    ~ok, float("-inf"))[:, None, None]  # (R, 1, 1, L)
+                masks[layer.window] = to_additive(allowed(pos, length, layer.window), k[i].dtype)[:, None, None]
             h = h + _attn_out(layer, _attend(s, layer, i, h, k, v, rope[layer.rope], masks[layer.window], pos, slots,
                                              slot))
         if skip is None or not skip.mlp[i]:
