@@ -61,7 +61,7 @@ def test_a_draft_continues_the_most_frequent_earlier_match():
     index.extend(toks)
     node, m = index.match(toks, 6)
     assert m == 2  # of the suffixes, only [1, 2] occurred before with a continuation
-    assert chain(node, 4, 0.0)[0][0] == 3  # after [1, 2]: 3 twice, 4 once
+    assert chain(node, 4, 0.0)[0] == 3  # after [1, 2]: 3 twice, 4 once
     assert propose(_own(toks), None, 4, 0.0, 1.0) == [3, 9]  # at most factor x match length tokens
     assert propose(_own(toks), None, 4, 0.0, 3.0) == [3, 9, 1, 2]
     assert propose(_own(toks), None, 4, 0.9, 3.0) == []  # 3 has probability 2/4 there
@@ -74,7 +74,7 @@ def test_the_sequence_index_drafts_what_a_trie_of_the_sequence_would(toks, k, mi
     trie = SuffixIndex(depth)
     trie.extend(toks)
     node, m = trie.match(toks, min(MATCH, depth - 1))
-    want = chain(node, draft_length(k, m, factor), min_prob) if node is not None else ([], 0.0)
+    want = chain(node, draft_length(k, m, factor), min_prob) if node is not None else []
     assert _own(toks, depth).draft(k, min_prob, factor) == want
 
 

@@ -6,7 +6,6 @@ Terms:
              probability of that next token after the path
     match    the longest suffix of the sequence (at most ``MATCH`` tokens) that occurred before and was
              followed by something
-    score    a draft's summed token probabilities, as arctic-inference scores one (``SequenceIndex.draft``)
 
 A ``SuffixIndex`` indexes token lists incrementally (``append``: O(D) a token, over the nodes of the
 suffixes ending at the end). A ``SuffixCache`` holds one over the outputs of the last ``requests``
@@ -96,19 +95,18 @@ class SuffixIndex:
         return None, 0
 
 
-def chain(node: _Node, k: int, min_prob: float) -> tuple[list[int], float]:
+def chain(node: _Node, k: int, min_prob: float) -> list[int]:
     """The most frequent continuation below ``node``: up to ``k`` tokens while each one's probability (its
-    count over its parent's, as SuffixDecoding estimates it) is ``min_prob`` or more; with its score."""
-    out, score = [], 0.0
+    count over its parent's, as SuffixDecoding estimates it) is ``min_prob`` or more."""
+    out = []
     while len(out) < k and node.children:
         token, child = max(node.children.items(), key=lambda kv: kv[1].count)
         p = child.count / node.count
         if p < min_prob:
             break
         out.append(token)
-        score += p
         node = child
-    return out, score
+    return out
 
 
 class SuffixCache:
@@ -160,11 +158,11 @@ class SequenceIndex:
             self._at.setdefault(t, []).append(len(self.tokens))
             self.tokens.append(t)
 
-    def draft(self, k: int, min_prob: float, factor: float) -> tuple[list[int], float]:
-        """(tokens, score) of the chain after the longest earlier match (``chain``'s rule)."""
+    def draft(self, k: int, min_prob: float, factor: float) -> list[int]:
+        """The chain after the longest earlier match (``chain``'s rule)."""
         toks, n = self.tokens, len(self.tokens)
         if n < 2:
-            return [], 0.0
+            return []
         longest = min(MATCH, self.depth - 1)
         length = {}  # earlier end position -> how many tokens before it equal the sequence's last ones
         for q in self._at[toks[-1]]:
@@ -176,9 +174,9 @@ class SequenceIndex:
             length[q] = m
         m = max(length.values(), default=0)
         if m == 0:
-            return [], 0.0
+            return []
         occ = [q for q, lq in length.items() if lq >= m] + [n - 1]  # every occurrence of the match, in order
-        out, score = [], 0.0
+        out: list[int] = []
         for _ in range(min(draft_length(k, m, factor), self.depth - m)):
             counts: dict[int, int] = {}
             for q in occ:
@@ -191,9 +189,8 @@ class SequenceIndex:
             if p < min_prob:
                 break
             out.append(token)
-            score += p
             occ = [q + 1 for q in occ if q + 1 < n and toks[q + 1] == token]
-        return out, score
+        return out
 
 
 def propose(own: SequenceIndex, cache: SuffixCache | None, k: int, min_prob: float, factor: float) -> list[int]:
@@ -201,8 +198,8 @@ def propose(own: SequenceIndex, cache: SuffixCache | None, k: int, min_prob: flo
     (SuffixDecoding takes the better-scored of the two; replayed on SmolLM2's outputs, the cache only as a
     fallback was accepted longer in five domains of six: docs/benchmarks.md.) The match does not depend on
     ``k``, so a shorter draft is a prefix of a longer one (the search's simulator relies on it)."""
-    out = own.draft(k, min_prob, factor)[0]
+    out = own.draft(k, min_prob, factor)
     if out or cache is None:
         return out
     node, m = cache.index.match(own.tokens, min(MATCH, cache.index.depth - 1))
-    return chain(node, draft_length(k, m, factor), min_prob)[0] if node is not None else []
+    return chain(node, draft_length(k, m, factor), min_prob) if node is not None else []
