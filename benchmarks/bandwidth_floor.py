@@ -10,23 +10,12 @@ once). Own AR is decode-only tokens/s over eval prompts (no EOS stop), after a w
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from knnssd import models, prompts
 from knnssd.engine.decode import GenerationConfig, generate
-
-
-def read_bandwidth(mib: int = 256, repeats: int = 10) -> float:
-    """Bytes per second of a sum over ``mib`` MiB of fp32 (best of ``repeats``)."""
-    a = torch.ones(mib * 1024 * 1024 // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t0)
-    return a.nbytes / best
+from knnssd.engine.timing import read_bandwidth
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ from knnssd.engine.graphs import StaticDecoder, StepRunner  # noqa: E402
 from knnssd.engine.skip import SkipMask  # noqa: E402
 from knnssd.engine.stack import Stack, from_hf  # noqa: E402
 from knnssd.engine.static_step import StaticCache  # noqa: E402
-from knnssd.engine.timing import median_ms, sync  # noqa: E402
+from knnssd.engine.timing import median_ms, read_bandwidth, sync  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
@@ -235,13 +235,6 @@ def throughput_section(a, stack, device: torch.device) -> dict:
     return out
 
 
-def read_bandwidth(device: torch.device, mib: int) -> float:
-    """Bytes per second of a sum over ``mib`` MiB of bf16 (best of 10), the bound of reading weights once."""
-    x = torch.ones(mib * 2**20 // 2, dtype=torch.bfloat16, device=device)
-    best = min(median_ms(lambda: x.sum(), device, repeats=1, warmup=1) for _ in range(10))
-    return x.nbytes / (best / 1e3)
-
-
 def big_section(a, device: torch.device) -> dict:
     """The large shape's one-row step (one sequence, graphed on CUDA) at a short and a long cache, against the
     bandwidth floor of its weights; and its 25% and 50% skip draft steps, against the full one."""
@@ -251,7 +244,7 @@ def big_section(a, device: torch.device) -> dict:
                        for t in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight))
     weight_bytes += s.lm_head.weight.numel() * s.lm_head.weight.element_size()
     del model
-    bandwidth = read_bandwidth(device, 2048 if a.big == "7b" else 64)
+    bandwidth = read_bandwidth(device, 2048 if a.big == "7b" else 64, torch.bfloat16)
     floor_ms = weight_bytes / bandwidth * 1e3
     L = s.n_layers
     masks = {"25%": SkipMask.from_layers(L, attn=range(1, L, 4), mlp=range(3, L, 4)),

@@ -28,6 +28,16 @@ def median_ms(fn: Callable[[], object], device: torch.device | str, repeats: int
     return statistics.median(ts) * 1e3
 
 
+def read_bandwidth(device: torch.device | str = "cpu", mib: int = 256, dtype: torch.dtype = torch.float32,
+                   repeats: int = 10) -> float:
+    """Bytes per second of a sum over ``mib`` MiB of ``dtype`` on ``device``: the best of ``repeats`` sums after
+    one, each timed to the device's end. Decoding reads every weight once a token, so weight bytes over this
+    bound its tokens per second."""
+    x = torch.ones(mib * 2**20 // dtype.itemsize, dtype=dtype, device=device)
+    best = min(median_ms(lambda: x.sum(), device, repeats=1, warmup=1 if i == 0 else 0) for i in range(repeats))
+    return x.nbytes / (best / 1e3)
+
+
 def pass_timer(dec, context: int, max_t: int, repeats: int = 5) -> Callable[..., float]:
     """Fill ``dec``'s cache with ``context`` random tokens and return ``ms(t, mask=None, stack=None)``:
     the median milliseconds of a ``t``-token pass after them (``t`` = 1 keeps only the last logits,
