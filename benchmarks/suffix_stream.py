@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -83,7 +84,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     a = ap.parse_args()
-    data = prompt_sets.default_data_dir() if a.data is None else __import__("pathlib").Path(a.data)
+    data = prompt_sets.default_data_dir() if a.data is None else Path(a.data)
     gen = RoutedGenerator.from_model_uri(a.model_uri, dtype=a.dtype, tracking_uri=a.tracking_uri)
     domain, n = a.repetitive.split(":")
     streams = {"mixed": [p.prompt for p in mixed_prompts(data, a.mixed)],
