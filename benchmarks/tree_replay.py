@@ -1,0 +1,205 @@
+"""What token trees could add to suffix drafting here: plain outputs replayed against chains and trees.
+
+    .venv/bin/python benchmarks/tree_replay.py --mixed 30 --repetitive text_to_sql:20 --max-new-tokens 128
+
+A ceiling, measured before building tree verification. Plain greedy decoding gives each prompt's tokens.
+The replay then walks them as the greedy loop would: at each step the drafter sees the prompt and the
+tokens so far, a chain's accepted tokens are its longest prefix equal to the plain output, and a tree's
+its longest root path equal to it (what tree verification would accept); the step emits those and one
+more token. Nothing is verified by the model, so the replay says what a tree could accept, not what it
+costs to check; the cost side is the full pass timed at each row count on this machine.
+
+    chain      the suffix drafter's chain (``SequenceIndex.draft``: 8 tokens at most, floor 0.1, 4x the match)
+    tree B     the B best nodes below every earlier occurrence of the sequence's last token, each occurrence
+               a path of its continuation (8 tokens at most); a node ranks by the longest match among the
+               occurrences through it, then by how many of those share that match (SuffixDecoding's
+               frequency), so a node never ranks above its parent
+
+Prints, per stream, mean accepted length (tokens a pass) and rows verified a pass, and an estimate of
+tokens/s against the chain: each step's tokens over the pass cost of its rows (the timed table), draft
+time left out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from knnssd import models
+from knnssd import prompts as prompt_sets
+from knnssd.bench.throughput import mixed_prompts
+from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.suffix import MATCH, SequenceIndex
+
+DEPTH = 8  # the longest draft, as the suffix drafter's ``max_len`` in the benchmarks
+BUDGETS = (4, 8, 16, 32, 64)
+ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64, 65)
+
+
+def occurrences(toks: list[int]) -> list[tuple[int, int]]:
+    """(end position q, match length) for every earlier q where the last token occurs, its match the
+    number of tokens before and at q equal to the sequence's last ones (at most ``MATCH``)."""
+    n = len(toks)
+    out = []
+    for q in range(n - 1):
+        if toks[q] != toks[-1]:
+            continue
+        m = 1
+        while m < MATCH and q - m >= 0 and toks[q - m] == toks[n - 1 - m]:
+            m += 1
+        out.append((q, m))
+    return out
+
+
+def tree(toks: list[int], budget: int) -> list[tuple[int, int]]:
+    """The ``budget`` best nodes as (parent index, token), parents first (-1: the last token)."""
+    trie: dict[tuple[int, int], dict] = {}  # (parent, token) -> node
+    nodes: list[dict] = []
+    for q, m in occurrences(toks):
+        parent = -1
+        for t in toks[q + 1 : q + 1 + DEPTH]:
+            node = trie.get((parent, t))
+            if node is None:
+                node = trie[(parent, t)] = dict(i=len(nodes), parent=parent, token=t, ms=[])
+                nodes.append(node)
+            node["ms"].append(m)
+            parent = node["i"]
+
+    def score(node: dict) -> tuple:
+        best = max(node["ms"])
+        return -best, -node["ms"].count(best), -len(node["ms"]), node["i"]
+
+    chosen = sorted(nodes, key=score)[:budget]
+    keep = {node["i"] for node in chosen}
+    if any(node["parent"] != -1 and node["parent"] not in keep for node in chosen):
+        raise AssertionError("a node ranked above its parent")
+    index = {node["i"]: j for j, node in enumerate(sorted(chosen, key=lambda x: x["i"]))}
+    return [(index.get(node["parent"], -1), node["token"]) for node in sorted(chosen, key=lambda x: x["i"])]
+
+
+def chain_accepted(draft: list[int], truth: list[int]) -> int:
+    n = 0
+    while n < len(draft) and n < len(truth) and draft[n] == truth[n]:
+        n += 1
+    return n
+
+
+def tree_accepted(nodes: list[tuple[int, int]], truth: list[int]) -> int:
+    children: dict[int, dict[int, int]] = {}
+    for j, (parent, token) in enumerate(nodes):
+        children.setdefault(parent, {})[token] = j
+    at, n = -1, 0
+    while n < len(truth) and truth[n] in children.get(at, {}):
+        at, n = children[at][truth[n]], n + 1
+    return n
+
+
+def replay(prompt: list[int], out: list[int], draft) -> list[tuple[int, int]]:
+    """(tokens emitted, rows verified) per step of the greedy loop over ``out`` with ``draft``."""
+    steps, i = [], 1  # the prefill emits out[0]
+    while i < len(out):
+        toks = prompt + out[:i]
+        accepted, rows = draft(toks, out[i:])
+        accepted = min(accepted, len(out) - i - 1)
+        steps.append((accepted + 1, rows))
+        i += accepted + 1
+    return steps
+
+
+def suffix_chain(toks: list[int], truth: list[int]) -> tuple[int, int]:
+    index = SequenceIndex()
+    index.extend(toks)
+    d = index.draft(DEPTH, 0.1, 4.0)
+    return chain_accepted(d, truth), 1 + len(d)
+
+
+def suffix_tree(budget: int):
+    def draft(toks: list[int], truth: list[int]) -> tuple[int, int]:
+        nodes = tree(toks, budget)
+        return tree_accepted(nodes, truth), 1 + len(nodes)
+    return draft
+
+
+def pass_costs(dec, context: int, repeats: int) -> dict[int, float]:
+    """Seconds of one full pass of R rows at position ``context`` (median of ``repeats``)."""
+    dec.reserve(context + max(ROWS))
+    dec.forward(torch.randint(100, 1000, (context,)), 0)
+    out = {}
+    for r in ROWS:
+        ids = torch.randint(100, 1000, (r,))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dec.forward(ids, context)
+            times.append(time.perf_counter() - t0)
+        out[r] = statistics.median(times)
+    return out
+
+
+def cost(table: dict[int, float], rows: int) -> float:
+    """The timed cost of ``rows``, linear between the row counts timed."""
+    below = max(r for r in table if r <= rows)
+    above = min((r for r in table if r >= rows), default=below)
+    if above == below:
+        return table[below] * rows / below if rows > below else table[below]
+    return table[below] + (table[above] - table[below]) * (rows - below) / (above - below)
+
+
+def stream(lm, texts: list[str], max_new: int, table: dict[int, float]) -> dict:
+    config = GenerationConfig(max_new_tokens=max_new, eos_ids=models.eos_ids(lm))
+    methods = {"chain": suffix_chain, **{f"tree {b}": suffix_tree(b) for b in BUDGETS}}
+    steps: dict[str, list[tuple[int, int]]] = {m: [] for m in methods}
+    for i, text in enumerate(texts):
+        prompt = lm.tokenizer(text).input_ids
+        out, _ = generate(lm.decoder, prompt, None, config)
+        for m, draft in methods.items():
+            steps[m] += replay(prompt, list(out), draft)
+        print(f"  {i + 1}/{len(texts)}", file=sys.stderr)
+    report = {}
+    for m, s in steps.items():
+        tokens, passes = sum(t for t, _ in s), len(s)
+        seconds = sum(cost(table, rows) for _, rows in s)
+        report[m] = dict(mean_accepted=tokens / passes, rows=sum(r for _, r in s) / passes, est_tok_s=tokens / seconds)
+    chain = report["chain"]["est_tok_s"]
+    for r in report.values():
+        r["est_vs_chain"] = r["est_tok_s"] / chain
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=None, help="the prompt folder (default: ../shared/data)")
+    ap.add_argument("--mixed", type=int, default=30, help="eval prompts, round robin over the domains")
+    ap.add_argument("--repetitive", default="text_to_sql:20", help="DOMAIN:N eval prompts of one domain")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--context", type=int, default=300, help="the position the pass costs are timed at")
+    a = ap.parse_args()
+    data = prompt_sets.default_data_dir() if a.data is None else Path(a.data)
+    domain, _, n = a.repetitive.partition(":")
+    if domain not in prompt_sets.DOMAINS or not n.isdigit() or int(n) < 1:
+        ap.error(f"--repetitive must be DOMAIN:N with DOMAIN one of {', '.join(prompt_sets.DOMAINS)} and N >= 1")
+    lm = models.load(dtype=a.dtype)
+    table = pass_costs(lm.decoder, a.context, 9)
+    print("pass cost (ms) by rows: " + ", ".join(f"{r}: {1e3 * s:.2f}" for r, s in table.items()), file=sys.stderr)
+    streams = {"mixed": [p.prompt for p in mixed_prompts(data, a.mixed)],
+               f"repetitive ({domain})": [p.prompt for p in prompt_sets.load_domains(data, (domain,), "eval", int(n))]}
+    report = dict(model=lm.name, dtype=lm.dtype_name, threads=torch.get_num_threads(), max_new_tokens=a.max_new_tokens,
+                  pass_ms={r: 1e3 * s for r, s in table.items()})
+    for name, texts in streams.items():
+        print(f"{name}: {len(texts)} prompts", file=sys.stderr)
+        report[name] = stream(lm, texts, a.max_new_tokens, table)
+    print(json.dumps(report, indent=1))
+    for name in streams:
+        print(f"\n{name}\n\n| draft | mean accepted | rows a pass | est. x chain |\n|---|---:|---:|---:|")
+        for m, r in report[name].items():
+            print(f"| {m} | {r['mean_accepted']:.2f} | {r['rows']:.1f} | {r['est_vs_chain']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
