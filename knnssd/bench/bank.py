@@ -41,6 +41,7 @@ import torch
 
 from knnssd import models, prompts
 from knnssd.bench import throughput
+from knnssd.bench.engine import fixed_drafters
 from knnssd.bench.hf import hf_generate
 from knnssd.bench.throughput import SIZES, ThroughputBench
 from knnssd.engine import exactness
@@ -48,8 +49,10 @@ from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, me
 from knnssd.engine.drafters import build
 from knnssd.routing import bank as banks
 
-METHODS = ("ar", "hf_generate", "hf_pld", "static_ssd", "oracle", "knn_masks", "knn_unmasked", "knn_routed")
-OOD_METHODS = ("ar", "hf_pld", "static_ssd", "knn_masks", "knn_routed")
+# ngram and suffix: bench-engine's untuned prompt-lookup drafters (``engine.fixed_drafters``), every prompt the same
+METHODS = ("ar", "hf_generate", "hf_pld", "ngram", "suffix", "static_ssd", "oracle", "knn_masks", "knn_unmasked",
+           "knn_routed")
+OOD_METHODS = ("ar", "hf_pld", "ngram", "suffix", "static_ssd", "knn_masks", "knn_routed")
 RATIOS = (0.0, 0.3, 0.7, 1.0)
 
 
@@ -143,7 +146,8 @@ class Runner:
             if len(static.clusters) != 1:
                 raise banks.BankError(f"static bank must hold one cluster, it holds {len(static.clusters)}")
         n, can = self.dec.n_layers, self.dec.can_skip
-        self.drafters = {"ar": None}
+        fixed = fixed_drafters(n, can)
+        self.drafters = {"ar": None, **{m: build(fixed[m], n, can) for m in ("ngram", "suffix")}}
         if static is not None:
             self.drafters["static_ssd"] = build(static.clusters[0].drafter, n, can)
         self.oracle = {}  # domain -> drafter of its largest own-domain cluster
