@@ -1,7 +1,7 @@
 """Suffix drafting against n-gram lookup and today's routing, on streams of eval prompts, in one process.
 
     .venv/bin/python benchmarks/suffix_stream.py --tracking-uri sqlite:///artifacts/mlflow.db \\
-        --mixed 20 --repetitive text_to_sql:20 --max-new-tokens 128
+        --mixed 20 --repetitive text_to_sql:20 --max-new-tokens 128 [--batched 8]
 
 Two streams, each decoded one prompt after another, greedy: ``--mixed`` eval prompts round robin over the
 five domains, and ``--repetitive`` eval prompts of one domain (the same task again and again, as a batch
@@ -15,6 +15,11 @@ flow runs it). Each prompt runs every method, the order rotating prompt by promp
 
 Prints tokens/s (prefill included) against plain, mean accepted length (tokens a full-model pass) and
 agreement with plain's tokens, per stream, as JSON and as a Markdown table.
+
+``--batched N`` also decodes the repetitive stream as one batch run of N slots (``generate_many``), with
+the bank as it is and with every cluster's drafter replaced by plain decoding, n-gram lookup or the
+suffix drafter; the suffix bank's cache is shared by the run's sequences, as in a batch flow. Tokens/s
+is the run's tokens over its wall time, best of two runs in rotating order.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,6 +41,8 @@ from knnssd.engine.suffix import SuffixCache
 from knnssd.serving.routed import RoutedGenerator
 
 METHODS = ("plain", "ngram", "suffix", "suffix+cache", "routed")
+DRAFTERS = {"ngram": DrafterConfig(kind="ngram", max_len=8, ngram_sizes=[3, 2, 1], adaptive=True),
+            "suffix": DrafterConfig(kind="suffix", max_len=8)}
 
 
 def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:
@@ -42,8 +50,7 @@ def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:
     params = GenerateParams(max_new_tokens=max_new)
     config = GenerationConfig(max_new_tokens=max_new, eos_ids=gen.eos)
     cache = SuffixCache()
-    configs = {"ngram": DrafterConfig(kind="ngram", max_len=8, ngram_sizes=[3, 2, 1], adaptive=True),
-               "suffix": DrafterConfig(kind="suffix", max_len=8)}
+    configs = DRAFTERS
     totals = {m: dict(tokens=0, seconds=0.0, accepted=0, steps=0, equal=0) for m in METHODS}
     for i, text in enumerate(texts):
         ids, _ = gen.tokenize(text, params)
@@ -74,6 +81,38 @@ def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:
                     tokens=t["tokens"]) for m, t in totals.items()}
 
 
+def batched(gen: RoutedGenerator, texts: list[str], max_new: int, slots: int) -> dict:
+    """The repetitive stream in one batch run of ``slots`` sequences, per bank (see the module's doc)."""
+    params = GenerateParams(max_new_tokens=max_new)
+    positions = max(len(gen.tokenize(t, params)[0]) for t in texts) + max_new
+    plan = gen.plan(slots, positions)
+    configs = {"plain": DrafterConfig(), **{m: c for m, c in DRAFTERS.items()}}
+    gens = {m: RoutedGenerator(gen.lm, replace(gen.bank, clusters=[replace(c, config=cfg.to_dict())
+                                                                    for c in gen.bank.clusters]))
+            for m, cfg in configs.items()}
+    gens["routed"] = gen
+    best: dict[str, dict] = {}
+    outs: dict[str, list[list[int]]] = {}
+    for rep in range(2):
+        order = list(gens)[rep:] + list(gens)[:rep]
+        for m in order:
+            t0 = time.perf_counter()
+            res = dict(gens[m].generate_many(enumerate(texts), params, plan))
+            wall = time.perf_counter() - t0
+            rs = [res[i] for i in range(len(texts))]
+            tokens = sum(len(r.tokens) for r in rs)
+            accepted, steps = sum(sum(r.stats.accepted) for r in rs), sum(r.stats.steps for r in rs)
+            row = dict(tok_s=tokens / wall, mean_accepted=(accepted + steps) / max(1, steps), tokens=tokens)
+            if m not in best or row["tok_s"] > best[m]["tok_s"]:
+                best[m] = row
+            outs[m] = [r.tokens for r in rs]
+    for m, row in best.items():
+        row["vs_plain"] = row["tok_s"] / best["plain"]["tok_s"]
+        row["vs_routed"] = row["tok_s"] / best["routed"]["tok_s"]
+        row["agreement"] = sum(a == b for a, b in zip(outs[m], outs["plain"])) / len(texts)
+    return dict(slots=slots, exact=plan.exact, methods=best)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-uri", default="models:/knnssd-smollm2@champion")
@@ -83,10 +122,15 @@ def main() -> None:
     ap.add_argument("--repetitive", default="text_to_sql:20", help="DOMAIN:N eval prompts of one domain")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batched", type=int, default=0, metavar="N", help="also the repetitive stream in N slots")
     a = ap.parse_args()
     data = prompt_sets.default_data_dir() if a.data is None else Path(a.data)
+    domain, _, n = a.repetitive.partition(":")
+    if domain not in prompt_sets.DOMAINS or not n.isdigit() or int(n) < 1:
+        ap.error(f"--repetitive must be DOMAIN:N with DOMAIN one of {', '.join(prompt_sets.DOMAINS)} and N >= 1")
+    if a.batched < 0 or a.batched == 1:
+        ap.error("--batched must be 0 (none) or at least 2 slots")
     gen = RoutedGenerator.from_model_uri(a.model_uri, dtype=a.dtype, tracking_uri=a.tracking_uri)
-    domain, n = a.repetitive.split(":")
     streams = {"mixed": [p.prompt for p in mixed_prompts(data, a.mixed)],
                f"repetitive ({domain})": [p.prompt for p in prompt_sets.load_domains(data, (domain,), "eval", int(n))]}
     warm = streams["mixed"][0]
@@ -96,7 +140,18 @@ def main() -> None:
     for name, texts in streams.items():
         print(f"{name}: {len(texts)} prompts", file=sys.stderr)
         report[name] = stream(gen, texts, a.max_new_tokens)
+    if a.batched:
+        name = f"repetitive ({domain})"
+        print(f"{name}, batched: {a.batched} slots", file=sys.stderr)
+        report[f"{name}, batched"] = batched(gen, streams[name], a.max_new_tokens, a.batched)
     print(json.dumps(report, indent=1))
+    if a.batched:
+        b = report[f"repetitive ({domain}), batched"]
+        print(f"\nrepetitive ({domain}), one batch run of {b['slots']} slots\n\n"
+              "| bank's drafters | tok/s | x plain | x routed | mean accepted | agreement |\n|---|---:|---:|---:|---:|---:|")
+        for m, r in b["methods"].items():
+            print(f"| {m} | {r['tok_s']:.1f} | {r['vs_plain']:.2f} | {r['vs_routed']:.2f} | {r['mean_accepted']:.2f} | "
+                  f"{r['agreement']:.2f} |")
     for name in streams:
         print(f"\n{name}\n\n| method | tok/s | x plain | mean accepted | agreement |\n|---|---:|---:|---:|---:|")
         for m, r in report[name].items():
