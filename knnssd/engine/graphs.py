@@ -151,7 +151,7 @@ class StaticDecoder:
         self.runner = StepRunner(dec.stack, self.cache, graphs)
         self.length = length
         self._pos = torch.arange(length, device=self.device)
-        self._slots = torch.zeros(length, dtype=torch.long, device=self.device)
+        self._slots = torch.zeros(CAPTURE_ROWS, dtype=torch.long, device=self.device)  # a call's rows: one chunk at most
         self.exactness = None
         self.exactness = exactness.probe_fixed(self, "static_graphed" if self.runner.graphs else "static")
 
