@@ -28,12 +28,10 @@ import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from knnssd import prompts as prompt_sets
-from knnssd.bench.throughput import mixed_prompts
+from knnssd.bench import streams
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.params import GenerateParams
@@ -117,45 +115,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-uri", default="models:/knnssd-smollm2@champion")
     ap.add_argument("--tracking-uri", default=None)
-    ap.add_argument("--data", default=None, help="the prompt folder (default: ../shared/data)")
-    ap.add_argument("--mixed", type=int, default=20, help="eval prompts, round robin over the domains")
-    ap.add_argument("--repetitive", default="text_to_sql:20", help="DOMAIN:N eval prompts of one domain")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="auto")
+    streams.add_arguments(ap, mixed=20)
     ap.add_argument("--batched", type=int, default=0, metavar="N", help="also the repetitive stream in N slots")
     a = ap.parse_args()
-    data = prompt_sets.default_data_dir() if a.data is None else Path(a.data)
-    domain, _, n = a.repetitive.partition(":")
-    if domain not in prompt_sets.DOMAINS or not n.isdigit() or int(n) < 1:
-        ap.error(f"--repetitive must be DOMAIN:N with DOMAIN one of {', '.join(prompt_sets.DOMAINS)} and N >= 1")
+    texts, repeated = streams.from_arguments(ap, a)
     if a.batched < 0 or a.batched == 1:
         ap.error("--batched must be 0 (none) or at least 2 slots")
     gen = RoutedGenerator.from_model_uri(a.model_uri, dtype=a.dtype, tracking_uri=a.tracking_uri)
-    streams = {"mixed": [p.prompt for p in mixed_prompts(data, a.mixed)],
-               f"repetitive ({domain})": [p.prompt for p in prompt_sets.load_domains(data, (domain,), "eval", int(n))]}
-    warm = streams["mixed"][0]
-    stream(gen, [warm], 16)  # warm-up: every method once
+    stream(gen, texts["mixed"][:1], 16)  # warm-up: every method once
     report = dict(model=gen.lm.name, dtype=gen.lm.dtype_name, threads=torch.get_num_threads(),
                   max_new_tokens=a.max_new_tokens, bank=a.model_uri)
-    for name, texts in streams.items():
-        print(f"{name}: {len(texts)} prompts", file=sys.stderr)
-        report[name] = stream(gen, texts, a.max_new_tokens)
+    for name, stream_texts in texts.items():
+        print(f"{name}: {len(stream_texts)} prompts", file=sys.stderr)
+        report[name] = stream(gen, stream_texts, a.max_new_tokens)
     if a.batched:
-        name = f"repetitive ({domain})"
-        print(f"{name}, batched: {a.batched} slots", file=sys.stderr)
-        report[f"{name}, batched"] = batched(gen, streams[name], a.max_new_tokens, a.batched)
+        print(f"{repeated}, batched: {a.batched} slots", file=sys.stderr)
+        report[f"{repeated}, batched"] = batched(gen, texts[repeated], a.max_new_tokens, a.batched)
     print(json.dumps(report, indent=1))
+    columns = [("tok/s", "tok_s", ".1f"), ("x plain", "vs_plain", ".2f"), ("mean accepted", "mean_accepted", ".2f"),
+               ("agreement", "agreement", ".2f")]
     if a.batched:
-        b = report[f"repetitive ({domain}), batched"]
-        print(f"\nrepetitive ({domain}), one batch run of {b['slots']} slots\n\n"
-              "| bank's drafters | tok/s | x plain | x routed | mean accepted | agreement |\n|---|---:|---:|---:|---:|---:|")
-        for m, r in b["methods"].items():
-            print(f"| {m} | {r['tok_s']:.1f} | {r['vs_plain']:.2f} | {r['vs_routed']:.2f} | {r['mean_accepted']:.2f} | "
-                  f"{r['agreement']:.2f} |")
-    for name in streams:
-        print(f"\n{name}\n\n| method | tok/s | x plain | mean accepted | agreement |\n|---|---:|---:|---:|---:|")
-        for m, r in report[name].items():
-            print(f"| {m} | {r['tok_s']:.1f} | {r['vs_plain']:.2f} | {r['mean_accepted']:.2f} | {r['agreement']:.2f} |")
+        b = report[f"{repeated}, batched"]
+        print(streams.table(f"{repeated}, one batch run of {b['slots']} slots", "bank's drafters", b["methods"],
+                            [*columns[:2], ("x routed", "vs_routed", ".2f"), *columns[2:]]))
+    for name in texts:
+        print(streams.table(name, "method", report[name], columns))
 
 
 if __name__ == "__main__":

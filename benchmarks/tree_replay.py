@@ -26,13 +26,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from knnssd import models
-from knnssd import prompts as prompt_sets
-from knnssd.bench.throughput import mixed_prompts
+from knnssd.bench import streams
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.suffix import MATCH, SequenceIndex
 
@@ -173,32 +171,23 @@ def stream(lm, texts: list[str], max_new: int, table: dict[int, float]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=None, help="the prompt folder (default: ../shared/data)")
-    ap.add_argument("--mixed", type=int, default=30, help="eval prompts, round robin over the domains")
-    ap.add_argument("--repetitive", default="text_to_sql:20", help="DOMAIN:N eval prompts of one domain")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="auto")
+    streams.add_arguments(ap, mixed=30)
     ap.add_argument("--context", type=int, default=300, help="the position the pass costs are timed at")
     a = ap.parse_args()
-    data = prompt_sets.default_data_dir() if a.data is None else Path(a.data)
-    domain, _, n = a.repetitive.partition(":")
-    if domain not in prompt_sets.DOMAINS or not n.isdigit() or int(n) < 1:
-        ap.error(f"--repetitive must be DOMAIN:N with DOMAIN one of {', '.join(prompt_sets.DOMAINS)} and N >= 1")
+    texts, _ = streams.from_arguments(ap, a)
     lm = models.load(dtype=a.dtype)
-    table = pass_costs(lm.decoder, a.context, 9)
-    print("pass cost (ms) by rows: " + ", ".join(f"{r}: {1e3 * s:.2f}" for r, s in table.items()), file=sys.stderr)
-    streams = {"mixed": [p.prompt for p in mixed_prompts(data, a.mixed)],
-               f"repetitive ({domain})": [p.prompt for p in prompt_sets.load_domains(data, (domain,), "eval", int(n))]}
+    costs = pass_costs(lm.decoder, a.context, 9)
+    print("pass cost (ms) by rows: " + ", ".join(f"{r}: {1e3 * s:.2f}" for r, s in costs.items()), file=sys.stderr)
     report = dict(model=lm.name, dtype=lm.dtype_name, threads=torch.get_num_threads(), max_new_tokens=a.max_new_tokens,
-                  pass_ms={r: 1e3 * s for r, s in table.items()})
-    for name, texts in streams.items():
-        print(f"{name}: {len(texts)} prompts", file=sys.stderr)
-        report[name] = stream(lm, texts, a.max_new_tokens, table)
+                  pass_ms={r: 1e3 * s for r, s in costs.items()})
+    for name, stream_texts in texts.items():
+        print(f"{name}: {len(stream_texts)} prompts", file=sys.stderr)
+        report[name] = stream(lm, stream_texts, a.max_new_tokens, costs)
     print(json.dumps(report, indent=1))
-    for name in streams:
-        print(f"\n{name}\n\n| draft | mean accepted | rows a pass | est. x chain |\n|---|---:|---:|---:|")
-        for m, r in report[name].items():
-            print(f"| {m} | {r['mean_accepted']:.2f} | {r['rows']:.1f} | {r['est_vs_chain']:.2f} |")
+    for name in texts:
+        print(streams.table(name, "draft", report[name], [("mean accepted", "mean_accepted", ".2f"),
+                                                          ("rows a pass", "rows", ".1f"),
+                                                          ("est. x chain", "est_vs_chain", ".2f")]))
 
 
 if __name__ == "__main__":
