@@ -33,14 +33,13 @@ import torch
 
 from knnssd.bench import streams
 from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.drafters import DrafterConfig, build, untuned
 from knnssd.engine.params import GenerateParams
 from knnssd.engine.suffix import SuffixCache
 from knnssd.serving.routed import RoutedGenerator
 
 METHODS = ("plain", "ngram", "suffix", "suffix+cache", "routed")
-DRAFTERS = {"ngram": DrafterConfig(kind="ngram", max_len=8, ngram_sizes=[3, 2, 1], adaptive=True),
-            "suffix": DrafterConfig(kind="suffix", max_len=8)}
+DRAFTERS = {kind: untuned(kind) for kind in ("ngram", "suffix")}
 
 
 def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:

@@ -18,7 +18,7 @@ from knnssd import models
 from knnssd import prompts as prompt_sets
 from knnssd.bench.hf import hf_generate
 from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.drafters import DrafterConfig, build, untuned
 from knnssd.engine.decoder import Decoder
 from knnssd.engine.skip import SkipMask
 from knnssd.engine.timing import pass_timer
@@ -47,8 +47,7 @@ def even_mask(n_layers: int, fraction: float) -> SkipMask:
 
 def fixed_drafters(n_layers: int, can_skip: bool) -> dict[str, DrafterConfig]:
     """The untuned drafters the engine benchmark compares (search.py tunes them per cluster)."""
-    out = {"ngram": DrafterConfig(kind="ngram", max_len=8, ngram_sizes=[3, 2, 1], adaptive=True),
-           "suffix": DrafterConfig(kind="suffix", max_len=8)}  # no cache: each prompt its own, as n-gram's
+    out = {kind: untuned(kind) for kind in ("ngram", "suffix")}  # suffix with no cache: each prompt its own
     if can_skip:
         none = SkipMask.none(n_layers).to_dict()
         out["int8_draft"] = DrafterConfig(kind="layer_skip", mask=none, max_len=8, threshold=0.3, int8=True,

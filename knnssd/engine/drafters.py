@@ -263,6 +263,16 @@ class DrafterConfig:
         return " ".join(parts)
 
 
+def untuned(kind: str) -> DrafterConfig:
+    """A lookup drafter's settings with nothing searched: bench-engine's and ``knnssd bench``'s rows, and a
+    candidate of every search's real timing that may draft by lookup, beside the search's own choice."""
+    if kind == "ngram":
+        return DrafterConfig(kind="ngram", max_len=8, ngram_sizes=[3, 2, 1], adaptive=True)
+    if kind == "suffix":
+        return DrafterConfig(kind="suffix", max_len=8)
+    raise ValueError(f"no untuned settings for drafter kind '{kind}' (ngram, suffix)")
+
+
 def build(cfg: DrafterConfig, n_layers: int, can_skip: bool = True, cache: suffix.SuffixCache | None = None
           ) -> Drafter | None:
     """A drafter for a model with ``n_layers`` layers; None for plain AR. Raises MaskError on a bad mask.

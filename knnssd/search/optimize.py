@@ -9,11 +9,12 @@ default):
    Replaying the speculative loop on those traces with measured step costs (``costs.py``)
    predicts the speedup of every drafting policy (kind, confidence threshold, max draft length,
    adaptive length, n-gram sizes) at once; the trial keeps the best policy.
-2. **real** (measured): the best distinct configurations of stage 1, the best pure n-gram
-   policy and plain AR are timed with the real engine on calib prompts, interleaved prompt
-   by prompt with plain AR; the objective is measured speedup = AR time / candidate time
-   (equivalently, time per generated token). Plain AR (speedup 1.0) is always a candidate, so
-   no cluster's result is slower than AR as measured.
+2. **real** (measured): the best distinct configurations of stage 1, the best pure lookup
+   policies (n-gram, suffix), each lookup drafter untuned (``drafters.untuned``) and plain AR are
+   timed with the real engine on calib prompts, interleaved prompt by prompt with plain AR; the
+   objective is measured speedup = AR time / candidate time (equivalently, time per generated
+   token). Plain AR (speedup 1.0) and the untuned lookups are always candidates, so no cluster's
+   result is slower than them as measured.
 
 This module runs the two stages for one cluster (``search_cluster``); what each stage maximises is
 ``objective.py``'s, and the terms are defined in ``proxy.py`` and ``costs.py``.
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from knnssd.engine.decode import GenerationConfig
-from knnssd.engine.drafters import SKIPPING, DrafterConfig, build
+from knnssd.engine.drafters import SKIPPING, DrafterConfig, build, untuned
 from knnssd.engine.decoder import Decoder
 from knnssd.engine.skip import SkipMask
 from knnssd.routing.bank import ClusterResult
@@ -35,7 +36,8 @@ from knnssd.search import cancel, objective
 from knnssd.search.budget import Budget
 from knnssd.search.costs import Costs
 from knnssd.search.proxy import (LOOKUPS, MAX_LENS, NGRAM_SIZES, Policy, Sample, best_policy, influence,
-                                 influence_masks, ngram_proposals, suffix_proposals, teacher_samples, to_config)
+                                 influence_masks, ngram_proposals, simulate, suffix_proposals, teacher_samples,
+                                 to_config)
 from knnssd.search.study import finished, open_study, search_space, trial_mask, trial_params
 
 log = logging.getLogger(__name__)
@@ -143,15 +145,24 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
     stage1 = proxy_stage(m, job, budget, progress, deadline=deadline)
     proxy, samples, proposals, kinds, costs = stage1.study, stage1.samples, stage1.proposals, stage1.kinds, stage1.costs
 
-    # candidates for stage 2: the best pure lookup policies (n-gram, suffix) + the best distinct proxy configurations
+    # candidates for stage 2: the best pure lookup policies (n-gram, suffix), each lookup untuned (so no bank is
+    # measured slower than it here), then the best distinct proxy configurations
     cands: list[tuple[DrafterConfig, float]] = []
     lookups = [k for k in LOOKUPS if k in budget.kinds]
     for kind in lookups:
         pol, (sp, _, _) = best_policy(samples, None, costs, 0.0, proposals, (kind,))
         cands.append((to_config(pol, None, False), sp))
+    for kind in lookups:
+        cfg = untuned(kind)
+        pol = Policy(kind, cfg.max_len, cfg.threshold, cfg.adaptive, tuple(cfg.ngram_sizes))
+        sp = simulate(samples, None, pol, costs, 0.0, proposals["suffix" if kind == "suffix" else pol.ngram_sizes])[0]
+        cands.append((cfg, sp))
+    unique: dict[str, tuple[DrafterConfig, float]] = {}  # the best policy may be the untuned one
+    for c, sp in cands:
+        unique.setdefault(json.dumps(c.to_dict(), sort_keys=True), (c, sp))
+    cands, seen = list(unique.values()), set(unique)
     ranked = sorted((t for t in proxy.trials if t.value is not None), key=lambda t: -t.value) if kinds else []
-    seen = {json.dumps(c.to_dict(), sort_keys=True) for c, _ in cands}
-    quota = budget.real_candidates + len(lookups)
+    quota = budget.real_candidates + len(cands)
     for t in ranked:
         if len(cands) >= quota:
             break
