@@ -41,15 +41,14 @@ import torch
 
 from knnssd import models, prompts
 from knnssd.bench import throughput
-from knnssd.bench.engine import fixed_drafters
 from knnssd.bench.hf import hf_generate
 from knnssd.bench.throughput import SIZES, ThroughputBench
 from knnssd.engine import exactness
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
-from knnssd.engine.drafters import build
+from knnssd.engine.drafters import build, untuned
 from knnssd.routing import bank as banks
 
-# ngram and suffix: bench-engine's untuned prompt-lookup drafters (``engine.fixed_drafters``), every prompt the same
+# ngram and suffix: the untuned lookup drafters (``drafters.untuned``, bench-engine's too), every prompt the same
 METHODS = ("ar", "hf_generate", "hf_pld", "ngram", "suffix", "static_ssd", "oracle", "knn_masks", "knn_unmasked",
            "knn_routed")
 OOD_METHODS = ("ar", "hf_pld", "ngram", "suffix", "static_ssd", "knn_masks", "knn_routed")
@@ -146,8 +145,7 @@ class Runner:
             if len(static.clusters) != 1:
                 raise banks.BankError(f"static bank must hold one cluster, it holds {len(static.clusters)}")
         n, can = self.dec.n_layers, self.dec.can_skip
-        fixed = fixed_drafters(n, can)
-        self.drafters = {"ar": None, **{m: build(fixed[m], n, can) for m in ("ngram", "suffix")}}
+        self.drafters = {"ar": None, **{m: build(untuned(m), n, can) for m in ("ngram", "suffix")}}
         if static is not None:
             self.drafters["static_ssd"] = build(static.clusters[0].drafter, n, can)
         self.oracle = {}  # domain -> drafter of its largest own-domain cluster
