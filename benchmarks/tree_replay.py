@@ -32,33 +32,20 @@ import torch
 from knnssd import models
 from knnssd.bench import streams
 from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.suffix import MATCH, SequenceIndex
+from knnssd.engine.suffix import SequenceIndex
 
 DEPTH = 8  # the longest draft, as the suffix drafter's ``max_len`` in the benchmarks
 BUDGETS = (4, 8, 16, 32, 64)
 ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64, 65)
 
 
-def occurrences(toks: list[int]) -> list[tuple[int, int]]:
-    """(end position q, match length) for every earlier q where the last token occurs, its match the
-    number of tokens before and at q equal to the sequence's last ones (at most ``MATCH``)."""
-    n = len(toks)
-    out = []
-    for q in range(n - 1):
-        if toks[q] != toks[-1]:
-            continue
-        m = 1
-        while m < MATCH and q - m >= 0 and toks[q - m] == toks[n - 1 - m]:
-            m += 1
-        out.append((q, m))
-    return out
-
-
 def tree(toks: list[int], budget: int) -> list[tuple[int, int]]:
     """The ``budget`` best nodes as (parent index, token), parents first (-1: the last token)."""
+    index = SequenceIndex()
+    index.extend(toks)
     trie: dict[tuple[int, int], dict] = {}  # (parent, token) -> node
     nodes: list[dict] = []
-    for q, m in occurrences(toks):
+    for q, m in index.matches().items():  # every earlier occurrence of the last token, and its match
         parent = -1
         for t in toks[q + 1 : q + 1 + DEPTH]:
             node = trie.get((parent, t))

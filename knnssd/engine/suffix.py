@@ -158,13 +158,14 @@ class SequenceIndex:
             self._at.setdefault(t, []).append(len(self.tokens))
             self.tokens.append(t)
 
-    def draft(self, k: int, min_prob: float, factor: float) -> list[int]:
-        """The chain after the longest earlier match (``chain``'s rule)."""
+    def matches(self) -> dict[int, int]:
+        """Every earlier position q of the last token -> its match: how many tokens up to q equal the
+        sequence's last ones (at most ``MATCH``, and below the depth)."""
         toks, n = self.tokens, len(self.tokens)
         if n < 2:
-            return []
+            return {}
         longest = min(MATCH, self.depth - 1)
-        length = {}  # earlier end position -> how many tokens before it equal the sequence's last ones
+        length = {}
         for q in self._at[toks[-1]]:
             if q >= n - 1:
                 break
@@ -172,6 +173,12 @@ class SequenceIndex:
             while m < longest and q - m >= 0 and toks[q - m] == toks[n - 1 - m]:
                 m += 1
             length[q] = m
+        return length
+
+    def draft(self, k: int, min_prob: float, factor: float) -> list[int]:
+        """The chain after the longest earlier match (``chain``'s rule)."""
+        toks, n = self.tokens, len(self.tokens)
+        length = self.matches()
         m = max(length.values(), default=0)
         if m == 0:
             return []
