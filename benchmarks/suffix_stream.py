@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 
 from knnssd.bench import streams
-from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.decode import GenerationConfig, generate, mean_accepted
 from knnssd.engine.drafters import DrafterConfig, build, untuned
 from knnssd.engine.params import GenerateParams
 from knnssd.engine.suffix import SuffixCache
@@ -47,7 +47,6 @@ def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:
     params = GenerateParams(max_new_tokens=max_new)
     config = GenerationConfig(max_new_tokens=max_new, eos_ids=gen.eos)
     cache = SuffixCache()
-    configs = DRAFTERS
     totals = {m: dict(tokens=0, seconds=0.0, accepted=0, steps=0, equal=0) for m in METHODS}
     for i, text in enumerate(texts):
         ids, _ = gen.tokenize(text, params)
@@ -59,7 +58,7 @@ def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:
                 r = gen.generate(text, params)
                 new, st = r.tokens, r.stats
             else:
-                drafter = None if m == "plain" else build(configs[m.split("+")[0]], dec.n_layers, dec.can_skip,
+                drafter = None if m == "plain" else build(DRAFTERS[m.split("+")[0]], dec.n_layers, dec.can_skip,
                                                           cache if m == "suffix+cache" else None)
                 with lm.busy:
                     new, st = generate(dec, ids, drafter, config)
@@ -74,7 +73,7 @@ def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:
         print(f"  {i + 1}/{len(texts)}", file=sys.stderr)
     plain = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     return {m: dict(tok_s=t["tokens"] / t["seconds"], vs_plain=t["tokens"] / t["seconds"] / plain,
-                    mean_accepted=(t["accepted"] + t["steps"]) / max(1, t["steps"]), agreement=t["equal"] / len(texts),
+                    mean_accepted=mean_accepted(t["accepted"], t["steps"]), agreement=t["equal"] / len(texts),
                     tokens=t["tokens"]) for m, t in totals.items()}
 
 
@@ -83,7 +82,7 @@ def batched(gen: RoutedGenerator, texts: list[str], max_new: int, slots: int) ->
     params = GenerateParams(max_new_tokens=max_new)
     positions = max(len(gen.tokenize(t, params)[0]) for t in texts) + max_new
     plan = gen.plan(slots, positions)
-    configs = {"plain": DrafterConfig(), **{m: c for m, c in DRAFTERS.items()}}
+    configs = {"plain": DrafterConfig(), **DRAFTERS}
     gens = {m: RoutedGenerator(gen.lm, replace(gen.bank, clusters=[replace(c, config=cfg.to_dict())
                                                                     for c in gen.bank.clusters]))
             for m, cfg in configs.items()}
@@ -99,7 +98,7 @@ def batched(gen: RoutedGenerator, texts: list[str], max_new: int, slots: int) ->
             rs = [res[i] for i in range(len(texts))]
             tokens = sum(len(r.tokens) for r in rs)
             accepted, steps = sum(sum(r.stats.accepted) for r in rs), sum(r.stats.steps for r in rs)
-            row = dict(tok_s=tokens / wall, mean_accepted=(accepted + steps) / max(1, steps), tokens=tokens)
+            row = dict(tok_s=tokens / wall, mean_accepted=mean_accepted(accepted, steps), tokens=tokens)
             if m not in best or row["tok_s"] > best[m]["tok_s"]:
                 best[m] = row
             outs[m] = [r.tokens for r in rs]
