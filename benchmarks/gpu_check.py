@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, where knnssd is not installed
 
-from knnssd.engine.decode import GenerationConfig, generate  # noqa: E402
+from knnssd.engine.decode import GenerationConfig, generate, mean_accepted  # noqa: E402
 from knnssd.engine.decoder import Decoder, make_decoder  # noqa: E402
 from knnssd.engine.drafters import Hybrid, LayerSkip, NGram  # noqa: E402
 from knnssd.engine.graphs import StaticDecoder, StepRunner  # noqa: E402
@@ -38,6 +38,7 @@ from knnssd.engine.skip import SkipMask  # noqa: E402
 from knnssd.engine.stack import Stack, from_hf  # noqa: E402
 from knnssd.engine.static_step import StaticCache  # noqa: E402
 from knnssd.engine.timing import median_ms, read_bandwidth, sync  # noqa: E402
+from knnssd.search.proxy import least_influential  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
@@ -139,7 +140,7 @@ def decode_rows(dec, prompts: list[list[int]], drafter_of, config: GenerationCon
         secs += stats.total_s - stats.prefill_s
         acc += sum(stats.accepted)
         steps += stats.steps
-    return new / secs, tokens, (acc + steps) / max(steps, 1)
+    return new / secs, tokens, mean_accepted(acc, steps)
 
 
 def influence_masks(dec: Decoder, fractions: tuple[float, ...]) -> dict[float, SkipMask]:
@@ -147,14 +148,8 @@ def influence_masks(dec: Decoder, fractions: tuple[float, ...]) -> dict[float, S
     the residual stream (``Decoder.forward(influence=True)``, as the search's first masks are chosen)."""
     ids = torch.arange(2, 66, device=dec.device)
     dec.reserve(64)
-    sizes = dec.forward(ids, 0, influence=True).influence  # (2, L)
-    order = sorted(((float(sizes[k, i]), k, i) for k in (0, 1) for i in range(dec.n_layers)))
-    out = {}
-    for f in fractions:
-        skip = order[: round(f * 2 * dec.n_layers)]
-        out[f] = SkipMask.from_layers(dec.n_layers, attn=[i for _, k, i in skip if k == 0],
-                                      mlp=[i for _, k, i in skip if k == 1])
-    return out
+    sizes = dec.forward(ids, 0, influence=True).influence.cpu()  # (2, L)
+    return {f: least_influential(sizes, round(f * 2 * dec.n_layers)) for f in fractions}
 
 
 def engine_section(a, device: torch.device) -> tuple[dict, "Stack"]:

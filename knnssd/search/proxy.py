@@ -179,11 +179,17 @@ def influence(dec: Decoder, samples: list["Sample"], context: int) -> torch.Tens
     return total / max(1, len(samples))
 
 
+def least_influential(sizes: torch.Tensor, count: int) -> SkipMask:
+    """The mask that skips the ``count`` sub-layers with the smallest ``influence`` (ties: attention first,
+    then by layer)."""
+    n = sizes.shape[1]
+    order = sizes.flatten().argsort(stable=True).tolist()[:count]  # j < n: attention of layer j; else MLP of j - n
+    return SkipMask.from_layers(n, attn=[j for j in order if j < n], mlp=[j - n for j in order if j >= n])
+
+
 def influence_masks(sizes: torch.Tensor) -> list[SkipMask]:
     """The search's first masks: skip the least influential sub-layers, first all the (near) free ones
     (update < ``FREE``), then the smallest eighth and quarter of them."""
     n = sizes.shape[1]
-    order = sizes.flatten().argsort(stable=True).tolist()  # j < n: attention of layer j; else MLP of layer j - n
     counts = list(dict.fromkeys(c for c in (int((sizes < FREE).sum()), 2 * n // 8, 2 * n // 4) if c))
-    return [SkipMask.from_layers(n, attn=[j for j in order[:c] if j < n], mlp=[j - n for j in order[:c] if j >= n])
-            for c in counts]
+    return [least_influential(sizes, c) for c in counts]
