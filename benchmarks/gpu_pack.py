@@ -31,7 +31,6 @@ from gpu_check import dequantize  # noqa: E402
 GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-DOMAINS = ("reasoning", "storytelling", "summarization", "text_to_sql", "translation")
 PART_MIB = 52  # a call also carries the working tree (about 2 MiB); leave room
 
 
@@ -72,15 +71,13 @@ def read_blocks(path: Path, config: dict) -> dict[str, dict]:
 
 
 def eval_prompts(data: Path, n: int) -> list[dict]:
-    """``n`` eval rows, round robin over the domains."""
-    rows = {d: [r for r in map(json.loads, (data / f"{d}.jsonl").read_text().splitlines()) if r["split"] == "eval"]
-            for d in DOMAINS}
-    want = -(-n // len(DOMAINS))
-    short = [d for d in DOMAINS if len(rows[d]) < want]
-    if short:
-        raise SystemExit(f"{data}: too few eval rows in {', '.join(short)} for {n} prompts")
-    return [dict(id=rows[d][i // len(DOMAINS)]["id"], split="eval", prompt=rows[d][i // len(DOMAINS)]["prompt"])
-            for i, d in ((i, DOMAINS[i % len(DOMAINS)]) for i in range(n))]
+    """``n`` eval rows, round robin over the domains (``bench.throughput.mixed_prompts``)."""
+    from knnssd.bench.throughput import mixed_prompts
+
+    try:
+        return [dict(id=p.id, split="eval", prompt=p.prompt) for p in mixed_prompts(data, n)]
+    except (ValueError, OSError) as e:
+        raise SystemExit(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> None:
