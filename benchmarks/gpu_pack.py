@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     ap.add_argument("--prompts", type=int, default=8)
     a = ap.parse_args(argv)
+    prompts = eval_prompts(Path(a.data), a.prompts)  # a bad --data or --prompts ends here, before the model loads
     from safetensors.torch import load_file
 
     from knnssd import models
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (folder / f).exists():
             shutil.copy(folder / f, out / "a" / f)
-    (out / "a" / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in eval_prompts(Path(a.data), a.prompts)))
+    (out / "a" / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
     parts, size = [{}, {}], 0
     budget = PART_MIB * 2**20 - sum(p.stat().st_size for p in (out / "a").iterdir())
     for name, b in blocks.items():
