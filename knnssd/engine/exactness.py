@@ -58,6 +58,11 @@ CONTEXT = 37
 # length), and 320 (``cache.KVCache.keys``).
 CONTEXTS = (CONTEXT, CONTEXT + 23, CONTEXT + 263)
 TIMING_ROUNDS = 8  # with 4, a slow spell on the 2-core VM once ranked fp32_pad4 first for bf16 SmolLM2 (11% slower)
+# Candidates whose best after PRUNE_AFTER rounds is over PRUNE_MARGIN x the best one's are not timed again:
+# a slow spell hits one round, not the best of two, and the slow forms (an SDPA call per key length, padded
+# rows) lose by more than that (the probe's `tried`, docs/benchmarks.md), so only near ties need every round.
+PRUNE_AFTER = 2
+PRUNE_MARGIN = 1.2
 TIMING_CONTEXT = 300  # timed at a 320-key length: attention costs grow with the key length
 _warned: set[tuple] = set()
 
@@ -230,8 +235,10 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
                            recalled=True)
         _report(result)
         return result
-    step = _step_ms(dec, candidates, max_t)
-    batch_ms = _packed_ms(dec, candidates, max_t, packed) if packed is not None else [0.0] * len(candidates)
+    steps = _step_runs(dec, candidates, max_t)
+    batches = _packed_runs(dec, candidates, max_t, packed) if packed is not None else [None] * len(candidates)
+    times = _best_of_rounds([(s, b) if b else (s,) for s, b in zip(steps, batches)], dec.device)
+    step, batch_ms = [t[0] for t in times], [t[1] if len(t) > 1 else 0.0 for t in times]
     timed = sorted(zip(step, batch_ms, candidates), key=lambda x: x[0] + x[1])
     tried, chosen = [], None
     for ms, b_ms, impl in timed:  # cheapest first; stop at the first exact one
@@ -377,8 +384,8 @@ def _report(result: Exactness) -> None:
 TIMED_PASSES = (1, 4)
 
 
-def _step_ms(dec, candidates: tuple[Attention, ...], max_t: int) -> list[float]:
-    """Milliseconds of a one-token step and a 4-token pass, for each candidate (``_best_of_rounds``)."""
+def _step_runs(dec, candidates: tuple[Attention, ...], max_t: int) -> list[Callable[[], object]]:
+    """For each candidate, a run of a one-token step and a 4-token pass."""
     device = dec.device
     ids = torch.zeros(max_t, dtype=torch.long, device=device)
     sizes = [t for t in TIMED_PASSES if t <= max_t]
@@ -388,14 +395,14 @@ def _step_ms(dec, candidates: tuple[Attention, ...], max_t: int) -> list[float]:
         d.set_attention(impl)
         d.reserve(TIMING_CONTEXT + max_t)
         runs.append(lambda d=d: [d.forward(ids[:t], TIMING_CONTEXT, last=t == 1) for t in sizes])
-    return _best_of_rounds(runs, device)
+    return runs
 
 
-def _packed_ms(dec, candidates: tuple[Attention, ...], max_t: int, packed) -> list[float]:
-    """Milliseconds of a packed pass of ``BATCH_SLOTS`` sequences, one row each, for each candidate:
-    attention batched over a ``SlotPool`` where it has a batched form, per sequence otherwise. The
-    sequences sit one ``SPAN`` apart, at ``BATCH_SLOTS`` key lengths from ``TIMING_CONTEXT`` on, as the
-    sequences of a batch of mixed prompts do (a form that makes one call per key length pays for each)."""
+def _packed_runs(dec, candidates: tuple[Attention, ...], max_t: int, packed) -> list[Callable[[], object]]:
+    """For each candidate, a run of a packed pass of ``BATCH_SLOTS`` sequences, one row each: attention
+    batched over a ``SlotPool`` where it has a batched form, per sequence otherwise. The sequences sit one
+    ``SPAN`` apart, at ``BATCH_SLOTS`` key lengths from ``TIMING_CONTEXT`` on, as the sequences of a batch
+    of mixed prompts do (a form that makes one call per key length pays for each)."""
     ids = torch.zeros(1, dtype=torch.long, device=dec.device)
     calls = [(ids, TIMING_CONTEXT + SPAN * b) for b in range(BATCH_SLOTS)]
     runs = []
@@ -407,19 +414,27 @@ def _packed_ms(dec, candidates: tuple[Attention, ...], max_t: int, packed) -> li
         for s, (_, start) in zip(slots, calls):
             s.reserve(start + max_t)
         runs.append(lambda slots=slots, pool=pool: packed(slots, calls, pool))
-    return _best_of_rounds(runs, dec.device)
+    return runs
 
 
-def _best_of_rounds(runs: list, device: torch.device) -> list[float]:
-    """The best of ``TIMING_ROUNDS`` rounds that take the runs in turn (so a slow spell on a shared
-    machine hits them all, not the one that happened to run then)."""
-    for run in runs:
-        run()  # warm up
-    best = [float("inf")] * len(runs)
-    for _ in range(TIMING_ROUNDS):
-        for i, run in enumerate(runs):
-            best[i] = min(best[i], median_ms(run, device, repeats=1, warmup=0))
-    return best
+def _best_of_rounds(runs: list[tuple[Callable[[], object], ...]], device: torch.device) -> list[tuple[float, ...]]:
+    """Each candidate's best milliseconds of each of its runs, over ``TIMING_ROUNDS`` rounds that take the
+    candidates in turn (so a slow spell on a shared machine hits them all, not the one that happened to
+    run then). After ``PRUNE_AFTER`` rounds, a candidate whose best total is over ``PRUNE_MARGIN`` x the
+    best candidate's keeps its times so far: it ranks after every candidate still timed either way."""
+    for parts in runs:
+        for run in parts:
+            run()  # warm up
+    best = [[float("inf")] * len(parts) for parts in runs]
+    timed = list(range(len(runs)))
+    for r in range(TIMING_ROUNDS):
+        for i in timed:
+            for j, run in enumerate(runs[i]):
+                best[i][j] = min(best[i][j], median_ms(run, device, repeats=1, warmup=0))
+        if r + 1 == PRUNE_AFTER:
+            least = min(sum(best[i]) for i in timed)
+            timed = [i for i in timed if sum(best[i]) <= PRUNE_MARGIN * least]
+    return [tuple(b) for b in best]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

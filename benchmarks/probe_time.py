@@ -1,0 +1,60 @@
+"""What the exactness probe costs at a first load, with and without pruning its timing rounds.
+
+Each round builds a fresh decoder over the same loaded model (no record, so every probe measures)
+and runs ``exactness.choose`` twice, once timing every candidate for ``TIMING_ROUNDS`` rounds and
+once pruning after ``PRUNE_AFTER``, in turns. It prints each probe's seconds and choice: the choice
+must be the same, since pruning drops only candidates that rank last either way.
+
+    .venv/bin/python benchmarks/probe_time.py --dtype bfloat16,float32 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from knnssd import models
+from knnssd.engine import exactness
+from knnssd.engine.decoder import Decoder, forward_slots
+from knnssd.engine.stack import from_hf
+
+
+def probe(model, prune: bool) -> tuple[float, str]:
+    dec = Decoder(from_hf(model))
+    saved = exactness.PRUNE_AFTER
+    exactness.PRUNE_AFTER = saved if prune else exactness.TIMING_ROUNDS + 1
+    try:
+        t = time.perf_counter()
+        result = exactness.choose(dec, packed=forward_slots)
+        return time.perf_counter() - t, result.step
+    finally:
+        exactness.PRUNE_AFTER = saved
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16,float32", help="comma-separated dtypes")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| dtype | every round, s | pruned, s | pruned / every | choices |")
+    print("|---|---:|---:|---:|---|")
+    for dtype in args.dtype.split(","):
+        model = models.load(args.model, dtype).model
+        secs: dict[bool, list[float]] = {False: [], True: []}
+        chosen: dict[bool, set[str]] = {False: set(), True: set()}
+        for _ in range(args.rounds):
+            for prune in (False, True):
+                s, step = probe(model, prune)
+                secs[prune].append(s)
+                chosen[prune].add(step)
+        every, pruned = statistics.median(secs[False]), statistics.median(secs[True])
+        print(f"| {dtype} | {every:.2f} | {pruned:.2f} | {pruned / every:.2f} | "
+              f"every: {', '.join(sorted(chosen[False]))}; pruned: {', '.join(sorted(chosen[True]))} |")
+
+
+if __name__ == "__main__":
+    main()
