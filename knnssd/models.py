@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from knnssd import locks
+from knnssd import locks, shims
 from knnssd.engine import exactness
 from knnssd.engine.params import Limits
 from knnssd.engine.decoder import Decoder, HFDecoder, make_decoder
@@ -269,9 +269,11 @@ def convert_gguf(gguf: Path, label: str) -> Path:
         log.info("converting %s once into %s", gguf.name, target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            with contextlib.redirect_stderr(io.StringIO()):  # transformers' per-tensor bar (plain tqdm, no switch)
-                model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            with shims.gguf_parsed_once():
+                tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+                with contextlib.redirect_stderr(io.StringIO()):  # transformers' per-tensor bar (plain tqdm, no switch)
+                    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                 dtype=torch.float32)
             model.hf_quantizer = None  # weights are plain fp32 now; drop the GGUF marker so it can be saved
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config

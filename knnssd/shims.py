@@ -11,14 +11,19 @@ pinned versions when one of them changes.
   threads (CPython's ``concurrent.futures.thread._worker`` frame, its ``executor_reference`` local and
   the executor's ``_max_workers``), so that ``mlflow models serve`` may run as many ``predict`` calls at
   once as a batch has slots.
+- ``gguf_parsed_once``: while a GGUF file is converted, read its header once and build each tensor-name
+  map once (transformers 5.23.0 calls ``gguf.GGUFReader`` on the file three times, for the config, the
+  tokenizer and the weights, and ``gguf.get_tensor_name_map`` once per module, each parse the same).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from knnssd.processes import die_with_parent
@@ -26,6 +31,7 @@ from knnssd.processes import die_with_parent
 log = logging.getLogger(__name__)
 
 PREFECT_VERSION = "3.8.8"  # pyproject.toml's pin, which ``prefect_server_class`` was written against
+TRANSFORMERS_VERSION = "5.23.0"  # pyproject.toml's pin, whose GGUF loading ``gguf_parsed_once`` was written against
 PYTHONS = ((3, 10), (3, 11), (3, 12), (3, 13))  # whose thread pools ``executor_of_this_thread`` reads
 
 
@@ -69,3 +75,36 @@ def widen_this_executor(workers: int) -> bool:
         return False
     executor._max_workers = max(executor._max_workers, workers)
     return True
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[bool]:
+    """Within the block, ``gguf.GGUFReader`` of a path already read returns the same (read-only) reader, and
+    ``gguf.get_tensor_name_map`` its map for the same architecture and depth; the library's own functions
+    come back after. Yields True where it did; False (and a log line) on a transformers release other than
+    the pinned one, which may read the file otherwise: the conversion then runs as the library runs it."""
+    import gguf
+    import transformers
+
+    if transformers.__version__ != TRANSFORMERS_VERSION or not all(
+            callable(getattr(gguf, n, None)) for n in ("GGUFReader", "get_tensor_name_map")):
+        log.warning("transformers %s is not the %s knnssd was written against: a GGUF file is converted as it "
+                    "converts it (slower)", transformers.__version__, TRANSFORMERS_VERSION)
+        yield False
+        return
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, object] = {}
+
+    def read_once(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if mode != "r":  # a writable map is not shared
+            return reader(path, mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.cache(name_map)
+    try:
+        yield True
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map

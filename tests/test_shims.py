@@ -34,3 +34,37 @@ def test_predict_widens_the_executor_it_runs_on_to_the_batch():
         pool.submit(_admit_concurrent_requests, 4).result()  # never narrowed
         assert pool._max_workers == 16
     assert not shims.widen_this_executor(16)  # not on an executor's thread: nothing to widen
+
+
+def test_a_gguf_file_is_parsed_once_while_transformers_converts_it(tmp_path):
+    """transformers (the pinned release) imports ``GGUFReader`` and ``get_tensor_name_map`` from ``gguf`` when it
+    loads a file, so the shim's stand-ins are the ones it calls; within the block a path read again gives the same
+    reader, and after it the library's own functions are back."""
+    import inspect
+
+    import gguf
+    import numpy as np
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as loading
+
+    pin = re.search(r'"transformers==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert transformers.__version__ == pin == shims.TRANSFORMERS_VERSION
+    source = inspect.getsource(loading)
+    assert "from gguf import GGUFReader" in source and "from gguf import MODEL_ARCH_NAMES, get_tensor_name_map" in source
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with shims.gguf_parsed_once() as patched:
+        assert patched
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first and first.tensors[0].name == "token_embd.weight"
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(path) is not first
