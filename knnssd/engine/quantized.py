@@ -23,6 +23,7 @@ Terms: N outputs, K inputs, KB = K / 32 blocks per output.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -63,11 +64,24 @@ def blocks(tensor) -> tuple[np.ndarray, ...] | None:
     return q, d, m
 
 
-def holds_blocks(path: Path) -> bool:
-    """Does the GGUF file hold a Q4_0 or Q4_1 tensor (read from its header: the file is mapped, not loaded)?"""
+def reader(path: Path):
+    """The GGUF file's ``gguf.GGUFReader`` (its header parsed, the file mapped read-only), shared by the calls of
+    one load: parsing a tokenizer's metadata field by field takes seconds, and ``--dtype gguf`` reads the file
+    to check it holds blocks (``holds_blocks``) before the model loads, then for them (``gguf_stack``)."""
+    st = Path(path).stat()
+    return _reader(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, size: int, mtime_ns: int):  # size and time: a file rewritten is read again
     import gguf
 
-    return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in gguf.GGUFReader(str(path)).tensors)
+    return gguf.GGUFReader(path)
+
+
+def holds_blocks(path: Path) -> bool:
+    """Does the GGUF file hold a Q4_0 or Q4_1 tensor (read from its header: the file is mapped, not loaded)?"""
+    return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in reader(path).tensors)
 
 
 def _unpermute(a: np.ndarray, heads: int) -> np.ndarray:
@@ -104,11 +118,9 @@ def gguf_stack(stack: Stack, path: Path) -> tuple[Stack, int]:
     """A copy of ``stack`` whose projections and head run on the blocks of the GGUF file ``path`` (the file the
     model was loaded from), and how many of them do. Raises ``QuantizedWeightsError`` where the file has
     none, or the native kernel does not run here (it needs avx512_bf16 and no AMX)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
-    field = reader.fields.get("general.architecture")
+    header = reader(path)
+    tensors = {t.name: t for t in header.tensors}
+    field = header.fields.get("general.architecture")
     architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
     unpermute = {"attn_q": stack.n_heads, "attn_k": stack.n_kv} if architecture == "llama" else {}
     layers, count = [], 0
