@@ -267,6 +267,9 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
 # Environment variables that choose or tune kernels (oneDNN's ISA, MKL's code path, OpenMP, ATen's
 # CPU dispatch, cuBLAS workspaces and TF32).
 KERNEL_ENV = ("DNNL_", "ONEDNN_", "MKL_", "OMP_", "KMP_", "ATEN_", "CUBLAS_", "NVIDIA_TF32", "TORCH_BLAS")
+# Of those, the ones that only say how idle threads wait (spin or sleep): they change no result, and a server
+# is often run with them set, which would otherwise probe again as if on another machine.
+WAIT_ENV = frozenset({"OMP_WAIT_POLICY", "KMP_BLOCKTIME"})
 # The engine code a forward pass runs (which kernels, on what shapes) and the probe itself.
 FORWARD_CODE = tuple(Path(__file__).parent / f for f in ("attention.py", "cache.py", "decoder.py", "skip.py",
                                                         "stack.py", "quantized.py", "exactness.py", "native.py",
@@ -282,7 +285,7 @@ def machine_key(device: torch.device) -> str:
         chip = torch.cuda.get_device_name(device)
     else:
         chip = platform.machine() + native.processor()
-    env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(KERNEL_ENV))
+    env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(KERNEL_ENV) and k not in WAIT_ENV)
     h = hashlib.sha256(f"{torch.__version__}|{torch.get_num_threads()}|{chip}|{env}|"
                        f"{torch.get_float32_matmul_precision()}|{torch.backends.mkldnn.is_available()}|"
                        f"{device.type == 'cpu' and native.available()}|{source_digest(FORWARD_CODE)}".encode())
