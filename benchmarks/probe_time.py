@@ -2,8 +2,8 @@
 
 Each round builds a fresh decoder over the same loaded model (no record, so every probe measures)
 and runs ``exactness.choose`` twice, once timing every candidate for ``TIMING_ROUNDS`` rounds and
-once pruning after ``PRUNE_AFTER``, in turns. It prints each probe's seconds and choice: the choice
-must be the same, since pruning drops only candidates that rank last either way.
+once pruning after ``PRUNE_AFTER``, in turns. It prints each probe's seconds and choices: a pruned
+candidate ranks after every candidate still timed, so the choices should be the same, and this shows it.
 
     .venv/bin/python benchmarks/probe_time.py --dtype bfloat16,float32 --rounds 3
 """

@@ -373,6 +373,25 @@ def test_without_a_compiler_norms_run_as_torch_ops(monkeypatch):
         native.library.cache_clear()
 
 
+def test_probe_timing_stops_timing_only_the_candidates_that_trail(monkeypatch):
+    """After ``PRUNE_AFTER`` rounds a candidate over ``PRUNE_MARGIN`` x the best total is not timed again; a near
+    tie gets every round; every candidate keeps its best times so far."""
+    costs = {"fast": (1.0, 2.0), "near": (1.1, 2.1), "slow": (2.0, 3.0)}
+    runs = {name: tuple((lambda: None) for _ in parts) for name, parts in costs.items()}
+    ms = {run: c for name, parts in runs.items() for run, c in zip(parts, costs[name])}
+    calls = {name: 0 for name in costs}
+
+    def timed(run, device, repeats, warmup):
+        calls[next(n for n, parts in runs.items() if run in parts)] += 1
+        return ms[run]
+
+    monkeypatch.setattr(exactness, "median_ms", timed)
+    best = exactness._best_of_rounds(list(runs.values()), torch.device("cpu"))
+    assert best == [costs["fast"], costs["near"], costs["slow"]]
+    assert calls == {"fast": 2 * exactness.TIMING_ROUNDS, "near": 2 * exactness.TIMING_ROUNDS,
+                     "slow": 2 * exactness.PRUNE_AFTER}
+
+
 def test_probe_remembers_its_exact_choice_on_its_machine_key(tmp_path, monkeypatch):
     record = tmp_path / "probe" / "tiny.json"
     first = make_decoder(tiny("llama"), record=record).exactness  # probed, checked against HF, remembered

@@ -237,7 +237,8 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
         return result
     steps = _step_runs(dec, candidates, max_t)
     batches = _packed_runs(dec, candidates, max_t, packed) if packed is not None else [None] * len(candidates)
-    times = _best_of_rounds([(s, b) if b else (s,) for s, b in zip(steps, batches)], dec.device)
+    times = _best_of_rounds([(s, b) if b is not None else (s,) for s, b in zip(steps, batches)], dec.device)
+    del steps, batches  # their caches: one per candidate, and a batch's slots each
     step, batch_ms = [t[0] for t in times], [t[1] if len(t) > 1 else 0.0 for t in times]
     timed = sorted(zip(step, batch_ms, candidates), key=lambda x: x[0] + x[1])
     tried, chosen = [], None
@@ -424,7 +425,8 @@ def _best_of_rounds(runs: list[tuple[Callable[[], object], ...]], device: torch.
     """Each candidate's best milliseconds of each of its runs, over ``TIMING_ROUNDS`` rounds that take the
     candidates in turn (so a slow spell on a shared machine hits them all, not the one that happened to
     run then). After ``PRUNE_AFTER`` rounds, a candidate whose best total is over ``PRUNE_MARGIN`` x the
-    best candidate's keeps its times so far: it ranks after every candidate still timed either way."""
+    best candidate's keeps its times so far and is not timed again: it ranks after every candidate still
+    timed (their totals can only fall)."""
     for parts in runs:
         for run in parts:
             run()  # warm up
