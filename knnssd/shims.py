@@ -23,6 +23,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,12 +78,16 @@ def widen_this_executor(workers: int) -> bool:
     return True
 
 
+_GGUF_PATCH = threading.Lock()
+
+
 @contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[bool]:
     """Within the block, ``gguf.GGUFReader`` of a path already read returns the same (read-only) reader, and
     ``gguf.get_tensor_name_map`` its map for the same architecture and depth; the library's own functions
-    come back after. Yields True where it did; False (and a log line) on a transformers release other than
-    the pinned one, which may read the file otherwise: the conversion then runs as the library runs it."""
+    come back after (a block in another thread waits for this one). Yields True where it did; False (and a
+    log line) on a transformers release other than the pinned one, which may read the file otherwise: the
+    conversion then runs as the library runs it."""
     import gguf
     import transformers
 
@@ -92,19 +97,20 @@ def gguf_parsed_once() -> Iterator[bool]:
                     "converts it (slower)", transformers.__version__, TRANSFORMERS_VERSION)
         yield False
         return
-    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple, object] = {}
+    with _GGUF_PATCH:  # a block in another thread meanwhile would save the stand-ins as the originals
+        reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict[tuple, object] = {}
 
-    def read_once(path, mode="r"):
-        key = (os.fspath(path), mode)
-        if mode != "r":  # a writable map is not shared
-            return reader(path, mode)
-        if key not in readers:
-            readers[key] = reader(path, mode)
-        return readers[key]
+        def read_once(path, mode="r"):
+            key = (os.fspath(path), mode)
+            if mode != "r":  # a writable map is not shared
+                return reader(path, mode)
+            if key not in readers:
+                readers[key] = reader(path, mode)
+            return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.cache(name_map)
-    try:
-        yield True
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.cache(name_map)
+        try:
+            yield True
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map

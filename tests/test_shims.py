@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from knnssd import shims
+from tiny import tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +44,6 @@ def test_a_gguf_file_is_parsed_once_while_transformers_converts_it(tmp_path):
     import inspect
 
     import gguf
-    import numpy as np
     import transformers
     from transformers import modeling_gguf_pytorch_utils as loading
 
@@ -51,14 +51,7 @@ def test_a_gguf_file_is_parsed_once_while_transformers_converts_it(tmp_path):
     assert transformers.__version__ == pin == shims.TRANSFORMERS_VERSION
     source = inspect.getsource(loading)
     assert "from gguf import GGUFReader" in source and "from gguf import MODEL_ARCH_NAMES, get_tensor_name_map" in source
-    path = tmp_path / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(2)
-    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = tiny_gguf(tmp_path / "tiny.gguf")
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     with shims.gguf_parsed_once() as patched:
         assert patched
@@ -68,3 +61,4 @@ def test_a_gguf_file_is_parsed_once_while_transformers_converts_it(tmp_path):
         assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
     assert gguf.GGUFReader(path) is not first
+
