@@ -224,3 +224,21 @@ def test_the_drafting_scripts_streams_read_their_options_or_refuse_in_one_line(t
         assert message in capsys.readouterr().err.strip().splitlines()[-1]
     got = streams.table("t", "m", {"a": {"x": 1.234, "y": 2}}, [("X", "x", ".1f"), ("Y", "y", "d")])
     assert got.splitlines() == ["", "t", "", "| m | X | Y |", "|---|---:|---:|", "| a | 1.2 | 2 |"]
+
+
+def test_a_gguf_header_read_again_is_shared_until_the_file_changes(tmp_path):
+    """``--dtype gguf`` checks a file's blocks, then reads them: the second read takes the first's reader, and a
+    file written again (even to the same size) is read again."""
+    import os
+
+    from knnssd.engine import quantized
+
+    from tiny import tiny_gguf
+
+    path = tiny_gguf(tmp_path / "tiny.gguf")
+    first = quantized.reader(path)
+    assert quantized.reader(path) is first
+    st = path.stat()
+    tiny_gguf(tmp_path / "other.gguf", seed=1).replace(path)  # the same size, another file in its place
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # and its old modification time
+    assert path.stat().st_size == st.st_size and quantized.reader(path) is not first

@@ -65,15 +65,16 @@ def blocks(tensor) -> tuple[np.ndarray, ...] | None:
 
 
 def reader(path: Path):
-    """The GGUF file's ``gguf.GGUFReader`` (its header parsed, the file mapped read-only), shared by the calls of
-    one load: parsing a tokenizer's metadata field by field takes seconds, and ``--dtype gguf`` reads the file
-    to check it holds blocks (``holds_blocks``) before the model loads, then for them (``gguf_stack``)."""
+    """The GGUF file's ``gguf.GGUFReader`` (its header parsed, the file mapped read-only). ``--dtype gguf`` reads
+    the file to check that it holds blocks (``holds_blocks``) before the model loads, then for the blocks
+    (``gguf_stack``), and parsing a tokenizer's metadata field by field is slow (docs/benchmarks.md): the second
+    call takes the first's reader. The last two files' readers are kept for the process."""
     st = Path(path).stat()
-    return _reader(str(path), st.st_size, st.st_mtime_ns)
+    return _reader(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _reader(path: str, size: int, mtime_ns: int):  # size and time: a file rewritten is read again
+def _reader(path: str, *stat: int):  # device, inode, size and times: a file replaced or rewritten is read again
     import gguf
 
     return gguf.GGUFReader(path)
