@@ -36,8 +36,8 @@ from knnssd.search import cancel, objective
 from knnssd.search.budget import Budget
 from knnssd.search.costs import Costs
 from knnssd.search.proxy import (LOOKUPS, MAX_LENS, NGRAM_SIZES, Policy, Sample, best_policy, influence,
-                                 influence_masks, ngram_proposals, simulate, suffix_proposals, teacher_samples,
-                                 to_config)
+                                 influence_masks, ngram_proposals, proposals_for, simulate, suffix_proposals,
+                                 teacher_samples, to_config)
 from knnssd.search.study import finished, open_study, search_space, trial_mask, trial_params
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
     for kind in lookups:
         cfg = untuned(kind)
         pol = Policy(kind, cfg.max_len, cfg.threshold, cfg.adaptive, tuple(cfg.ngram_sizes))
-        sp = simulate(samples, None, pol, costs, 0.0, proposals["suffix" if kind == "suffix" else pol.ngram_sizes])[0]
+        sp = simulate(samples, None, pol, costs, 0.0, proposals_for(pol, proposals))[0]
         cands.append((cfg, sp))
     unique: dict[str, tuple[DrafterConfig, float]] = {}  # the best policy may be the untuned one
     for c, sp in cands:

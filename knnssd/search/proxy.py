@@ -141,6 +141,12 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
     return speedup, acceptance_rate(accepted, drafted), mean_accepted(accepted, steps)
 
 
+def proposals_for(policy: Policy, proposals_by_sizes: dict) -> list | None:
+    """The lookup proposals ``policy`` drafts from: the suffix drafter's, or the n-gram sizes' it looks up
+    (None where they were not made)."""
+    return proposals_by_sizes.get("suffix" if policy.kind == "suffix" else policy.ngram_sizes)
+
+
 def best_policy(samples, traces, costs, draft_ms, proposals_by_sizes, kinds) -> tuple[Policy, tuple[float, float, float]]:
     best, best_res = None, (0.0, 0.0, 0.0)
     for kind in kinds:
@@ -148,8 +154,7 @@ def best_policy(samples, traces, costs, draft_ms, proposals_by_sizes, kinds) -> 
         thr_opts = THRESHOLDS if kind not in LOOKUPS else (0.0,)
         for sizes, thr, k, adaptive in itertools.product(sizes_opts, thr_opts, MAX_LENS, (False, True)):
             pol = Policy(kind, k, thr, adaptive, sizes)
-            props = proposals_by_sizes.get("suffix" if kind == "suffix" else sizes)
-            res = simulate(samples, traces, pol, costs, draft_ms, props)
+            res = simulate(samples, traces, pol, costs, draft_ms, proposals_for(pol, proposals_by_sizes))
             if res[0] > best_res[0]:
                 best, best_res = pol, res
     return best, best_res
