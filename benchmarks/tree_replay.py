@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
@@ -33,6 +31,7 @@ from knnssd import models
 from knnssd.bench import streams
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.suffix import SequenceIndex
+from knnssd.engine.timing import pass_timer
 
 DEPTH = 8  # the longest draft, as the suffix drafter's ``max_len`` in the benchmarks
 BUDGETS = (4, 8, 16, 32, 64)
@@ -111,19 +110,9 @@ def suffix_tree(budget: int):
 
 
 def pass_costs(dec, context: int, repeats: int) -> dict[int, float]:
-    """Seconds of one full pass of R rows at position ``context`` (median of ``repeats``)."""
-    dec.reserve(context + max(ROWS))
-    dec.forward(torch.randint(100, 1000, (context,)), 0)
-    out = {}
-    for r in ROWS:
-        ids = torch.randint(100, 1000, (r,))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dec.forward(ids, context)
-            times.append(time.perf_counter() - t0)
-        out[r] = statistics.median(times)
-    return out
+    """Seconds of one full pass of R rows at position ``context`` (``timing.pass_timer``'s median of ``repeats``)."""
+    ms = pass_timer(dec, context, max(ROWS), repeats)
+    return {r: ms(r) / 1e3 for r in ROWS}
 
 
 def cost(table: dict[int, float], rows: int) -> float:
