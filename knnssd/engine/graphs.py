@@ -114,6 +114,10 @@ class StepRunner:
             torch.cuda.current_stream().wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
+            # torch.cuda.graph empties the allocator's cache as it starts: empty it first, so that what the
+            # capture adds is not netted against cached blocks it frees
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved()
             t0 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
