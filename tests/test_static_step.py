@@ -186,3 +186,26 @@ def test_a_long_prefill_runs_in_chunks_of_the_largest_captured_bucket(monkeypatc
     assert torch.allclose(got.hidden, want.hidden[:100], atol=TOL)
     with pytest.raises(ValueError, match="at least 312 positions"):
         StaticDecoder(Decoder(s), length=256, graphs=False)
+
+
+def test_plain_greedy_decoding_runs_a_step_ahead_and_stops_where_the_lean_loop_does():
+    """On a ``runs_ahead`` decoder, plain greedy decoding launches each step before reading the last one: one
+    step past an EOS, none past max_new_tokens; the step past the stop leaves the next request's tokens as
+    they were."""
+    dec, lean = StaticDecoder(Decoder(from_hf(tiny("llama"))), length=512, graphs=False), Decoder(from_hf(tiny("llama")))
+    prompt = prompt_ids("llama", 0)
+    want = generate(lean, prompt, None, GenerationConfig(max_new_tokens=24))[0]
+    eos = want[10]
+    stop = want.index(eos)
+    launched = []
+    forward = dec.forward
+    dec.forward = lambda ids, start, **kw: (launched.append(start) if start >= len(prompt) else None,
+                                            forward(ids, start, **kw))[1]
+    assert generate(dec, prompt, None, GenerationConfig(max_new_tokens=24, eos_ids=(eos,)))[0] == want[: stop + 1]
+    assert launched == list(range(len(prompt), len(prompt) + stop + 1))  # the last one past the EOS
+    launched.clear()
+    assert generate(dec, prompt, None, GenerationConfig(max_new_tokens=24))[0] == want
+    assert len(launched) == 23  # the first token comes from the prefill
+    other = prompt_ids("llama", 1)
+    assert generate(dec, other, None, GenerationConfig(max_new_tokens=24))[0] == \
+        generate(lean, other, None, GenerationConfig(max_new_tokens=24))[0]

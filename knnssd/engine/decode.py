@@ -275,6 +275,29 @@ class Run:
         seq.decoder.rollback(len(seq.tokens) - 1)
         return len(self.new) - before
 
+    def _complete_ahead(self, dec) -> tuple[list[int], DecodeStats]:
+        """Plain greedy decoding with the device one step ahead of the host: step t+1 is launched on step t's
+        token while that is still on the device, and step t's token is read and checked for a stop while
+        step t+1 runs, so the host's work per token overlaps the device's. A step launched past a stop
+        writes K/V past the sequence's end, which a ``runs_ahead`` decoder masks and later overwrites; none
+        is launched past ``max_new_tokens``."""
+        pending = None  # the launched step not yet read: (its reader, its token on the device)
+        start = len(self.seq.tokens) - 1  # the position of the token the next step reads
+        while not self.done:
+            t1 = time.perf_counter()
+            ahead = None
+            if len(self.new) + (pending is not None) < self.config.max_new_tokens:
+                ids = self.seq.last if pending is None else pending[1]
+                packed = self.judge(Call(ids, start, None), dec.forward(ids, start, last=True).logits)
+                ahead, start = (Verdict.read_later(packed), Verdict.next_of(packed)), start + 1
+            if pending is not None:
+                self.apply(pending[0]())
+            elif ahead is None:
+                break  # nothing launched and nothing to read: the stopper ends the run at max_new_tokens
+            pending = ahead
+            self.stats.verify_s += time.perf_counter() - t1
+        return self.finish()
+
     def finish(self) -> tuple[list[int], DecodeStats]:
         """The new tokens and the stats (``new_tokens`` set); the drafter hears that the sequence ended."""
         self.stats.new_tokens = len(self.new)
@@ -285,6 +308,8 @@ class Run:
     def complete(self) -> tuple[list[int], DecodeStats]:
         """Decode this sequence alone to its end: one full-model pass on its decoder per step."""
         dec = self.seq.decoder
+        if self.drafter is None and self.config.warp.greedy and getattr(dec, "runs_ahead", False):
+            return self._complete_ahead(dec)
         while not self.done:
             call = self.propose()
             t1 = time.perf_counter()

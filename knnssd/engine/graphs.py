@@ -144,6 +144,7 @@ class StaticDecoder:
     (``exactness.probe_fixed``), since its rows are not the eager decoder's."""
 
     can_skip = True
+    runs_ahead = True  # plain greedy decoding may launch a step before the last one is read (``decode.Run``)
 
     def __init__(self, dec: Decoder, length: int, graphs: bool = True):
         least = exactness.CONTEXTS[-1] + exactness.MAX_T  # the probe's longest context

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -96,6 +97,28 @@ class Verdict:
     def read(cls, packed: torch.Tensor) -> "Verdict":
         """From ``accept_greedy``'s or ``accept_sampled``'s packed tensor: the step's one host copy."""
         return cls.of(packed.tolist(), packed)
+
+    @classmethod
+    def read_later(cls, packed: torch.Tensor) -> Callable[[], "Verdict"]:
+        """Start ``packed``'s host copy and return a function that waits for it and reads it: the device runs
+        on meanwhile (on CUDA; elsewhere the copy is made now)."""
+        if packed.device.type != "cuda":
+            verdict = cls.read(packed)
+            return lambda: verdict
+        host = packed.to("cpu", non_blocking=True)  # into pinned memory: the copy does not block the host
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def wait() -> "Verdict":
+            copied.synchronize()
+            return cls.of(host.tolist(), packed)
+
+        return wait
+
+    @staticmethod
+    def next_of(packed: torch.Tensor) -> torch.Tensor:
+        """(1,): the token y of a packed verdict, on the device, before the verdict is read."""
+        return packed[_Y : _Y + 1]
 
     @classmethod
     def read_all(cls, packed: list[torch.Tensor]) -> list["Verdict"]:
