@@ -17,7 +17,7 @@ from knnssd.engine.drafters import LayerSkip, NGram
 from knnssd.engine.graphs import StaticDecoder, StepRunner
 from knnssd.engine.skip import SkipMask
 from knnssd.engine.stack import from_hf
-from knnssd.engine.static_step import StaticCache, plain, rows_bucket, step
+from knnssd.engine.static_step import StaticCache, keys_bucket, keys_buckets, plain, rows_bucket, step
 from tiny import COMMON, hf_greedy, prompt_ids, tiny
 
 ARCHS = ("llama", "gemma3")  # gemma3: per-head norms, post norms, sliding windows, two rotary tables
@@ -166,9 +166,9 @@ def test_a_long_prefill_runs_in_chunks_of_the_largest_captured_bucket(monkeypatc
     eager = StepRunner.__call__
 
     @torch.inference_mode()
-    def replayed(self, ids, pos, slots, skip=None, slot=None):
-        logits, hidden = eager(self, ids, pos, slots, skip, slot)
-        n, key = ids.shape[0], (skip, rows_bucket(ids.shape[0]), slot)
+    def replayed(self, ids, pos, slots, skip=None, slot=None, keys=None):
+        logits, hidden = eager(self, ids, pos, slots, skip, slot, keys)
+        n, key = ids.shape[0], (skip, rows_bucket(ids.shape[0]), slot, keys)
         if key not in buffers:
             buffers[key] = (logits.new_empty(key[1], logits.shape[1]), hidden.new_empty(key[1], hidden.shape[1]))
         bl, bh = buffers[key]
@@ -209,3 +209,26 @@ def test_plain_greedy_decoding_runs_a_step_ahead_and_stops_where_the_lean_loop_d
     other = prompt_ids("llama", 1)
     assert generate(dec, other, None, GenerationConfig(max_new_tokens=24))[0] == \
         generate(lean, other, None, GenerationConfig(max_new_tokens=24))[0]
+
+
+def test_key_buckets_double_from_the_least_up_to_the_cache_length():
+    assert keys_buckets(2048) == [512, 1024, 2048] and keys_buckets(700) == [512, 700]
+    assert keys_bucket(513, 2048) == 1024 and keys_bucket(1, 400) == 400
+    with pytest.raises(ValueError, match="do not fit"):
+        keys_bucket(2049, 2048)
+
+
+def test_a_request_reads_the_key_bucket_its_reserve_chose():
+    """A request's steps attend over the bucket of its prompt plus max_new_tokens, not the whole cache, and
+    give the lean decoder's tokens; a forward past the reserve takes a bigger bucket."""
+    dec, lean = StaticDecoder(Decoder(from_hf(tiny("llama"))), length=1100, graphs=False), Decoder(from_hf(tiny("llama")))
+    config = GenerationConfig(max_new_tokens=24)
+    for drafter in (None, NGram(max_len=4)):
+        assert generate(dec, prompt_ids("llama", 0), drafter, config)[0] == \
+            generate(lean, prompt_ids("llama", 0), None, config)[0]
+        assert dec.keys == 512
+    dec.reserve(600)
+    assert dec.keys == 1024
+    dec.reserve(10)
+    dec.forward(torch.zeros(3, dtype=torch.long), 700)
+    assert dec.keys == 1024

@@ -1,10 +1,10 @@
 """Static steps run over one ``StaticCache``, replayed from CUDA graphs where the device has them.
 
 A call's rows are copied into the input buffers of their bucket (``static_step.rows_bucket``) and padded
-with scratch rows. Each (skip mask, bucket, slot) is captured once, at its first use, into one memory pool
-shared by all of them, and replayed for every later call with the same key, whatever the request. A
-capture that fails leaves its key eager, with a log line. Captures are recorded (``captures``) with
-their time and the memory they took.
+with scratch rows. Each (skip mask, bucket, slot, key bucket) is captured once, at its first use, into one
+memory pool shared by all of them, and replayed for every later call with the same key, whatever the
+request. A capture that fails leaves its key eager, with a log line. Captures are recorded (``captures``)
+with their time and the memory they took.
 
 ``StaticDecoder`` runs one sequence on it with ``decoder.Decoder``'s interface, so the decoding loop and
 the drafters run unchanged. Whether its graphed T-row pass is exact (its rows bitwise equal to T
@@ -26,7 +26,7 @@ from knnssd.engine.cache import CacheFull
 from knnssd.engine.decoder import Decoder, Output
 from knnssd.engine.skip import MaskError, SkipMask
 from knnssd.engine.stack import Stack
-from knnssd.engine.static_step import StaticCache, plain, rows_bucket, step
+from knnssd.engine.static_step import StaticCache, keys_bucket, keys_buckets, plain, rows_bucket, step
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class Capture(NamedTuple):
     skip: SkipMask | None
     rows: int
     slot: int | None  # the one sequence's slot the graph reads, or None (rows of any slots)
+    keys: int  # the positions its rows attend over
     seconds: float
     bytes: int
 
@@ -61,16 +62,18 @@ class StepRunner:
         if graphs and not self.graphs:
             log.info("CUDA graphs need a CUDA device; the static step runs eagerly on %s", s.device)
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._graphs: dict[tuple, _Graph | None] = {}  # (skip, R, slot) -> graph; None: eager (capture failed)
+        self._graphs: dict[tuple, _Graph | None] = {}  # (skip, R, slot, keys) -> graph; None: eager (failed)
         self._pool = None
         self.captures: list[Capture] = []
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None,
-                 slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids, pos, slots: (n,) long on the cache's device; ``slot``: every row's, where they are one sequence's
-        (``static_step.step``)."""
+                 slot: int | None = None, keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, pos, slots: (n,) long on the cache's device; ``slot``: every row's, where they are one sequence's;
+        ``keys``: a key bucket (``static_step.keys_bucket``) above every row's position, default the cache's
+        length (``static_step.step``)."""
         n = ids.shape[0]
+        keys = keys or self.cache.length
         R = rows_bucket(n)
         bi, bp, bs = self._buffers(R)
         bi[:n].copy_(ids)
@@ -81,14 +84,14 @@ class StepRunner:
             bp[n:].zero_()
             bs[n:].fill_(self.cache.scratch)
         if self.graphs and R <= CAPTURE_ROWS:
-            key = (skip, R, slot)
+            key = (skip, R, slot, keys)
             if key not in self._graphs:
-                self._graphs[key] = self._capture(skip, R, slot)
+                self._graphs[key] = self._capture(skip, R, slot, keys)
             g = self._graphs[key]
             if g is not None:
                 g.graph.replay()
                 return g.logits[:n], g.hidden[:n]
-        logits, hidden = self._eager(skip, R, slot)
+        logits, hidden = self._eager(skip, R, slot, keys)
         return logits[:n], hidden[:n]
 
     def _buffers(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,12 +100,12 @@ class StepRunner:
             self._inputs[R] = (z(), z(), z())
         return self._inputs[R]
 
-    def _eager(self, skip: SkipMask | None, R: int, slot: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager(self, skip: SkipMask | None, R: int, slot: int | None, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cache
-        return step(self.stack, c.k, c.v, c.tables, *self._inputs[R], skip, slot)
+        return step(self.stack, c.k, c.v, c.tables, *self._inputs[R], skip, slot, keys)
 
-    def _capture(self, skip: SkipMask | None, R: int, slot: int | None) -> _Graph | None:
-        """The graph of (skip, R, slot), its warm-up and capture run on the inputs in the buffers (they write the
+    def _capture(self, skip: SkipMask | None, R: int, slot: int | None, keys: int) -> _Graph | None:
+        """The graph of (skip, R, slot, keys), its warm-up and capture run on the inputs in the buffers (they write the
         K/V that the call itself writes); None where capturing fails."""
         kind = "full" if skip is None else f"draft ({skip.n_skipped} sub-layers skipped)"
         try:
@@ -110,7 +113,7 @@ class StepRunner:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(WARMUP):
-                    self._eager(skip, R, slot)
+                    self._eager(skip, R, slot, keys)
             torch.cuda.current_stream().wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -122,7 +125,7 @@ class StepRunner:
             t0 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits, hidden = self._eager(skip, R, slot)
+                logits, hidden = self._eager(skip, R, slot, keys)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
         except Exception as e:  # any failure leaves this key eager, never silently
@@ -131,8 +134,9 @@ class StepRunner:
             torch.cuda.synchronize()  # an error the capture hid surfaces here, not in the eager step after it
             return None
         grown = torch.cuda.memory_reserved() - before
-        self.captures.append(Capture(skip, R, slot, seconds, grown))
-        log.info("captured the %s step for %d rows in %.2f s (%.1f MiB)", kind, R, seconds, grown / 2**20)
+        self.captures.append(Capture(skip, R, slot, keys, seconds, grown))
+        log.info("captured the %s step for %d rows over %d keys in %.2f s (%.1f MiB)", kind, R, keys, seconds,
+                 grown / 2**20)
         return _Graph(graph, logits, hidden)
 
 
@@ -141,7 +145,12 @@ class StaticDecoder:
     and the drafters (``forward``, ``reserve``, ``rollback``), over slot 0 of a ``StaticCache`` of ``length``
     positions, on a ``StepRunner``. A skip mask's draft step is a graph of its own; int8 draft weights,
     tapped or influence outputs are not offered (they raise). ``exactness`` is measured on this step
-    (``exactness.probe_fixed``), since its rows are not the eager decoder's."""
+    (``exactness.probe_fixed``), since its rows are not the eager decoder's, at every key bucket.
+
+    Its steps attend over a key bucket (``static_step.keys_bucket``) chosen at ``reserve``, which the
+    decoding loop calls once a request with the prompt's length plus ``max_new_tokens``: every step of a
+    request, plain or speculative, reads the same bucket, so a verify pass's rows are compared with one-row
+    steps of the same shape."""
 
     can_skip = True
     runs_ahead = True  # plain greedy decoding may launch a step before the last one is read (``decode.Run``)
@@ -157,15 +166,26 @@ class StaticDecoder:
         self.length = length
         self._pos = torch.arange(length, device=self.device)
         self._slots = torch.zeros(CAPTURE_ROWS, dtype=torch.long, device=self.device)  # a call's rows: one chunk at most
+        self.keys, self._pinned = length, False  # the key bucket steps read; pinned: reserve leaves it
         self.exactness = None
-        self.exactness = exactness.probe_fixed(self, "static_graphed" if self.runner.graphs else "static")
+        form = "static_graphed" if self.runner.graphs else "static"
+        probes = []
+        for keys in keys_buckets(length):  # each bucket's attention is its own shape: each is probed
+            self.keys, self._pinned = keys, True
+            probes.append(exactness.probe_fixed(self, form))
+        self.keys, self._pinned = length, False
+        self.exactness = next((p for p in probes if not p.exact), probes[-1])
 
     def int8_stack(self) -> Stack:
         raise MaskError("the static step runs full-precision weights: no int8 drafts")
 
     def reserve(self, n: int) -> None:
+        """Check that ``n`` positions fit, and read the smallest key bucket that holds them until the next
+        ``reserve``."""
         if n > self.length:
             raise CacheFull(f"{n} positions do not fit the static cache's {self.length}")
+        if not self._pinned:
+            self.keys = keys_bucket(n, self.length)
 
     def rollback(self, length: int) -> None:
         """Nothing to do: later positions are masked and overwritten."""
@@ -175,11 +195,15 @@ class StaticDecoder:
         if stack is not None and stack is not self.stack or tap is not None or influence:
             raise MaskError("the static step runs the model's own weights and returns no tapped or influence outputs")
         T = ids.shape[0]
-        self.reserve(start + T)
+        if start + T > self.keys:  # past what was reserved: a bigger bucket (a probe's pinned one never is)
+            if self._pinned:
+                raise CacheFull(f"{start + T} positions do not fit the probed key bucket of {self.keys}")
+            self.reserve(start + T)
         logits, hidden = [], []  # a long prefill runs in chunks of the largest captured bucket, each over the
         for lo in range(0, T, CAPTURE_ROWS):  # K/V of the last; clones: the next call overwrites the runner's buffers
             hi = min(T, lo + CAPTURE_ROWS)
-            x, h = self.runner(ids[lo:hi], self._pos[start + lo : start + hi], self._slots[: hi - lo], mask, slot=0)
+            x, h = self.runner(ids[lo:hi], self._pos[start + lo : start + hi], self._slots[: hi - lo], mask, slot=0,
+                               keys=self.keys)
             if not last or hi == T:
                 logits.append((x[-1:] if last else x).clone())
             hidden.append(h.clone())
