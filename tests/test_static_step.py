@@ -232,3 +232,15 @@ def test_a_request_reads_the_key_bucket_its_reserve_chose():
     dec.reserve(10)
     dec.forward(torch.zeros(3, dtype=torch.long), 700)
     assert dec.keys == 1024
+
+
+def test_warm_runs_every_captured_bucket_at_every_key_bucket(monkeypatch):
+    dec = StaticDecoder(Decoder(from_hf(tiny("llama"))), length=1100, graphs=False)
+    seen = []
+    call = StepRunner.__call__
+    monkeypatch.setattr(StepRunner, "__call__", lambda self, ids, pos, slots, skip=None, slot=None, keys=None: (
+        seen.append((ids.shape[0], keys, skip is not None)), call(self, ids, pos, slots, skip, slot, keys))[1])
+    dec.warm((SkipMask.from_layers(4, **MASK),))
+    assert sorted(set(seen)) == sorted({(r, k, False) for r in (1, 2, 4, 8, 16, 32, 64) for k in (512, 1024, 1100)}
+                                       | {(1, k, True) for k in (512, 1024, 1100)})
+    assert dec.keys == 1100 and not dec._pinned

@@ -26,7 +26,7 @@ from knnssd.engine.cache import CacheFull
 from knnssd.engine.decoder import Decoder, Output
 from knnssd.engine.skip import MaskError, SkipMask
 from knnssd.engine.stack import Stack
-from knnssd.engine.static_step import StaticCache, keys_bucket, keys_buckets, plain, rows_bucket, step
+from knnssd.engine.static_step import ROW_BUCKETS, StaticCache, keys_bucket, keys_buckets, plain, rows_bucket, step
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,22 @@ class StaticDecoder:
             probes.append(exactness.probe_fixed(self, form))
         self.keys, self._pinned = length, False
         self.exactness = next((p for p in probes if not p.exact), probes[-1])
+
+    def warm(self, masks: tuple[SkipMask, ...] = ()) -> float:
+        """Capture the full step at every row bucket up to ``CAPTURE_ROWS``, and the one-row step
+        of each of ``masks``, at every key bucket, now rather than at a request's first use of each; returns
+        the seconds it took."""
+        t0 = time.perf_counter()
+        ids = torch.zeros(CAPTURE_ROWS, dtype=torch.long, device=self.device)
+        for keys in keys_buckets(self.length):
+            self.keys, self._pinned = keys, True
+            for R in ROW_BUCKETS:
+                if R <= CAPTURE_ROWS:
+                    self.forward(ids[:R], 0)
+            for mask in masks:
+                self.forward(ids[:1], 0, mask=mask)
+        self.keys, self._pinned = self.length, False
+        return time.perf_counter() - t0
 
     def int8_stack(self) -> Stack:
         raise MaskError("the static step runs full-precision weights: no int8 drafts")
