@@ -244,3 +244,20 @@ def test_warm_runs_every_captured_bucket_at_every_key_bucket(monkeypatch):
     assert sorted(set(seen)) == sorted({(r, k, False) for r in (1, 2, 4, 8, 16, 32, 64) for k in (512, 1024, 1100)}
                                        | {(1, k, True) for k in (512, 1024, 1100)})
     assert dec.keys == 1100 and not dec._pinned
+
+
+def test_a_step_that_fails_to_compile_runs_uncompiled_with_a_warning(monkeypatch, caplog):
+    import knnssd.engine.graphs as graphs
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(graphs, "_compiled_step", lambda: broken)
+    s = from_hf(tiny("llama"))
+    runner = StepRunner(s, StaticCache(s, slots=1, length=64), graphs=False, compiled=True)
+    with caplog.at_level(logging.WARNING, logger="knnssd.engine.graphs"):
+        got = runner(_ids(3, 8), torch.arange(3), torch.zeros(3, dtype=torch.long))[0]
+    want = StepRunner(s, StaticCache(s, slots=1, length=64), graphs=False)(_ids(3, 8), torch.arange(3),
+                                                                            torch.zeros(3, dtype=torch.long))[0]
+    assert torch.equal(got, want) and not runner.compiled
+    assert "compiling the static step failed (RuntimeError: no compiler here); it runs uncompiled" in caplog.text

@@ -1,10 +1,12 @@
 """Static steps run over one ``StaticCache``, replayed from CUDA graphs where the device has them.
 
 A call's rows are copied into the input buffers of their bucket (``static_step.rows_bucket``) and padded
-with scratch rows. Each (skip mask, bucket, slot, key bucket) is captured once, at its first use, into one
-memory pool shared by all of them, and replayed for every later call with the same key, whatever the
-request. A capture that fails leaves its key eager, with a log line. Captures are recorded (``captures``)
-with their time and the memory they took.
+with scratch rows. With ``compiled``, the step is ``torch.compile``d (``fullgraph=True, dynamic=False``)
+before it is captured: inductor fuses the norms, rotary and pointwise ops, which cuts the kernels a
+step launches, and so a replay's time on a launch-bound GPU. Each (skip mask, bucket, slot, key bucket)
+is captured once, at its first use, into one memory pool shared by all of them, and replayed for every
+later call with the same key, whatever the request. A capture that fails leaves its key eager, with a
+log line. Captures are recorded (``captures``) with their time and the memory they took.
 
 ``StaticDecoder`` runs one sequence on it with ``decoder.Decoder``'s interface, so the decoding loop and
 the drafters run unchanged. Whether its graphed T-row pass is exact (its rows bitwise equal to T
@@ -56,14 +58,18 @@ class StepRunner:
     (``static_step.step``), on CUDA graphs when ``graphs`` and the device is CUDA, else eagerly. They are views
     of buffers that the next call of the same key overwrites."""
 
-    def __init__(self, s: Stack, cache: StaticCache, graphs: bool = True):
+    def __init__(self, s: Stack, cache: StaticCache, graphs: bool = True, compiled: bool = False):
         self.stack, self.cache = plain(s), cache
         self.graphs = graphs and s.device.type == "cuda"
         if graphs and not self.graphs:
             log.info("CUDA graphs need a CUDA device; the static step runs eagerly on %s", s.device)
+        self.compiled = compiled
+        self._step = _compiled_step() if compiled else step
+        self.compile_s = 0.0  # seconds the first call of each key spent compiling (with its first run)
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._graphs: dict[tuple, _Graph | None] = {}  # (skip, R, slot, keys) -> graph; None: eager (failed)
         self._pool = None
+        self._compiled_keys: set[tuple] = set()
         self.captures: list[Capture] = []
 
     @torch.inference_mode()
@@ -102,7 +108,20 @@ class StepRunner:
 
     def _eager(self, skip: SkipMask | None, R: int, slot: int | None, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cache
-        return step(self.stack, c.k, c.v, c.tables, *self._inputs[R], skip, slot, keys)
+        if R > CAPTURE_ROWS:  # a long prefill's few calls would not repay compiling their shapes
+            return step(self.stack, c.k, c.v, c.tables, *self._inputs[R], skip, slot, keys)
+        if self.compiled and (skip, R, slot, keys) not in self._compiled_keys:
+            self._compiled_keys.add((skip, R, slot, keys))
+            t0 = time.perf_counter()
+            try:
+                return self._step(self.stack, c.k, c.v, c.tables, *self._inputs[R], skip, slot, keys)
+            except Exception as e:  # a compiler that fails here (no C compiler, no Triton) leaves the step eager
+                log.warning("compiling the static step failed (%s: %s); it runs uncompiled", type(e).__name__,
+                            str(e).splitlines()[0] if str(e) else "")
+                self.compiled, self._step = False, step
+            finally:
+                self.compile_s += time.perf_counter() - t0
+        return self._step(self.stack, c.k, c.v, c.tables, *self._inputs[R], skip, slot, keys)
 
     def _capture(self, skip: SkipMask | None, R: int, slot: int | None, keys: int) -> _Graph | None:
         """The graph of (skip, R, slot, keys), its warm-up and capture run on the inputs in the buffers (they write the
@@ -140,6 +159,17 @@ class StepRunner:
         return _Graph(graph, logits, hidden)
 
 
+def _compiled_step():
+    """``static_step.step`` under ``torch.compile``: one graph per (skip mask, bucket, slot, keys), so the recompile
+    limits are raised to hold every key a runner captures."""
+    import torch._dynamo.config as dc
+
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dc, name):
+            setattr(dc, name, max(getattr(dc, name), 256))
+    return torch.compile(step, fullgraph=True, dynamic=False)
+
+
 class StaticDecoder:
     """One sequence on the static step: ``decoder.Decoder``'s interface for the decoding loop (``decode.py``)
     and the drafters (``forward``, ``reserve``, ``rollback``), over slot 0 of a ``StaticCache`` of ``length``
@@ -155,20 +185,20 @@ class StaticDecoder:
     can_skip = True
     runs_ahead = True  # plain greedy decoding may launch a step before the last one is read (``decode.Run``)
 
-    def __init__(self, dec: Decoder, length: int, graphs: bool = True):
+    def __init__(self, dec: Decoder, length: int, graphs: bool = True, compiled: bool = False):
         least = exactness.CONTEXTS[-1] + exactness.MAX_T  # the probe's longest context
         if length < least:
             raise ValueError(f"a static decoder needs a cache of at least {least} positions (the exactness probe's), "
                              f"not {length}")
         self.stack, self.attention, self.device, self.n_layers = dec.stack, dec.attention, dec.device, dec.n_layers
         self.cache = StaticCache(dec.stack, slots=1, length=length)
-        self.runner = StepRunner(dec.stack, self.cache, graphs)
+        self.runner = StepRunner(dec.stack, self.cache, graphs, compiled)
         self.length = length
         self._pos = torch.arange(length, device=self.device)
         self._slots = torch.zeros(CAPTURE_ROWS, dtype=torch.long, device=self.device)  # a call's rows: one chunk at most
         self.keys, self._pinned = length, False  # the key bucket steps read; pinned: reserve leaves it
         self.exactness = None
-        form = "static_graphed" if self.runner.graphs else "static"
+        form = "static" + ("_compiled" if self.runner.compiled else "") + ("_graphed" if self.runner.graphs else "")
         probes = []
         for keys in keys_buckets(length):  # each bucket's attention is its own shape: each is probed
             self.keys, self._pinned = keys, True
@@ -177,7 +207,7 @@ class StaticDecoder:
         self.exactness = next((p for p in probes if not p.exact), probes[-1])
 
     def warm(self, masks: tuple[SkipMask, ...] = ()) -> float:
-        """Capture the full step at every row bucket up to ``CAPTURE_ROWS``, and the one-row step
+        """Capture (and compile) the full step at every row bucket up to ``CAPTURE_ROWS``, and the one-row step
         of each of ``masks``, at every key bucket, now rather than at a request's first use of each; returns
         the seconds it took."""
         t0 = time.perf_counter()
