@@ -161,40 +161,52 @@ def engine_section(a, device: torch.device) -> tuple[dict, "Stack"]:
     if not isinstance(eager, Decoder):
         raise SystemExit(f"the lean forward did not take {type(model).__name__} (plain HF fallback): no static step")
     masks = influence_masks(eager, (0.25, 0.5))
-    t0 = time.perf_counter()
-    static = StaticDecoder(eager, length=a.length)
-    setup_s = time.perf_counter() - t0
-    rows, base = {}, None
+    rows, base, forms = {}, None, {}
     eager_tps, eager_tokens, _ = decode_rows(eager, prompts, lambda: None, config)
     rows["plain, eager engine"] = dict(tok_s=eager_tps, mean_accepted=1.0)
     drafters = {
-        "plain, graphed": lambda: None,
-        "n-gram, graphed": lambda: NGram(max_len=8),
-        "layer-skip 25%, graphed": lambda: LayerSkip(masks[0.25], max_len=4),
-        "layer-skip 50%, graphed": lambda: LayerSkip(masks[0.5], max_len=4),
-        "hybrid (n-gram, 25%), graphed": lambda: Hybrid(NGram(max_len=8), LayerSkip(masks[0.25], max_len=4)),
+        "plain": lambda: None,
+        "n-gram": lambda: NGram(max_len=8),
+        "layer-skip 25%": lambda: LayerSkip(masks[0.25], max_len=4),
+        "layer-skip 50%": lambda: LayerSkip(masks[0.5], max_len=4),
+        "hybrid (n-gram, 25%)": lambda: Hybrid(NGram(max_len=8), LayerSkip(masks[0.25], max_len=4)),
     }
-    for name, make in drafters.items():
-        tps, tokens, mean_acc = decode_rows(static, prompts, make, config)
-        if base is None:
-            base = (tps, tokens)
-        rows[name] = dict(tok_s=tps, mean_accepted=mean_acc, vs_graphed_plain=tps / base[0],
-                          agreement=sum(x == y for x, y in zip(tokens, base[1])) / len(prompts))
-    rows["plain, graphed"]["equal_to_eager_engine"] = sum(x == y for x, y in zip(base[1], eager_tokens)) / len(prompts)
+    one = torch.tensor([7], device=device)
+    for form, compiled in (("graphed", False), ("graphed+compiled", True))[: 2 if a.compiled else 1]:
+        t0 = time.perf_counter()
+        static = StaticDecoder(eager, length=a.length, compiled=compiled)
+        warm_s = static.warm(tuple(masks.values()))  # every bucket a prompt's decoding reads, before any is timed
+        setup_s = time.perf_counter() - t0
+        plain_name = f"plain, {form}"
+        for name, make in drafters.items():
+            tps, tokens, mean_acc = decode_rows(static, prompts, make, config)
+            if name == "plain":
+                base = (tps, tokens)
+            rows[f"{name}, {form}"] = dict(tok_s=tps, mean_accepted=mean_acc, vs_plain=tps / base[0],
+                                          agreement=sum(x == y for x, y in zip(tokens, base[1])) / len(prompts))
+        rows[plain_name]["equal_to_eager_engine"] = sum(x == y for x, y in zip(base[1], eager_tokens)) / len(prompts)
+        # a one-row step alone, through the decoder's forward (buffer copies, replay, clones), each to its end
+        static.reserve(400)  # the key bucket of a short request
+        step_ms = median_ms(lambda: static.forward(one, 300, last=True), device, repeats=50, warmup=3)
+        forms[form] = dict(probe=static.exactness.describe(), exact=static.exactness.exact,
+                           cuda_graphs=static.runner.graphs, compiled=static.runner.compiled, setup_s=setup_s,
+                           compile_s=static.runner.compile_s, one_row_step_ms=step_ms,
+                           loop_ms_per_token=1e3 / rows[plain_name]["tok_s"],
+                           keys=static.keys, warm_s=warm_s,
+                           captures=[dict(mask=c.skip.n_skipped if c.skip else 0, rows=c.rows, slot=c.slot, keys=c.keys,
+                                          seconds=c.seconds, mib=c.bytes / 2**20) for c in static.runner.captures])
     t0 = time.perf_counter()
     n = 0
-    for ids in prompts:
+    for ids in prompts if a.hf else ():
         x = torch.tensor([ids], device=device)
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=a.max_new_tokens, do_sample=False,
                              min_new_tokens=a.max_new_tokens)
         n += out.shape[1] - x.shape[1]
     sync(device)
-    rows["HF generate (prefill included)"] = dict(tok_s=n / (time.perf_counter() - t0))
+    if n:
+        rows["HF generate (prefill included)"] = dict(tok_s=n / (time.perf_counter() - t0))
     return dict(weights=weights, prompts=len(prompts), max_new_tokens=a.max_new_tokens,
-                probe_eager=eager.exactness.describe(), probe_graphed=static.exactness.describe(),
-                graphed_exact=static.exactness.exact, cuda_graphs=static.runner.graphs, static_setup_s=setup_s,
-                captures=[dict(mask=c.skip.n_skipped if c.skip else 0, rows=c.rows, slot=c.slot, seconds=c.seconds,
-                               mib=c.bytes / 2**20) for c in static.runner.captures],
+                probe_eager=eager.exactness.describe(), forms=forms,
                 masks={str(f): m.to_dict() for f, m in masks.items()}, rows=rows), eager.stack
 
 
@@ -203,9 +215,9 @@ def throughput_section(a, stack, device: torch.device) -> dict:
     out = {}
     steps = 8 if a.smoke else 64
     for B in a.sizes:
-        for graphs in (False, True):
+        for form in ("eager", "graphed", "graphed+compiled")[: 3 if a.compiled else 2]:
             cache = StaticCache(stack, slots=B, length=a.prompt_len + steps + 16)
-            runner = StepRunner(stack, cache, graphs=graphs)
+            runner = StepRunner(stack, cache, graphs=form != "eager", compiled=form == "graphed+compiled")
             slots = torch.arange(B, device=device)
             ids = torch.randint(2, stack.embed.shape[0], (B,), device=device)
             for b in range(B):  # a prompt each
@@ -226,7 +238,7 @@ def throughput_section(a, stack, device: torch.device) -> dict:
             t0 = time.perf_counter()
             run(steps)
             sync(device)
-            out[f"{B} {'graphed' if graphs else 'eager'}"] = dict(tok_s=B * steps / (time.perf_counter() - t0))
+            out[f"{B} {form}"] = dict(tok_s=B * steps / (time.perf_counter() - t0))
     return out
 
 
@@ -245,35 +257,47 @@ def big_section(a, device: torch.device) -> dict:
     masks = {"25%": SkipMask.from_layers(L, attn=range(1, L, 4), mlp=range(3, L, 4)),
              "50%": SkipMask.from_layers(L, attn=range(1, L, 2), mlp=range(0, L, 2))}
     steps, drafts = {}, {}
-    for length in (256, 2048):  # the keys a step reads grow with the cache; the floor counts the weights alone
-        runner = StepRunner(s, StaticCache(s, slots=1, length=length), graphs=device.type == "cuda")
+    runs = [(256, False), (2048, False)] + [(256, True)] * a.compiled
+    for length, compiled in runs:  # the keys a step reads grow with the cache; the floor counts the weights alone
+        runner = StepRunner(s, StaticCache(s, slots=1, length=length), graphs=device.type == "cuda", compiled=compiled)
         ids = torch.randint(2, s.embed.shape[0], (128,), device=device)
         zero = torch.zeros(128, dtype=torch.long, device=device)
         runner(ids, torch.arange(128, device=device), zero, slot=0)
         one = (ids[:1], torch.tensor([128], device=device), zero[:1])
-        steps[length] = median_ms(lambda: runner(*one, slot=0), device, repeats=20, warmup=3)
+        key = f"{length}{' compiled' if compiled else ''}"
+        steps[key] = median_ms(lambda: runner(*one, slot=0), device, repeats=20, warmup=3)
         if length == 256:
-            drafts = {name: median_ms(lambda m=m: runner(*one, skip=m, slot=0), device, repeats=20, warmup=3)
-                      / steps[length] for name, m in masks.items()}
-    return dict(shape="Llama-2-7B" if a.big == "7b" else "tiny", weight_gib=weight_bytes / 2**30,
-                read_gb_s=bandwidth / 1e9, step_ms=steps[256], step_ms_2048=steps[2048], floor_ms=floor_ms,
-                step_over_floor=steps[256] / floor_ms, step_over_floor_2048=steps[2048] / floor_ms,
-                graphed=device.type == "cuda", draft_cost_vs_full=drafts)
+            drafts[key] = {name: median_ms(lambda m=m: runner(*one, skip=m, slot=0), device, repeats=20, warmup=3)
+                           / steps[key] for name, m in masks.items()}
+    out = dict(shape="Llama-2-7B" if a.big == "7b" else "tiny", weight_gib=weight_bytes / 2**30,
+               read_gb_s=bandwidth / 1e9, step_ms=steps["256"], step_ms_2048=steps["2048"], floor_ms=floor_ms,
+               step_over_floor=steps["256"] / floor_ms, step_over_floor_2048=steps["2048"] / floor_ms,
+               graphed=device.type == "cuda", draft_cost_vs_full=drafts["256"])
+    if a.compiled:
+        out.update(step_ms_compiled=steps["256 compiled"], step_over_floor_compiled=steps["256 compiled"] / floor_ms,
+                   draft_cost_vs_full_compiled=drafts["256 compiled"])
+    return out
 
 
 def markdown(r: dict) -> str:
     e, t, b = r["engine"], r["throughput"], r["big"]
     lines = [f"# GPU check, {r['when']}", "", f"{r['device']}; torch {r['torch']}, transformers {r['transformers']}; "
-             f"code {r['commit']}.", "", f"- Probe, eager engine: {e['probe_eager']}",
-             f"- Probe, graphed static step: {e['probe_graphed']}",
-             f"- CUDA graphs: {'captured' if e['cuda_graphs'] else 'none (not CUDA): the graphed rows ran eagerly'}.",
-             f"- SmolLM2: {e['weights']}; {e['prompts']} prompt(s) x "
-             f"{e['max_new_tokens']} tokens. Graphed plain decoding's tokens equal the eager engine's in "
-             f"{e['rows']['plain, graphed']['equal_to_eager_engine']:.0%} of the prompts; agreement is with graphed "
-             "plain decoding.", "", "| decoding | tok/s | x graphed plain | mean accepted | agreement |",
-             "|---|---:|---:|---:|---:|"]
+             f"code {r['commit']}.", "", f"- Probe, eager engine: {e['probe_eager']}"]
+    for form, f in e["forms"].items():
+        caps = f["captures"]
+        lines += [f"- {form}: probe {f['probe']}; "
+                  + ("CUDA graphs captured" if f["cuda_graphs"] else "no CUDA graphs (not CUDA): it ran eagerly")
+                  + f"; compiled: {f['compiled']} ({f['compile_s']:.1f} s); set-up {f['setup_s']:.1f} s; "
+                  f"one-row step {f['one_row_step_ms']:.3f} ms over {f['keys']} keys, plain loop "
+                  f"{f['loop_ms_per_token']:.3f} ms a token; "
+                  f"{len(caps)} captures, {sum(c['seconds'] for c in caps):.2f} s, "
+                  f"{sum(c['mib'] for c in caps):.1f} MiB."]
+    lines += [f"- SmolLM2: {e['weights']}; {e['prompts']} prompt(s) x {e['max_new_tokens']} tokens. Graphed plain "
+              f"decoding's tokens equal the eager engine's in {e['rows']['plain, graphed']['equal_to_eager_engine']:.0%} "
+              "of the prompts; ratios and agreement are against plain decoding of the same form.", "",
+              "| decoding | tok/s | x plain | mean accepted | agreement |", "|---|---:|---:|---:|---:|"]
     for name, row in e["rows"].items():
-        cells = [f"{row['tok_s']:.1f}", f"{row['vs_graphed_plain']:.2f}" if "vs_graphed_plain" in row else "-",
+        cells = [f"{row['tok_s']:.1f}", f"{row['vs_plain']:.2f}" if "vs_plain" in row else "-",
                  f"{row['mean_accepted']:.2f}" if "mean_accepted" in row else "-",
                  f"{row['agreement']:.2f}" if "agreement" in row else "-"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -284,10 +308,12 @@ def markdown(r: dict) -> str:
               f"{b['step_ms_2048']:.3f} ms at 2,048; floor {b['floor_ms']:.3f} ms at {b['read_gb_s']:.0f} GB/s read: "
               f"{b['step_over_floor']:.2f}x and {b['step_over_floor_2048']:.2f}x the floor.",
               "- Draft steps against the full step: " + ", ".join(f"{k} skipped {v:.2f}" for k, v in
-                                                                  b["draft_cost_vs_full"].items()) + ".",
-              f"- Captures: {len(e['captures'])}, {sum(c['seconds'] for c in e['captures']):.2f} s, "
-              f"{sum(c['mib'] for c in e['captures']):.1f} MiB.", ""]
-    return "\n".join(lines)
+                                                                  b["draft_cost_vs_full"].items()) + "."]
+    if "step_ms_compiled" in b:
+        lines += [f"- Compiled: one-row step {b['step_ms_compiled']:.3f} ms at 256 ({b['step_over_floor_compiled']:.2f}x "
+                  "the floor); draft steps " + ", ".join(f"{k} skipped {v:.2f}" for k, v in
+                                                        b["draft_cost_vs_full_compiled"].items()) + "."]
+    return "\n".join(lines + [""])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -305,6 +331,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--big", choices=["7b", "tiny"], default="7b", help="the large shape: Llama-2-7B, or a tiny one "
                     "(a CPU run: 7B random weights take 13.5 GB)")
+    ap.add_argument("--compiled", action="store_true", help="also the static step compiled by torch.compile "
+                    "(inductor) before capture: each form, bucket and mask compiles once")
+    ap.add_argument("--no-hf", dest="hf", action="store_false", help="leave out HF generate (its eager loop is slow)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the script, not the GPU")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -315,12 +344,22 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     t0 = time.perf_counter()
-    engine, stack = engine_section(a, device)
     report = dict(when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), host=platform.node(),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-                  torch=torch.__version__, transformers=transformers.__version__, commit=_commit(), smoke=a.smoke,
-                  engine=engine, throughput=throughput_section(a, stack, device), big=big_section(a, device))
-    report["seconds"] = time.perf_counter() - t0
+                  torch=torch.__version__, transformers=transformers.__version__, commit=_commit(), smoke=a.smoke)
+
+    def done(name: str, section: dict) -> None:
+        # each section is written as it ends, so a run cut off by the machine's time limit keeps what it measured
+        report[name] = section
+        report["seconds"] = time.perf_counter() - t0
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        print(f"[{report['seconds']:.0f} s] {name}: {json.dumps(section)}", flush=True)
+
+    engine, stack = engine_section(a, device)
+    done("engine", engine)
+    done("throughput", throughput_section(a, stack, device))
+    del stack
+    done("big", big_section(a, device))
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     (out / "gpu_check.md").write_text(markdown(report))
     print(markdown(report))
