@@ -143,6 +143,40 @@ def decode_rows(dec, prompts: list[list[int]], drafter_of, config: GenerationCon
     return new / secs, tokens, mean_accepted(acc, steps)
 
 
+def divergence(dec, prompt: list[int], drafter_of, config: GenerationConfig, plain: list[int],
+               drafted: list[int]) -> dict:
+    """Where a drafter's tokens first leave plain decoding's (``plain``, ``drafted``: new tokens): the index,
+    both tokens, plain's top-two logit margin there, and whether the full-model row that chose the
+    drafter's token equals the one that chose plain's, bitwise. Unequal rows: the verify pass is not
+    row-invariant there (a near tie shows in the margin); equal rows: something else differs."""
+    i = next(j for j, (x, y) in enumerate(zip(plain, drafted)) if x != y)
+    pos = len(prompt) + i - 1  # new token i is chosen by the row at this position
+
+    def rows_at(drafter) -> torch.Tensor:
+        seen = {}
+        forward = dec.forward
+
+        def record(ids, start, mask=None, **kw):
+            out = forward(ids, start, mask=mask, **kw)
+            if mask is None:  # a full-model pass: its rows' logits by position (the last pass over one decides)
+                first = start + ids.shape[0] - out.logits.shape[0]
+                for j in range(out.logits.shape[0]):
+                    seen[first + j] = out.logits[j].clone()
+            return out
+
+        dec.forward = record
+        try:
+            generate(dec, prompt, drafter, config)
+        finally:
+            del dec.forward
+        return seen[pos]
+
+    mine, theirs = rows_at(None), rows_at(drafter_of())
+    top = mine.float().topk(2).values
+    return dict(index=i, plain=plain[i], drafted=drafted[i], margin=float(top[0] - top[1]),
+                rows_equal=bool(torch.equal(mine, theirs)), max_abs_diff=float((mine.float() - theirs.float()).abs().max()))
+
+
 def influence_masks(dec: Decoder, fractions: tuple[float, ...]) -> dict[float, SkipMask]:
     """For each fraction, the mask that skips that share of sub-layers with the smallest updates relative to
     the residual stream (``Decoder.forward(influence=True)``, as the search's first masks are chosen)."""
@@ -184,6 +218,11 @@ def engine_section(a, device: torch.device) -> tuple[dict, "Stack"]:
                 base = (tps, tokens)
             rows[f"{name}, {form}"] = dict(tok_s=tps, mean_accepted=mean_acc, vs_plain=tps / base[0],
                                           agreement=sum(x == y for x, y in zip(tokens, base[1])) / len(prompts))
+            apart = [k for k, (x, y) in enumerate(zip(tokens, base[1])) if x != y]
+            if apart:  # the first prompt where they differ: where, and why
+                k = apart[0]
+                rows[f"{name}, {form}"]["divergence"] = dict(
+                    prompt=k, **divergence(static, prompts[k], make, config, base[1][k], tokens[k]))
         rows[plain_name]["equal_to_eager_engine"] = sum(x == y for x, y in zip(base[1], eager_tokens)) / len(prompts)
         # a one-row step alone, through the decoder's forward (buffer copies, replay, clones), each to its end
         static.reserve(400)  # the key bucket of a short request
@@ -301,6 +340,10 @@ def markdown(r: dict) -> str:
                  f"{row['mean_accepted']:.2f}" if "mean_accepted" in row else "-",
                  f"{row['agreement']:.2f}" if "agreement" in row else "-"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += [f"- {name}: first differs from plain at prompt {d['prompt']}, token {d['index']} ({d['drafted']} for "
+              f"{d['plain']}; plain's top-two margin {d['margin']:.4g}); the deciding rows "
+              + ("are bitwise equal" if d["rows_equal"] else f"differ by up to {d['max_abs_diff']:.4g}") + "."
+              for name, row in e["rows"].items() if (d := row.get("divergence"))]
     lines += ["", "| packed plain decoding (sequences, form) | tok/s |", "|---|---:|"]
     lines += [f"| {k} | {v['tok_s']:.1f} |" for k, v in t.items()]
     lines += ["", f"- {b['shape']}-shaped, random weights ({b['weight_gib']:.2f} GiB): one-row step "
