@@ -261,3 +261,21 @@ def test_a_step_that_fails_to_compile_runs_uncompiled_with_a_warning(monkeypatch
                                                                             torch.zeros(3, dtype=torch.long))[0]
     assert torch.equal(got, want) and not runner.compiled
     assert "compiling the static step failed (RuntimeError: no compiler here); it runs uncompiled" in caplog.text
+
+
+def test_the_step_ahead_keeps_the_stats_of_the_ordinary_loop():
+    dec = StaticDecoder(Decoder(from_hf(tiny("llama"))), length=512, graphs=False)
+    prompt = prompt_ids("llama", 1)
+    want = generate(dec, prompt, None, GenerationConfig(max_new_tokens=24))[0]
+    for config in (GenerationConfig(max_new_tokens=24), GenerationConfig(max_new_tokens=24, eos_ids=(want[7],)),
+                   GenerationConfig(max_new_tokens=1)):
+        ahead = generate(dec, prompt, None, config)
+        dec.runs_ahead = False  # the ordinary loop, on the same decoder
+        try:
+            ordinary = generate(dec, prompt, None, config)
+        finally:
+            del dec.runs_ahead
+        assert ahead[0] == ordinary[0]
+        for field in ("new_tokens", "steps", "accepted", "drafted", "stop", "drafted_at", "accepted_at"):
+            assert getattr(ahead[1], field) == getattr(ordinary[1], field), (config, field)
+

@@ -279,8 +279,9 @@ class Run:
         """Plain greedy decoding with the device one step ahead of the host: step t+1 is launched on step t's
         token while that is still on the device, and step t's token is read and checked for a stop while
         step t+1 runs, so the host's work per token overlaps the device's. A step launched past a stop
-        writes K/V past the sequence's end, which a ``runs_ahead`` decoder masks and later overwrites; none
-        is launched past ``max_new_tokens``."""
+        writes K/V past the sequence's end, which a ``runs_ahead`` decoder masks and later overwrites (its
+        ``rollback`` must never discard positions: ``apply`` rolls back to a position step t+1 already
+        wrote); none is launched past ``max_new_tokens``."""
         pending = None  # the launched step not yet read: (its reader, its token on the device)
         start = len(self.seq.tokens) - 1  # the position of the token the next step reads
         while not self.done:

@@ -107,7 +107,7 @@ class Verdict:
             return lambda: verdict
         host = packed.to("cpu", non_blocking=True)  # into pinned memory: the copy does not block the host
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(packed.device))  # the stream the copy is on, whatever device is current
 
         def wait() -> "Verdict":
             copied.synchronize()
