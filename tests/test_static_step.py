@@ -261,6 +261,8 @@ def test_a_step_that_fails_to_compile_runs_uncompiled_with_a_warning(monkeypatch
                                                                             torch.zeros(3, dtype=torch.long))[0]
     assert torch.equal(got, want) and not runner.compiled
     assert "compiling the static step failed (RuntimeError: no compiler here); it runs uncompiled" in caplog.text
+    dec = StaticDecoder(Decoder(s), length=512, graphs=False, compiled=True)
+    assert not dec.runner.compiled and dec.exactness.step == "static"  # the form its probe measured
 
 
 def test_the_step_ahead_keeps_the_stats_of_the_ordinary_loop():
@@ -279,3 +281,32 @@ def test_the_step_ahead_keeps_the_stats_of_the_ordinary_loop():
         for field in ("new_tokens", "steps", "accepted", "drafted", "stop", "drafted_at", "accepted_at"):
             assert getattr(ahead[1], field) == getattr(ordinary[1], field), (config, field)
 
+
+def test_a_row_at_the_last_position_of_its_key_bucket_sees_its_own_key():
+    s = from_hf(tiny("llama"))
+    runner = StepRunner(s, StaticCache(s, slots=1, length=1024), graphs=False)
+    ids = _ids(512, 12)
+    zeros = torch.zeros(512, dtype=torch.long)
+    runner(ids[:511], torch.arange(511), zeros[:511], slot=0, keys=512)
+    got = runner(ids[511:], _long(511), zeros[:1], slot=0, keys=512)[0].clone()
+    want = runner(ids[511:], _long(511), zeros[:1], slot=0)[0]  # over all 1,024 positions
+    assert torch.allclose(got, want, atol=TOL)
+
+
+def test_a_warm_that_fails_part_way_leaves_reserve_choosing_buckets(monkeypatch):
+    dec = StaticDecoder(Decoder(from_hf(tiny("llama"))), length=1100, graphs=False)
+    calls = []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return call(self, *args, **kwargs)
+
+    call = StepRunner.__call__
+    monkeypatch.setattr(StepRunner, "__call__", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        dec.warm()
+    assert not dec._pinned
+    dec.reserve(600)
+    assert dec.keys == 1024

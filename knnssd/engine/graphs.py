@@ -4,8 +4,9 @@ A call's rows are copied into the input buffers of their bucket (``static_step.r
 with scratch rows. With ``compiled``, the step is ``torch.compile``d (``fullgraph=True, dynamic=False``)
 before it is captured: inductor fuses the norms, rotary and pointwise ops, which cuts the kernels a
 step launches, and so a replay's time on a launch-bound GPU. Each (skip mask, bucket, slot, key bucket)
-is captured once, at its first use, into one memory pool shared by all of them, and replayed for every
-later call with the same key, whatever the request. A capture that fails leaves its key eager, with a
+is captured once, at its first call (the probe's, ``StaticDecoder.warm``'s or a request's), into one
+memory pool shared by all of them, and replayed for every later call with the same key, whatever the
+request. A capture that fails leaves its key eager, with a
 log line. Captures are recorded (``captures``) with their time and the memory they took.
 
 ``StaticDecoder`` runs one sequence on it with ``decoder.Decoder``'s interface, so the decoding loop and
@@ -17,6 +18,7 @@ Terms: n rows of a call, R its bucket, V vocabulary, E hidden size.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import NamedTuple
@@ -54,16 +56,17 @@ class _Graph(NamedTuple):
 
 
 class StepRunner:
-    """``runner(ids, pos, slots, skip)`` -> logits (n, V) and hidden states (n, E) of n rows
+    """``runner(ids, pos, slots, skip, slot, keys)`` -> logits (n, V) and hidden states (n, E) of n rows
     (``static_step.step``), on CUDA graphs when ``graphs`` and the device is CUDA, else eagerly. They are views
-    of buffers that the next call of the same key overwrites."""
+    of buffers that the next call of the same key overwrites. Nothing checks that ``keys`` is above every
+    row's position (that would read the device): a row past it would not see its own key."""
 
     def __init__(self, s: Stack, cache: StaticCache, graphs: bool = True, compiled: bool = False):
         self.stack, self.cache = plain(s), cache
         self.graphs = graphs and s.device.type == "cuda"
         if graphs and not self.graphs:
             log.info("CUDA graphs need a CUDA device; the static step runs eagerly on %s", s.device)
-        self.compiled = compiled
+        self.compiled = compiled  # turned off for good by a failed compile: keys compiled before it stay compiled
         self._step = _compiled_step() if compiled else step
         self.compile_s = 0.0  # seconds the first call of each key spent compiling (with its first run)
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -180,10 +183,13 @@ class StaticDecoder:
     Its steps attend over a key bucket (``static_step.keys_bucket``) chosen at ``reserve``, which the
     decoding loop calls once a request with the prompt's length plus ``max_new_tokens``: every step of a
     request, plain or speculative, reads the same bucket, so a verify pass's rows are compared with one-row
-    steps of the same shape."""
+    steps of the same shape. So a request's tokens may depend on its bucket (on the prompt's length plus
+    ``max_new_tokens``) where the attention kernel's sums split by key length and two tokens nearly tie."""
 
     can_skip = True
-    runs_ahead = True  # plain greedy decoding may launch a step before the last one is read (``decode.Run``)
+    # plain greedy decoding may launch a step before the last one is read (``decode.Run``): safe because
+    # ``rollback`` never discards a position, so the step launched past the one read keeps its K/V
+    runs_ahead = True
 
     def __init__(self, dec: Decoder, length: int, graphs: bool = True, compiled: bool = False):
         least = exactness.CONTEXTS[-1] + exactness.MAX_T  # the probe's longest context
@@ -198,13 +204,21 @@ class StaticDecoder:
         self._slots = torch.zeros(CAPTURE_ROWS, dtype=torch.long, device=self.device)  # a call's rows: one chunk at most
         self.keys, self._pinned = length, False  # the key bucket steps read; pinned: reserve leaves it
         self.exactness = None
-        form = "static" + ("_compiled" if self.runner.compiled else "") + ("_graphed" if self.runner.graphs else "")
         probes = []
-        for keys in keys_buckets(length):  # each bucket's attention is its own shape: each is probed
-            self.keys, self._pinned = keys, True
-            probes.append(exactness.probe_fixed(self, form))
-        self.keys, self._pinned = length, False
-        self.exactness = next((p for p in probes if not p.exact), probes[-1])
+        try:
+            for keys in keys_buckets(length):  # each bucket's attention is its own shape: each is probed
+                self.keys, self._pinned = keys, True
+                probes.append((keys, exactness.probe_fixed(self, self._form())))
+        finally:
+            self.keys, self._pinned = length, False
+        keys, self.exactness = next(((k, p) for k, p in probes if not p.exact), probes[-1])
+        if not self.exactness.exact:
+            self.exactness = dataclasses.replace(self.exactness, note=f"{self.exactness.note} (key bucket {keys})")
+        # a compile that failed during the probe ran it uncompiled: name the form that was measured
+        self.exactness = dataclasses.replace(self.exactness, step=self._form())
+
+    def _form(self) -> str:
+        return "static" + ("_compiled" if self.runner.compiled else "") + ("_graphed" if self.runner.graphs else "")
 
     def warm(self, masks: tuple[SkipMask, ...] = ()) -> float:
         """Capture (and compile) the full step at every row bucket up to ``CAPTURE_ROWS``, and the one-row step
@@ -212,14 +226,16 @@ class StaticDecoder:
         the seconds it took."""
         t0 = time.perf_counter()
         ids = torch.zeros(CAPTURE_ROWS, dtype=torch.long, device=self.device)
-        for keys in keys_buckets(self.length):
-            self.keys, self._pinned = keys, True
-            for R in ROW_BUCKETS:
-                if R <= CAPTURE_ROWS:
-                    self.forward(ids[:R], 0)
-            for mask in masks:
-                self.forward(ids[:1], 0, mask=mask)
-        self.keys, self._pinned = self.length, False
+        try:
+            for keys in keys_buckets(self.length):
+                self.keys, self._pinned = keys, True
+                for R in ROW_BUCKETS:
+                    if R <= CAPTURE_ROWS:
+                        self.forward(ids[:R], 0)
+                for mask in masks:
+                    self.forward(ids[:1], 0, mask=mask)
+        finally:  # a failure part-way leaves reserve choosing buckets again
+            self.keys, self._pinned = self.length, False
         return time.perf_counter() - t0
 
     def int8_stack(self) -> Stack:
