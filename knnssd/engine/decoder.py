@@ -346,7 +346,10 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
     key length over the pool's rows (``attention.batch``). Where the linears are row-invariant for the
     packed row count, and the batched attention is invariant to the batch and to the padded query rows
     (``batch_plan.pooled_exact`` checks both), each call's logits (T_b, V) equal its own ``forward``'s,
-    bitwise. No skip mask: this is verification."""
+    bitwise. No skip mask: this is verification. A pool with a packed pass of its own
+    (``static_slots.StaticSlots``) runs the calls itself."""
+    if pool is not None and not isinstance(pool, SlotPool):
+        return pool.forward_slots(slots, calls)
     s = slots[0].stack
     sizes = [ids.shape[0] for ids, _ in calls]
     h = Decoder._embed(s, torch.cat([ids for ids, _ in calls]))

@@ -1,0 +1,185 @@
+"""The batched engine's sequences on the static step: slots of one ``StaticCache``, run by one ``StepRunner``
+(CUDA graphs where the device has them), so that a packed pass over every active sequence is one replay
+per 64 rows instead of hundreds of kernel launches.
+
+``StaticSlots(decoder, slots, length)`` stands where ``batched.decode_batch`` and ``batch_plan`` take a
+decoder: ``pooled_slots`` hands out its ``SlotView``s (one sequence each, with the decoder's interface
+for the decoding loop and the drafters), and ``forward_slots`` (which ``decoder.forward_slots`` calls for
+a pool of this kind) packs every call's rows into one runner call. A view's own calls (its prefill, its
+draft steps) run on the same runner, with graphs shared by every slot (``slot=None``: each row reads a
+copy of its own slot's keys), so a sequence's row is computed by the same kernels alone and packed.
+Every step attends over the whole cache (``length`` positions, one key bucket for the run).
+
+``plan`` measures what a batched run on it needs (``batch_plan.BatchPlan``): its probe on one view, and
+``packed_exact``, that rows packed with other sequences' equal the same rows alone, bitwise. Prompts do
+not share prefixes here (``shares`` is False).
+
+Terms: S slots, L positions a slot holds, V vocabulary, E hidden size.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from knnssd.engine import exactness
+from knnssd.engine.batch_plan import BatchPlan
+from knnssd.engine.cache import CacheFull
+from knnssd.engine.decoder import Decoder, Output
+from knnssd.engine.draft_lengths import measure_pass_costs
+from knnssd.engine.graphs import CAPTURE_ROWS, StepRunner
+from knnssd.engine.skip import MaskError, SkipMask
+from knnssd.engine.stack import Stack
+from knnssd.engine.static_step import StaticCache
+
+log = logging.getLogger(__name__)
+
+
+class _SlotCache:
+    """What the batched engine asks of a view's cache: copying another view's first positions."""
+
+    def __init__(self, cache: StaticCache, index: int):
+        self.static, self.index = cache, index
+
+    def copy_from(self, other: "_SlotCache", n: int) -> None:
+        for k in self.static.k + self.static.v:
+            k[self.index, :, :n] = k[other.index, :, :n]
+
+
+class SlotView:
+    """Slot ``index`` of a ``StaticSlots``: one sequence, with ``decoder.Decoder``'s interface for the decoding
+    loop and the drafters (``forward``, ``reserve``, ``rollback``). A skip mask's draft step is a graph of its
+    own; int8 drafts, tapped or influence outputs are not offered (they raise)."""
+
+    can_skip = True
+
+    def __init__(self, owner: "StaticSlots", index: int):
+        self.owner, self.index = owner, index
+        self.stack, self.attention, self.device, self.n_layers = owner.stack, owner.attention, owner.device, owner.n_layers
+        self.cache = _SlotCache(owner.cache, index)
+
+    @property
+    def exactness(self):
+        return self.owner.exactness
+
+    def int8_stack(self) -> Stack:
+        raise MaskError("the static step runs full-precision weights: no int8 drafts")
+
+    def reserve(self, n: int) -> None:
+        self.owner.check(n)
+
+    def rollback(self, length: int) -> None:
+        """Nothing to do: later positions are masked and overwritten."""
+
+    def forward(self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack: Stack | None = None,
+                last: bool = False, tap: int | None = None, influence: bool = False) -> Output:
+        if stack is not None and stack is not self.stack or tap is not None or influence:
+            raise MaskError("the static step runs the model's own weights and returns no tapped or influence outputs")
+        T = ids.shape[0]
+        self.owner.check(start + T)
+        pos = self.owner.positions[start : start + T]
+        logits, hidden = self.owner.run(ids, pos, self.owner.slot_rows(self.index, T), mask)
+        return Output(logits[-1:] if last else logits, hidden)
+
+
+class StaticSlots:
+    """``slots`` sequences of ``length`` positions on one static cache and runner: the decoder the batched
+    engine takes (``pooled_slots``, ``forward_slots``, ``exactness``) over ``decoder``'s weights."""
+
+    def __init__(self, decoder: Decoder, slots: int, length: int, graphs: bool = True):
+        least = exactness.CONTEXTS[-1] + exactness.MAX_T
+        if length < least:
+            raise ValueError(f"static slots need at least {least} positions each (the exactness probe's), not {length}")
+        self.stack, self.attention, self.device, self.n_layers = (decoder.stack, decoder.attention, decoder.device,
+                                                                  decoder.n_layers)
+        self.slots, self.length = slots, length
+        self.cache = StaticCache(decoder.stack, slots=slots, length=length)
+        self.runner = StepRunner(decoder.stack, self.cache, graphs)
+        self.positions = torch.arange(length, device=self.device)
+        self._ids = torch.arange(slots, device=self.device)
+        self.views = [SlotView(self, i) for i in range(slots)]
+        self.exactness = None
+        self.exactness = exactness.probe_fixed(self.views[0], "static_slots_graphed" if self.runner.graphs
+                                               else "static_slots")
+
+    def check(self, n: int) -> None:
+        if n > self.length:
+            raise CacheFull(f"{n} positions do not fit the static slots' {self.length}")
+
+    def slot_rows(self, index: int, n: int) -> torch.Tensor:
+        """(n,) long: slot ``index`` for each of n rows, on the device."""
+        return self._ids[index : index + 1].expand(n)
+
+    def pooled_slots(self, n: int) -> tuple[list[SlotView], "StaticSlots"]:
+        """The first ``n`` views, and this as their pool (``decoder.forward_slots`` runs it)."""
+        if n > self.slots:
+            raise ValueError(f"{n} slots asked of static slots that hold {self.slots}")
+        return self.views[:n], self
+
+    def grow(self, positions: int) -> None:
+        """The positions a run's jobs reserve must fit: the cache does not grow."""
+        self.check(positions)
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (n, V) and hidden states (n, E) of n rows of any slots, in chunks of the largest captured
+        bucket: a sequence's rows in a later chunk read the K/V its rows in an earlier one wrote."""
+        logits, hidden = [], []
+        for lo in range(0, ids.shape[0], CAPTURE_ROWS):  # clones: the next call overwrites the runner's buffers
+            hi = min(ids.shape[0], lo + CAPTURE_ROWS)
+            x, h = self.runner(ids[lo:hi], pos[lo:hi], slots[lo:hi], skip)
+            logits.append(x.clone())
+            hidden.append(h.clone())
+        return (torch.cat(logits), torch.cat(hidden)) if len(logits) > 1 else (logits[0], hidden[0])
+
+    def forward_slots(self, views: list[SlotView], calls: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        """One pass over several views' rows (``decoder.forward_slots``'s contract): each call's logits (T_b, V)."""
+        sizes = [ids.shape[0] for ids, _ in calls]
+        for v, (ids, start) in zip(views, calls):
+            if v.owner is not self:
+                raise ValueError("forward_slots runs views of one StaticSlots")
+            self.check(start + ids.shape[0])
+        ids = torch.cat([ids for ids, _ in calls])
+        pos = torch.cat([self.positions[start : start + ids.shape[0]] for ids, start in calls])
+        slots = torch.cat([self.slot_rows(v.index, n) for v, n in zip(views, sizes)])
+        return list(self.run(ids, pos, slots)[0].split(sizes))
+
+    @torch.inference_mode()
+    def packed_exact(self, slots: int) -> bool:
+        """Do rows packed with other sequences' equal the same rows run alone, bitwise? ``slots`` sequences of
+        random tokens at different lengths, passes of mixed row counts (up to the probe's ``max_t``), then
+        one-row steps that read what the first wrote, each call's rows alone first and then packed, over
+        the same K/V. False where the probe found the step itself not exact."""
+        ex = self.exactness
+        if ex is None or not ex.exact:
+            return False
+        views = self.views[:slots]
+        vocab = self.stack.embed.shape[0]
+        g = torch.Generator().manual_seed(7)
+        starts = []
+        for b, v in enumerate(views):
+            n = 40 + 9 * b
+            v.forward(torch.randint(0, vocab, (n,), generator=g).to(self.device), 0)
+            starts.append(n)
+        for rows in ([1 + (b * 5) % ex.max_t for b in range(slots)], [1] * slots):
+            calls = [(torch.randint(0, vocab, (t,), generator=g).to(self.device), s) for t, s in zip(rows, starts)]
+            alone = [v.forward(ids, start).logits for v, (ids, start) in zip(views, calls)]
+            if not all(torch.equal(a, p) for a, p in zip(alone, self.forward_slots(views, calls))):
+                return False
+            starts = [s + t for s, t in zip(starts, rows)]
+        return True
+
+
+def plan(static: StaticSlots, slots: int) -> BatchPlan:
+    """What a batched run of ``slots`` sequences on ``static`` needs (``batch_plan.plan``'s for the eager
+    engine): whether its outputs are exact (its probe, and ``packed_exact``), and v(R) measured on its runner."""
+    ex = static.exactness
+    max_t = ex.max_t
+    exact = static.packed_exact(slots)
+    if ex.exact and not exact:
+        log.warning("packed static passes of %d sequences are not row-invariant here: batched output may differ "
+                    "from plain decoding where two tokens nearly tie", slots)
+    costs = measure_pass_costs(static, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=True)
+    if slots > 1:
+        costs = costs.joined(measure_pass_costs(static, 1, (1, max_t), repeats=2, pooled=True))
+    return BatchPlan(slots, costs, exact, pooled=True)
