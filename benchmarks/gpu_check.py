@@ -33,9 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 from knnssd.engine.decode import GenerationConfig, generate, mean_accepted  # noqa: E402
 from knnssd.engine.decoder import Decoder, make_decoder  # noqa: E402
 from knnssd.engine.drafters import Hybrid, LayerSkip, NGram  # noqa: E402
+from knnssd.engine import exactness  # noqa: E402
+from knnssd.engine.batch_plan import auto_slots  # noqa: E402
+from knnssd.engine.batch_plan import plan as eager_plan  # noqa: E402
+from knnssd.engine.batched import PromptJob, decode_batch  # noqa: E402
 from knnssd.engine.graphs import StaticDecoder, StepRunner  # noqa: E402
 from knnssd.engine.skip import SkipMask  # noqa: E402
-from knnssd.engine.stack import Stack, from_hf  # noqa: E402
+from knnssd.engine.stack import from_hf  # noqa: E402
+from knnssd.engine.static_slots import StaticSlots  # noqa: E402
+from knnssd.engine.static_slots import plan as static_plan  # noqa: E402
 from knnssd.engine.static_step import StaticCache  # noqa: E402
 from knnssd.engine.timing import median_ms, read_bandwidth, sync  # noqa: E402
 from knnssd.search.proxy import least_influential  # noqa: E402
@@ -186,7 +192,7 @@ def influence_masks(dec: Decoder, fractions: tuple[float, ...]) -> dict[float, S
     return {f: least_influential(sizes, round(f * 2 * dec.n_layers)) for f in fractions}
 
 
-def engine_section(a, device: torch.device) -> tuple[dict, "Stack"]:
+def engine_section(a, device: torch.device) -> tuple[dict, Decoder, list[list[int]]]:
     model, tok, weights = smollm2(a, device)
     vocab = model.config.vocab_size
     prompts = prompt_ids(a, tok, vocab)
@@ -246,7 +252,40 @@ def engine_section(a, device: torch.device) -> tuple[dict, "Stack"]:
         rows["HF generate (prefill included)"] = dict(tok_s=n / (time.perf_counter() - t0))
     return dict(weights=weights, prompts=len(prompts), max_new_tokens=a.max_new_tokens,
                 probe_eager=eager.exactness.describe(), forms=forms,
-                masks={str(f): m.to_dict() for f, m in masks.items()}, rows=rows), eager.stack
+                masks={str(f): m.to_dict() for f, m in masks.items()}, rows=rows), eager, prompts
+
+
+def batched_section(a, eager: Decoder, prompts: list[list[int]], device: torch.device) -> dict:
+    """The batched engine (``batched.decode_batch``) over ``a.jobs`` jobs (the prompts in turn): eagerly at the
+    batch size ``auto`` picks (``bench-throughput``'s ``auto``), and on 64 static slots (graphed on CUDA),
+    plain and with n-gram drafts; tokens/s over the whole run, plans included, and how many outputs equal
+    the eager engine's plain ones."""
+    config = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_ids=())
+    jobs = [prompts[i % len(prompts)] for i in range(a.jobs)]
+    positions = max(len(p) for p in jobs) + a.max_new_tokens
+    out, want = {}, None
+    for form in ("eager auto", "static"):
+        t0 = time.perf_counter()
+        if form == "eager auto":
+            slots = auto_slots(eager, positions, len(jobs))
+            decoder, p = eager, eager_plan(eager, slots, positions)
+        else:
+            slots = min(a.slots, len(jobs))
+            decoder = StaticSlots(eager, slots, length=max(positions, exactness.CONTEXTS[-1] + exactness.MAX_T))
+            p = static_plan(decoder, slots)
+        plan_s = time.perf_counter() - t0
+        for name, make in (("plain", lambda: None), ("n-gram", lambda: NGram(max_len=8))):
+            batch = [PromptJob(ids, make(), config) for ids in jobs]
+            t0 = time.perf_counter()
+            done = {id(f.job): f.tokens for f in decode_batch(decoder, batch, p)}
+            secs = time.perf_counter() - t0
+            tokens = [done[id(j)] for j in batch]
+            if want is None:
+                want = tokens
+            out[f"{form}, {name}"] = dict(slots=slots, tok_s=sum(map(len, tokens)) / secs, plan_s=plan_s,
+                                          exact=p.exact, equal_to_eager_plain=sum(x == y for x, y in zip(tokens, want))
+                                          / len(jobs))
+    return out
 
 
 def throughput_section(a, stack, device: torch.device) -> dict:
@@ -346,6 +385,11 @@ def markdown(r: dict) -> str:
               for name, row in e["rows"].items() if (d := row.get("divergence"))]
     lines += ["", "| packed plain decoding (sequences, form) | tok/s |", "|---|---:|"]
     lines += [f"| {k} | {v['tok_s']:.1f} |" for k, v in t.items()]
+    if "batched" in r:
+        lines += ["", "| batched engine (form, drafter) | slots | tok/s | plan s | exact | equal to eager plain |",
+                  "|---|---:|---:|---:|---|---:|"]
+        lines += [f"| {k} | {v['slots']} | {v['tok_s']:.1f} | {v['plan_s']:.1f} | {v['exact']} | "
+                  f"{v['equal_to_eager_plain']:.2f} |" for k, v in r["batched"].items()]
     lines += ["", f"- {b['shape']}-shaped, random weights ({b['weight_gib']:.2f} GiB): one-row step "
               f"{'graphed' if b['graphed'] else 'eager'} {b['step_ms']:.3f} ms at a 256-position cache, "
               f"{b['step_ms_2048']:.3f} ms at 2,048; floor {b['floor_ms']:.3f} ms at {b['read_gb_s']:.0f} GB/s read: "
@@ -371,6 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128, help="length of random prompts")
     ap.add_argument("--length", type=int, default=2048, help="positions of the static cache")
     ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64])
+    ap.add_argument("--jobs", type=int, default=64, help="jobs of the batched section (the prompts in turn)")
+    ap.add_argument("--slots", type=int, default=64, help="static slots of the batched section")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--big", choices=["7b", "tiny"], default="7b", help="the large shape: Llama-2-7B, or a tiny one "
                     "(a CPU run: 7B random weights take 13.5 GB)")
@@ -381,6 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     if a.smoke:
         a.n_prompts, a.max_new_tokens, a.prompt_len, a.length, a.sizes, a.big = 2, 12, 24, 512, [1, 4], "tiny"
+        a.jobs, a.slots = 4, 2
     device = torch.device(a.device)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -398,10 +445,12 @@ def main(argv: list[str] | None = None) -> dict:
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
         print(f"[{report['seconds']:.0f} s] {name}: {json.dumps(section)}", flush=True)
 
-    engine, stack = engine_section(a, device)
+    engine, eager, prompts = engine_section(a, device)
+    stack = eager.stack
     done("engine", engine)
     done("throughput", throughput_section(a, stack, device))
-    del stack
+    done("batched", batched_section(a, eager, prompts, device))
+    del stack, eager
     done("big", big_section(a, device))
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     (out / "gpu_check.md").write_text(markdown(report))
