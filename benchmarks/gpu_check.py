@@ -8,8 +8,10 @@ weights for it), and writes ``gpu_check.json`` and ``gpu_check.md`` to ``--out``
 - the exactness probe's choice for the eager engine and for the graphed static step;
 - SmolLM2-135M in bf16, one prompt at a time: own plain decoding eager (``decoder.Decoder``) and graphed
   (``graphs.StaticDecoder``), each drafter graphed (n-gram, layer-skip at 25% and 50% of the sub-layers,
-  hybrid), HF ``generate``, and each drafter's agreement with graphed plain decoding;
+  hybrid, suffix with a cache of the earlier prompts' outputs), HF ``generate``, and each drafter's
+  agreement with graphed plain decoding (where it differs: where, and whether the deciding rows do);
 - packed plain decoding on the static step at 1, 16 and 64 sequences, eager and graphed;
+- the batched engine over 64 jobs: eagerly at the size ``auto`` picks, and on 64 static slots;
 - a random-weight Llama-2-7B-shaped model: its graphed one-row step against the bandwidth floor of its
   weights, and its 25% and 50% skip draft steps.
 
@@ -32,13 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 
 from knnssd.engine.decode import GenerationConfig, generate, mean_accepted  # noqa: E402
 from knnssd.engine.decoder import Decoder, make_decoder  # noqa: E402
-from knnssd.engine.drafters import Hybrid, LayerSkip, NGram  # noqa: E402
+from knnssd.engine.drafters import Hybrid, LayerSkip, NGram, Suffix  # noqa: E402
 from knnssd.engine import exactness  # noqa: E402
 from knnssd.engine.batch_plan import auto_slots  # noqa: E402
 from knnssd.engine.batch_plan import plan as eager_plan  # noqa: E402
 from knnssd.engine.batched import PromptJob, decode_batch  # noqa: E402
 from knnssd.engine.graphs import StaticDecoder, StepRunner  # noqa: E402
 from knnssd.engine.skip import SkipMask  # noqa: E402
+from knnssd.engine.suffix import SuffixCache  # noqa: E402
 from knnssd.engine.stack import from_hf  # noqa: E402
 from knnssd.engine.static_slots import StaticSlots  # noqa: E402
 from knnssd.engine.static_slots import plan as static_plan  # noqa: E402
@@ -210,9 +213,13 @@ def engine_section(a, device: torch.device) -> tuple[dict, Decoder, list[list[in
         "layer-skip 25%": lambda: LayerSkip(masks[0.25], max_len=4),
         "layer-skip 50%": lambda: LayerSkip(masks[0.5], max_len=4),
         "hybrid (n-gram, 25%)": lambda: Hybrid(NGram(max_len=8), LayerSkip(masks[0.25], max_len=4)),
+        # the earlier prompts' outputs in one cache, per form (made anew below), as a server keeps them
+        "suffix (max 11)": lambda: Suffix(max_len=11, cache=caches[-1]),
     }
+    caches: list[SuffixCache] = []
     one = torch.tensor([7], device=device)
     for form, compiled in (("graphed", False), ("graphed+compiled", True))[: 2 if a.compiled else 1]:
+        caches.append(SuffixCache())
         t0 = time.perf_counter()
         static = StaticDecoder(eager, length=a.length, compiled=compiled)
         warm_s = static.warm(tuple(masks.values()))  # every bucket a prompt's decoding reads, before any is timed
