@@ -173,7 +173,26 @@ def _compiled_step():
     return torch.compile(step, fullgraph=True, dynamic=False)
 
 
-class StaticDecoder:
+class StaticSequence:
+    """What every sequence on the static step shares (``StaticDecoder``, ``static_slots.SlotView``): drafting
+    with skip masks, and none of the decoder's other forms."""
+
+    can_skip = True
+    stack: Stack
+
+    def int8_stack(self) -> Stack:
+        raise MaskError("the static step runs full-precision weights: no int8 drafts")
+
+    def rollback(self, length: int) -> None:
+        """Nothing to do: later positions are masked and overwritten."""
+
+    def _own_weights(self, stack: Stack | None, tap: int | None, influence: bool) -> None:
+        """Refuse what ``Decoder.forward`` offers and the static step does not."""
+        if stack is not None and stack is not self.stack or tap is not None or influence:
+            raise MaskError("the static step runs the model's own weights and returns no tapped or influence outputs")
+
+
+class StaticDecoder(StaticSequence):
     """One sequence on the static step: ``decoder.Decoder``'s interface for the decoding loop (``decode.py``)
     and the drafters (``forward``, ``reserve``, ``rollback``), over slot 0 of a ``StaticCache`` of ``length``
     positions, on a ``StepRunner``. A skip mask's draft step is a graph of its own; int8 draft weights,
@@ -186,7 +205,6 @@ class StaticDecoder:
     steps of the same shape. So a request's tokens may depend on its bucket (on the prompt's length plus
     ``max_new_tokens``) where the attention kernel's sums split by key length and two tokens nearly tie."""
 
-    can_skip = True
     # plain greedy decoding may launch a step before the last one is read (``decode.Run``): safe because
     # ``rollback`` never discards a position, so the step launched past the one read keeps its K/V
     runs_ahead = True
@@ -238,9 +256,6 @@ class StaticDecoder:
             self.keys, self._pinned = self.length, False
         return time.perf_counter() - t0
 
-    def int8_stack(self) -> Stack:
-        raise MaskError("the static step runs full-precision weights: no int8 drafts")
-
     def reserve(self, n: int) -> None:
         """Check that ``n`` positions fit, and read the smallest key bucket that holds them until the next
         ``reserve``."""
@@ -249,13 +264,9 @@ class StaticDecoder:
         if not self._pinned:
             self.keys = keys_bucket(n, self.length)
 
-    def rollback(self, length: int) -> None:
-        """Nothing to do: later positions are masked and overwritten."""
-
     def forward(self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack: Stack | None = None,
                 last: bool = False, tap: int | None = None, influence: bool = False) -> Output:
-        if stack is not None and stack is not self.stack or tap is not None or influence:
-            raise MaskError("the static step runs the model's own weights and returns no tapped or influence outputs")
+        self._own_weights(stack, tap, influence)
         T = ids.shape[0]
         if start + T > self.keys:  # past what was reserved: a bigger bucket (a probe's pinned one never is)
             if self._pinned:

@@ -27,8 +27,8 @@ from knnssd.engine.batch_plan import BatchPlan
 from knnssd.engine.cache import CacheFull
 from knnssd.engine.decoder import Decoder, Output
 from knnssd.engine.draft_lengths import measure_pass_costs
-from knnssd.engine.graphs import CAPTURE_ROWS, StepRunner
-from knnssd.engine.skip import MaskError, SkipMask
+from knnssd.engine.graphs import CAPTURE_ROWS, StaticSequence, StepRunner
+from knnssd.engine.skip import SkipMask
 from knnssd.engine.stack import Stack
 from knnssd.engine.static_step import StaticCache
 
@@ -46,12 +46,10 @@ class _SlotCache:
             k[self.index, :, :n] = k[other.index, :, :n]
 
 
-class SlotView:
+class SlotView(StaticSequence):
     """Slot ``index`` of a ``StaticSlots``: one sequence, with ``decoder.Decoder``'s interface for the decoding
     loop and the drafters (``forward``, ``reserve``, ``rollback``). A skip mask's draft step is a graph of its
     own; int8 drafts, tapped or influence outputs are not offered (they raise)."""
-
-    can_skip = True
 
     def __init__(self, owner: "StaticSlots", index: int):
         self.owner, self.index = owner, index
@@ -62,19 +60,12 @@ class SlotView:
     def exactness(self):
         return self.owner.exactness
 
-    def int8_stack(self) -> Stack:
-        raise MaskError("the static step runs full-precision weights: no int8 drafts")
-
     def reserve(self, n: int) -> None:
         self.owner.check(n)
 
-    def rollback(self, length: int) -> None:
-        """Nothing to do: later positions are masked and overwritten."""
-
     def forward(self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack: Stack | None = None,
                 last: bool = False, tap: int | None = None, influence: bool = False) -> Output:
-        if stack is not None and stack is not self.stack or tap is not None or influence:
-            raise MaskError("the static step runs the model's own weights and returns no tapped or influence outputs")
+        self._own_weights(stack, tap, influence)
         T = ids.shape[0]
         self.owner.check(start + T)
         pos = self.owner.positions[start : start + T]
