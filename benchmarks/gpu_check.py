@@ -183,7 +183,8 @@ def divergence(dec, prompt: list[int], drafter_of, config: GenerationConfig, pla
     mine, theirs = rows_at(None), rows_at(drafter_of())
     top = mine.float().topk(2).values
     return dict(index=i, plain=plain[i], drafted=drafted[i], margin=float(top[0] - top[1]),
-                rows_equal=bool(torch.equal(mine, theirs)), max_abs_diff=float((mine.float() - theirs.float()).abs().max()))
+                rows_equal=bool(torch.equal(mine, theirs)),
+                max_abs_diff=float((mine.float() - theirs.float()).abs().max()))
 
 
 def influence_masks(dec: Decoder, fractions: tuple[float, ...]) -> dict[float, SkipMask]:
@@ -378,7 +379,8 @@ def markdown(r: dict) -> str:
                   f"{len(caps)} captures, {sum(c['seconds'] for c in caps):.2f} s, "
                   f"{sum(c['mib'] for c in caps):.1f} MiB."]
     lines += [f"- SmolLM2: {e['weights']}; {e['prompts']} prompt(s) x {e['max_new_tokens']} tokens. Graphed plain "
-              f"decoding's tokens equal the eager engine's in {e['rows']['plain, graphed']['equal_to_eager_engine']:.0%} "
+              "decoding's tokens equal the eager engine's in "
+              f"{e['rows']['plain, graphed']['equal_to_eager_engine']:.0%} "
               "of the prompts; ratios and agreement are against plain decoding of the same form.", "",
               "| decoding | tok/s | x plain | mean accepted | agreement |", "|---|---:|---:|---:|---:|"]
     for name, row in e["rows"].items():
@@ -404,7 +406,8 @@ def markdown(r: dict) -> str:
               "- Draft steps against the full step: " + ", ".join(f"{k} skipped {v:.2f}" for k, v in
                                                                   b["draft_cost_vs_full"].items()) + "."]
     if "step_ms_compiled" in b:
-        lines += [f"- Compiled: one-row step {b['step_ms_compiled']:.3f} ms at 256 ({b['step_over_floor_compiled']:.2f}x "
+        lines += [f"- Compiled: one-row step {b['step_ms_compiled']:.3f} ms at 256 "
+                  f"({b['step_over_floor_compiled']:.2f}x "
                   "the floor); draft steps " + ", ".join(f"{k} skipped {v:.2f}" for k, v in
                                                         b["draft_cost_vs_full_compiled"].items()) + "."]
     return "\n".join(lines + [""])

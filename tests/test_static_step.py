@@ -192,7 +192,8 @@ def test_plain_greedy_decoding_runs_a_step_ahead_and_stops_where_the_lean_loop_d
     """On a ``runs_ahead`` decoder, plain greedy decoding launches each step before reading the last one: one
     step past an EOS, none past max_new_tokens; the step past the stop leaves the next request's tokens as
     they were."""
-    dec, lean = StaticDecoder(Decoder(from_hf(tiny("llama"))), length=512, graphs=False), Decoder(from_hf(tiny("llama")))
+    dec = StaticDecoder(Decoder(from_hf(tiny("llama"))), length=512, graphs=False)
+    lean = Decoder(from_hf(tiny("llama")))
     prompt = prompt_ids("llama", 0)
     want = generate(lean, prompt, None, GenerationConfig(max_new_tokens=24))[0]
     eos = want[10]
@@ -221,7 +222,8 @@ def test_key_buckets_double_from_the_least_up_to_the_cache_length():
 def test_a_request_reads_the_key_bucket_its_reserve_chose():
     """A request's steps attend over the bucket of its prompt plus max_new_tokens, not the whole cache, and
     give the lean decoder's tokens; a forward past the reserve takes a bigger bucket."""
-    dec, lean = StaticDecoder(Decoder(from_hf(tiny("llama"))), length=1100, graphs=False), Decoder(from_hf(tiny("llama")))
+    dec = StaticDecoder(Decoder(from_hf(tiny("llama"))), length=1100, graphs=False)
+    lean = Decoder(from_hf(tiny("llama")))
     config = GenerationConfig(max_new_tokens=24)
     for drafter in (None, NGram(max_len=4)):
         assert generate(dec, prompt_ids("llama", 0), drafter, config)[0] == \

@@ -6,8 +6,8 @@ before it is captured: inductor fuses the norms, rotary and pointwise ops, which
 step launches, and so a replay's time on a launch-bound GPU. Each (skip mask, bucket, slot, key bucket)
 is captured once, at its first call (the probe's, ``StaticDecoder.warm``'s or a request's), into one
 memory pool shared by all of them, and replayed for every later call with the same key, whatever the
-request. A capture that fails leaves its key eager, with a
-log line. Captures are recorded (``captures``) with their time and the memory they took.
+request. A capture that fails leaves its key eager, with a log line. Captures are recorded
+(``captures``) with their time and the memory they took.
 
 ``StaticDecoder`` runs one sequence on it with ``decoder.Decoder``'s interface, so the decoding loop and
 the drafters run unchanged. Whether its graphed T-row pass is exact (its rows bitwise equal to T
@@ -127,8 +127,8 @@ class StepRunner:
         return self._step(self.stack, c.k, c.v, c.tables, *self._inputs[R], skip, slot, keys)
 
     def _capture(self, skip: SkipMask | None, R: int, slot: int | None, keys: int) -> _Graph | None:
-        """The graph of (skip, R, slot, keys), its warm-up and capture run on the inputs in the buffers (they write the
-        K/V that the call itself writes); None where capturing fails."""
+        """The graph of (skip, R, slot, keys), its warm-up and capture run on the inputs in the buffers (they
+        write the K/V that the call itself writes); None where capturing fails."""
         kind = "full" if skip is None else f"draft ({skip.n_skipped} sub-layers skipped)"
         try:
             side = torch.cuda.Stream()
@@ -163,8 +163,8 @@ class StepRunner:
 
 
 def _compiled_step():
-    """``static_step.step`` under ``torch.compile``: one graph per (skip mask, bucket, slot, keys), so the recompile
-    limits are raised to hold every key a runner captures."""
+    """``static_step.step`` under ``torch.compile``: one graph per (skip mask, bucket, slot, keys), so the
+    recompile limits are raised to hold every key a runner captures."""
     import torch._dynamo.config as dc
 
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):

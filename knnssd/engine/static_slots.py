@@ -53,7 +53,8 @@ class SlotView(StaticSequence):
 
     def __init__(self, owner: "StaticSlots", index: int):
         self.owner, self.index = owner, index
-        self.stack, self.attention, self.device, self.n_layers = owner.stack, owner.attention, owner.device, owner.n_layers
+        self.stack, self.attention, self.device = owner.stack, owner.attention, owner.device
+        self.n_layers = owner.n_layers
         self.cache = _SlotCache(owner.cache, index)
 
     @property

@@ -151,8 +151,8 @@ def step(s: Stack, k: list[torch.Tensor], v: list[torch.Tensor], tables: dict[st
 def _attend(s: Stack, layer: Layer, i: int, h: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], rope,
             mask: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, slot: int | None, length: int) -> torch.Tensor:
     """(1, R, H D): every row's K/V written at (slot, position), then each row's queries alone over its slot's
-    first ``length`` keys, each KV head's G = H / KV query heads as its rows (no repeated K/V, and no ``enable_gqa``, which
-    not every CUDA kernel takes)."""
+    first ``length`` keys, each KV head's G = H / KV query heads as its rows (no repeated K/V, and no
+    ``enable_gqa``, which not every CUDA kernel takes)."""
     q, kr, vr = _heads(s, layer, layer.qkv(layer.attn_norm(h))[0], rope, rope_fn=rotate)  # (R, H, D), (R, KV, D)
     k[i][slots, :, pos] = kr.to(k[i].dtype)
     v[i][slots, :, pos] = vr.to(v[i].dtype)
