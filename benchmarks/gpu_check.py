@@ -26,6 +26,7 @@ import json
 import platform
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -365,8 +366,11 @@ def big_section(a, device: torch.device) -> dict:
     return out
 
 
+SECTIONS = ("throughput", "batched", "big")  # after the engine section, each on its own
+
+
 def markdown(r: dict) -> str:
-    e, t, b = r["engine"], r["throughput"], r["big"]
+    e, t, b = r["engine"], r.get("throughput", {}), r.get("big", {})
     lines = [f"# GPU check, {r['when']}", "", f"{r['device']}; torch {r['torch']}, transformers {r['transformers']}; "
              f"code {r['commit']}.", "", f"- Probe, eager engine: {e['probe_eager']}"]
     for form, f in e["forms"].items():
@@ -392,13 +396,17 @@ def markdown(r: dict) -> str:
               f"{d['plain']}; plain's top-two margin {d['margin']:.4g}); the deciding rows "
               + ("are bitwise equal" if d["rows_equal"] else f"differ by up to {d['max_abs_diff']:.4g}") + "."
               for name, row in e["rows"].items() if (d := row.get("divergence"))]
-    lines += ["", "| packed plain decoding (sequences, form) | tok/s |", "|---|---:|"]
-    lines += [f"| {k} | {v['tok_s']:.1f} |" for k, v in t.items()]
-    if "batched" in r:
+    lines += [""] + [f"- The {k} section failed: {r[k]['error']}" for k in SECTIONS if "error" in r.get(k, {})]
+    if t and "error" not in t:
+        lines += ["", "| packed plain decoding (sequences, form) | tok/s |", "|---|---:|"]
+        lines += [f"| {k} | {v['tok_s']:.1f} |" for k, v in t.items()]
+    if "error" not in r.get("batched", {"error": ""}):
         lines += ["", "| batched engine (form, drafter) | slots | tok/s | plan s | exact | equal to eager plain |",
                   "|---|---:|---:|---:|---|---:|"]
         lines += [f"| {k} | {v['slots']} | {v['tok_s']:.1f} | {v['plan_s']:.1f} | {v['exact']} | "
                   f"{v['equal_to_eager_plain']:.2f} |" for k, v in r["batched"].items()]
+    if not b or "error" in b:
+        return "\n".join(lines + [""])
     lines += ["", f"- {b['shape']}-shaped, random weights ({b['weight_gib']:.2f} GiB): one-row step "
               f"{'graphed' if b['graphed'] else 'eager'} {b['step_ms']:.3f} ms at a 256-position cache, "
               f"{b['step_ms_2048']:.3f} ms at 2,048; floor {b['floor_ms']:.3f} ms at {b['read_gb_s']:.0f} GB/s read: "
@@ -456,12 +464,18 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{report['seconds']:.0f} s] {name}: {json.dumps(section)}", flush=True)
 
     engine, eager, prompts = engine_section(a, device)
-    stack = eager.stack
     done("engine", engine)
-    done("throughput", throughput_section(a, stack, device))
-    done("batched", batched_section(a, eager, prompts, device))
-    del stack, eager
-    done("big", big_section(a, device))
+    sections = {"throughput": lambda: throughput_section(a, eager.stack, device),
+                "batched": lambda: batched_section(a, eager, prompts, device), "big": lambda: big_section(a, device)}
+    for name in SECTIONS:
+        try:
+            section = sections[name]()
+        except Exception as e:  # one section's failure must not cost the others their device time
+            traceback.print_exc()
+            section = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+        if name == "batched":
+            del eager  # the 7B shape's weights need the room
+        done(name, section)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     (out / "gpu_check.md").write_text(markdown(report))
     print(markdown(report))
