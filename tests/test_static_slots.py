@@ -31,9 +31,12 @@ def test_a_batch_on_static_slots_gives_each_prompt_its_greedy_tokens(arch):
         assert tuple(done[id(job)].tokens) == hf_greedy(arch, i, 16), (arch, i)
 
 
-def test_packed_rows_equal_the_same_rows_alone_where_the_probe_says_exact():
-    static = StaticSlots(Decoder(from_hf(tiny("llama", dtype=torch.bfloat16))), slots=4, length=512, graphs=False)
-    assert static.packed_exact(4) == static.exactness.exact
+@pytest.mark.parametrize("slots", (4, 16))
+def test_packed_rows_equal_the_same_rows_alone_where_the_probe_says_exact(slots):
+    """16 slots: packed passes of up to 129 rows, run in chunks of 64, in the shortest cache the probe allows."""
+    static = StaticSlots(Decoder(from_hf(tiny("llama", dtype=torch.bfloat16))), slots=slots, length=312, graphs=False)
+    assert static.exactness.exact  # bf16 here: the check below has something to find
+    assert static.packed_exact(slots)
 
 
 def test_static_slots_refuse_what_does_not_fit():
@@ -44,3 +47,21 @@ def test_static_slots_refuse_what_does_not_fit():
         static.views[0].reserve(321)
     with pytest.raises(ValueError, match="at least 312 positions"):
         StaticSlots(Decoder(from_hf(tiny("llama"))), slots=2, length=256, graphs=False)
+
+
+def test_packed_exact_finds_packed_logits_or_k_v_that_differ(monkeypatch):
+    static = StaticSlots(Decoder(from_hf(tiny("llama", dtype=torch.bfloat16))), slots=3, length=312, graphs=False)
+    forward_slots = StaticSlots.forward_slots
+
+    def logits_off(self, views, calls):
+        return [x + 1 for x in forward_slots(self, views, calls)]
+
+    def kv_off(self, views, calls):
+        out = forward_slots(self, views, calls)
+        ids, start = calls[-1]
+        self.cache.v[0][views[-1].index, :, start + ids.shape[0] - 1] += 1
+        return out
+
+    for wrong in (logits_off, kv_off):
+        monkeypatch.setattr(StaticSlots, "forward_slots", wrong)
+        assert not static.packed_exact(3), wrong.__name__

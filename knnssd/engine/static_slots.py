@@ -30,7 +30,7 @@ from knnssd.engine.draft_lengths import measure_pass_costs
 from knnssd.engine.graphs import CAPTURE_ROWS, StaticSequence, StepRunner
 from knnssd.engine.skip import SkipMask
 from knnssd.engine.stack import Stack
-from knnssd.engine.static_step import StaticCache
+from knnssd.engine.static_step import ROW_BUCKETS, StaticCache
 
 log = logging.getLogger(__name__)
 
@@ -138,28 +138,45 @@ class StaticSlots:
 
     @torch.inference_mode()
     def packed_exact(self, slots: int) -> bool:
-        """Do rows packed with other sequences' equal the same rows run alone, bitwise? ``slots`` sequences of
-        random tokens at different lengths, passes of mixed row counts (up to the probe's ``max_t``), then
-        one-row steps that read what the first wrote, each call's rows alone first and then packed, over
-        the same K/V. False where the probe found the step itself not exact."""
+        """Do rows packed with other sequences' equal the same rows run alone, bitwise, logits and the K/V they
+        write? ``slots`` sequences of random tokens at different lengths; then passes whose packed row counts
+        land in every row bucket up to ``slots * max_t`` (the packed pass's linears run at its bucket, a
+        sequence's own call at a smaller one), each pass's calls run alone first and then packed over the
+        same positions. False where the probe found the step itself not exact."""
         ex = self.exactness
         if ex is None or not ex.exact:
             return False
         views = self.views[:slots]
         vocab = self.stack.embed.shape[0]
         g = torch.Generator().manual_seed(7)
+        totals = [1] + [b + 1 for b in ROW_BUCKETS if b + 1 <= slots * ex.max_t]  # the smallest total of each bucket
+        spread = max(1, self.length - 20 - len(totals) * ex.max_t)  # prompts of different lengths that leave room
         starts = []
         for b, v in enumerate(views):
-            n = 40 + 9 * b
+            n = 20 + (9 * b) % spread
             v.forward(torch.randint(0, vocab, (n,), generator=g).to(self.device), 0)
             starts.append(n)
-        for rows in ([1 + (b * 5) % ex.max_t for b in range(slots)], [1] * slots):
-            calls = [(torch.randint(0, vocab, (t,), generator=g).to(self.device), s) for t, s in zip(rows, starts)]
-            alone = [v.forward(ids, start).logits for v, (ids, start) in zip(views, calls)]
-            if not all(torch.equal(a, p) for a, p in zip(alone, self.forward_slots(views, calls))):
+        for total in totals:
+            rows = [min(ex.max_t, total // slots + (b < total % slots)) for b in range(slots)]
+            members = [b for b in range(slots) if rows[b]]
+            calls = [(torch.randint(0, vocab, (rows[b],), generator=g).to(self.device), starts[b]) for b in members]
+            alone, kv = [], []
+            for b, (ids, start) in zip(members, calls):
+                alone.append(views[b].forward(ids, start).logits)
+                kv.append(self._kv(b, start, ids.shape[0]))
+            packed = self.forward_slots([views[b] for b in members], calls)
+            if not all(torch.equal(a, p) for a, p in zip(alone, packed)):
                 return False
-            starts = [s + t for s, t in zip(starts, rows)]
+            if not all(torch.equal(x, self._kv(b, start, ids.shape[0]))
+                       for x, b, (ids, start) in zip(kv, members, calls)):
+                return False
+            for b in members:
+                starts[b] += rows[b]
         return True
+
+    def _kv(self, b: int, start: int, n: int) -> torch.Tensor:
+        """A copy of slot ``b``'s K and V at positions start..start+n, every layer."""
+        return torch.stack([k[b, :, start : start + n] for k in self.cache.k + self.cache.v])
 
 
 def plan(static: StaticSlots, slots: int) -> BatchPlan:
