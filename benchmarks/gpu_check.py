@@ -22,6 +22,8 @@ docs/gpu.md says how to carry the weights and the prompts to a GPU machine.
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import json
 import platform
 import sys
@@ -139,11 +141,15 @@ def prompt_ids(a, tok, vocab: int) -> list[list[int]]:
     return out
 
 
-def decode_rows(dec, prompts: list[list[int]], drafter_of, config: GenerationConfig) -> tuple[float, list[list[int]], float]:
-    """(decode tokens/s over the prompts after a warm-up, each prompt's tokens, mean accepted length)."""
+def decode_rows(dec, prompts: list[list[int]], drafter_of, config: GenerationConfig, before=None
+                ) -> tuple[float, list[list[int]], float]:
+    """(decode tokens/s over the prompts after a warm-up, each prompt's tokens, mean accepted length).
+    ``before``: called with each prompt's index just before it runs (outside the timed decoding)."""
     generate(dec, prompts[0], drafter_of(), GenerationConfig(max_new_tokens=8))  # warm-up: captures, kernels
     tokens, new, secs, acc, steps = [], 0, 0.0, 0, 0
-    for ids in prompts:
+    for k, ids in enumerate(prompts):
+        if before is not None:
+            before(k)
         out, stats = generate(dec, ids, drafter_of(), config)
         tokens.append(out)
         new += stats.new_tokens
@@ -219,6 +225,10 @@ def engine_section(a, device: torch.device) -> tuple[dict, Decoder, list[list[in
         "suffix (max 11)": lambda: Suffix(max_len=11, cache=caches[-1]),
     }
     caches: list[SuffixCache] = []
+    kept: dict[int, SuffixCache] = {}  # the cache as each prompt found it, so that a divergence can be replayed
+
+    def keep(k: int) -> None:
+        kept[k] = copy.deepcopy(caches[-1])
     one = torch.tensor([7], device=device)
     for form, compiled in (("graphed", False), ("graphed+compiled", True))[: 2 if a.compiled else 1]:
         caches.append(SuffixCache())
@@ -228,7 +238,8 @@ def engine_section(a, device: torch.device) -> tuple[dict, Decoder, list[list[in
         setup_s = time.perf_counter() - t0
         plain_name = f"plain, {form}"
         for name, make in drafters.items():
-            tps, tokens, mean_acc = decode_rows(static, prompts, make, config)
+            suffix = name.startswith("suffix")
+            tps, tokens, mean_acc = decode_rows(static, prompts, make, config, keep if suffix else None)
             if name == "plain":
                 base = (tps, tokens)
             rows[f"{name}, {form}"] = dict(tok_s=tps, mean_accepted=mean_acc, vs_plain=tps / base[0],
@@ -236,8 +247,9 @@ def engine_section(a, device: torch.device) -> tuple[dict, Decoder, list[list[in
             apart = [k for k, (x, y) in enumerate(zip(tokens, base[1])) if x != y]
             if apart:  # the first prompt where they differ: where, and why
                 k = apart[0]
+                again = (lambda: Suffix(max_len=11, cache=copy.deepcopy(kept[k]))) if suffix else make
                 rows[f"{name}, {form}"]["divergence"] = dict(
-                    prompt=k, **divergence(static, prompts[k], make, config, base[1][k], tokens[k]))
+                    prompt=k, **divergence(static, prompts[k], again, config, base[1][k], tokens[k]))
         rows[plain_name]["equal_to_eager_engine"] = sum(x == y for x, y in zip(base[1], eager_tokens)) / len(prompts)
         # a one-row step alone, through the decoder's forward (buffer copies, replay, clones), each to its end
         static.reserve(400)  # the key bucket of a short request
@@ -274,26 +286,32 @@ def batched_section(a, eager: Decoder, prompts: list[list[int]], device: torch.d
     positions = max(len(p) for p in jobs) + a.max_new_tokens
     out, want = {}, None
     for form in ("eager auto", "static"):
-        t0 = time.perf_counter()
-        if form == "eager auto":
-            slots = auto_slots(eager, positions, len(jobs))
-            decoder, p = eager, eager_plan(eager, slots, positions)
-        else:
-            slots = min(a.slots, len(jobs))
-            decoder = StaticSlots(eager, slots, length=max(positions, exactness.CONTEXTS[-1] + exactness.MAX_T))
-            p = static_plan(decoder, slots)
-        plan_s = time.perf_counter() - t0
-        for name, make in (("plain", lambda: None), ("n-gram", lambda: NGram(max_len=8))):
-            batch = [PromptJob(ids, make(), config) for ids in jobs]
+        try:  # a form that fails keeps the other's figures
             t0 = time.perf_counter()
-            done = {id(f.job): f.tokens for f in decode_batch(decoder, batch, p)}
-            secs = time.perf_counter() - t0
-            tokens = [done[id(j)] for j in batch]
-            if want is None:
-                want = tokens
-            out[f"{form}, {name}"] = dict(slots=slots, tok_s=sum(map(len, tokens)) / secs, plan_s=plan_s,
-                                          exact=p.exact, equal_to_eager_plain=sum(x == y for x, y in zip(tokens, want))
-                                          / len(jobs))
+            if form == "eager auto":
+                slots = auto_slots(eager, positions, len(jobs))
+                decoder, p = eager, eager_plan(eager, slots, positions)
+            else:
+                slots = min(a.slots, len(jobs))
+                decoder = StaticSlots(eager, slots, length=max(positions, exactness.CONTEXTS[-1] + exactness.MAX_T))
+                p = static_plan(decoder, slots)
+            plan_s = time.perf_counter() - t0
+            for name, make in (("plain", lambda: None), ("n-gram", lambda: NGram(max_len=8))):
+                batch = [PromptJob(ids, make(), config) for ids in jobs]
+                t0 = time.perf_counter()
+                done = {id(f.job): f.tokens for f in decode_batch(decoder, batch, p)}
+                secs = time.perf_counter() - t0
+                tokens = [done[id(j)] for j in batch]
+                if want is None:
+                    want = tokens
+                equal = sum(x == y for x, y in zip(tokens, want)) / len(jobs)
+                out[f"{form}, {name}"] = dict(slots=slots, tok_s=sum(map(len, tokens)) / secs, plan_s=plan_s,
+                                              exact=p.exact, equal_to_eager_plain=equal)
+        except Exception as e:
+            traceback.print_exc()
+            out[form] = dict(error=f"{type(e).__name__}: {e}".splitlines()[0])
+        decoder = p = None
+        gc.collect()  # a StaticSlots and its views refer to each other: free its cache and graphs before the next
     return out
 
 
@@ -403,7 +421,8 @@ def markdown(r: dict) -> str:
     if "error" not in r.get("batched", {"error": ""}):
         lines += ["", "| batched engine (form, drafter) | slots | tok/s | plan s | exact | equal to eager plain |",
                   "|---|---:|---:|---:|---|---:|"]
-        lines += [f"| {k} | {v['slots']} | {v['tok_s']:.1f} | {v['plan_s']:.1f} | {v['exact']} | "
+        lines += [f"| {k} | failed: {v['error']} | | | | |" if "error" in v else
+                  f"| {k} | {v['slots']} | {v['tok_s']:.1f} | {v['plan_s']:.1f} | {v['exact']} | "
                   f"{v['equal_to_eager_plain']:.2f} |" for k, v in r["batched"].items()]
     if not b or "error" in b:
         return "\n".join(lines + [""])
@@ -475,6 +494,9 @@ def main(argv: list[str] | None = None) -> dict:
             section = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
         if name == "batched":
             del eager  # the 7B shape's weights need the room
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         done(name, section)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     (out / "gpu_check.md").write_text(markdown(report))
