@@ -189,12 +189,19 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
              "per sequence (no batched form measured exact for this step)")
     log.info("prompts reuse the leading positions of others in the batch: %s", "yes" if shares else
              "no (not measured exact for this prefill, or rotary tables set by the length)")
-    costs = measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=pooled)
-    if slots > 1:  # and one sequence alone, as at low load: below ``slots`` rows v would be flat at v(slots)
-        costs = costs.joined(measure_pass_costs(decoder, 1, (1, max_t), repeats=2, pooled=pooled))
+    costs = plan_costs(decoder, slots, max_t, pooled)
     fits = memory // (slots * slot_bytes(decoder, BUCKET) // BUCKET) // BUCKET * BUCKET  # positions within memory
     return BatchPlan(slots, costs, exact, pooled, min(KVCache.bucket(positions), fits) if positions else 0, shares,
                      recalled)
+
+
+def plan_costs(decoder, slots: int, max_t: int, pooled: bool) -> PassCosts:
+    """v(R) of a batched run of ``slots`` sequences (``draft_lengths.measure_pass_costs``): packed passes of 1,
+    4 and ``max_t`` rows a sequence, and of one sequence alone."""
+    costs = measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=pooled)
+    if slots > 1:  # and one sequence alone, as at low load: below ``slots`` rows v would be flat at v(slots)
+        costs = costs.joined(measure_pass_costs(decoder, 1, (1, max_t), repeats=2, pooled=pooled))
+    return costs
 
 
 def _entries(known: dict, code: str | None) -> dict:

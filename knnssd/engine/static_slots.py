@@ -23,10 +23,9 @@ import logging
 import torch
 
 from knnssd.engine import exactness
-from knnssd.engine.batch_plan import BatchPlan
+from knnssd.engine.batch_plan import BatchPlan, plan_costs
 from knnssd.engine.cache import CacheFull
 from knnssd.engine.decoder import Decoder, Output
-from knnssd.engine.draft_lengths import measure_pass_costs
 from knnssd.engine.graphs import CAPTURE_ROWS, StaticSequence, StepRunner
 from knnssd.engine.skip import SkipMask
 from knnssd.engine.stack import Stack
@@ -183,12 +182,8 @@ def plan(static: StaticSlots, slots: int) -> BatchPlan:
     """What a batched run of ``slots`` sequences on ``static`` needs (``batch_plan.plan``'s for the eager
     engine): whether its outputs are exact (its probe, and ``packed_exact``), and v(R) measured on its runner."""
     ex = static.exactness
-    max_t = ex.max_t
     exact = static.packed_exact(slots)
     if ex.exact and not exact:
         log.warning("packed static passes of %d sequences are not row-invariant here: batched output may differ "
                     "from plain decoding where two tokens nearly tie", slots)
-    costs = measure_pass_costs(static, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=True)
-    if slots > 1:
-        costs = costs.joined(measure_pass_costs(static, 1, (1, max_t), repeats=2, pooled=True))
-    return BatchPlan(slots, costs, exact, pooled=True)
+    return BatchPlan(slots, plan_costs(static, slots, ex.max_t, pooled=True), exact, pooled=True)
