@@ -103,6 +103,23 @@ class StepRunner:
         logits, hidden = self._eager(skip, R, slot, keys)
         return logits[:n], hidden[:n]
 
+    def chunked(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None,
+                slot: int | None = None, keys: int | None = None, last: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (n, V), or with ``last`` only the last row's (1, V), and hidden states (n, E) of any number of
+        rows, run in chunks of the largest captured bucket (``CAPTURE_ROWS``): a sequence's rows in a later
+        chunk read the K/V its rows in an earlier one wrote. Copies, not the runner's buffers."""
+        n = ids.shape[0]
+        logits, hidden = [], []
+        for lo in range(0, n, CAPTURE_ROWS):  # clones: the next call overwrites the runner's buffers
+            hi = min(n, lo + CAPTURE_ROWS)
+            x, h = self(ids[lo:hi], pos[lo:hi], slots[lo:hi], skip, slot, keys)
+            if not last or hi == n:
+                logits.append((x[-1:] if last else x).clone())
+            hidden.append(h.clone())
+        return (torch.cat(logits) if len(logits) > 1 else logits[0],
+                torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+
     def _buffers(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if R not in self._inputs:
             z = lambda: torch.zeros(R, dtype=torch.long, device=self.stack.device)  # noqa: E731
@@ -219,7 +236,7 @@ class StaticDecoder(StaticSequence):
         self.runner = StepRunner(dec.stack, self.cache, graphs, compiled)
         self.length = length
         self._pos = torch.arange(length, device=self.device)
-        self._slots = torch.zeros(CAPTURE_ROWS, dtype=torch.long, device=self.device)  # a call's rows: one chunk at most
+        self._slots = torch.zeros(1, dtype=torch.long, device=self.device)  # every row's slot, expanded to the rows
         self.keys, self._pinned = length, False  # the key bucket steps read; pinned: reserve leaves it
         self.exactness = None
         probes = []
@@ -272,13 +289,5 @@ class StaticDecoder(StaticSequence):
             if self._pinned:
                 raise CacheFull(f"{start + T} positions do not fit the probed key bucket of {self.keys}")
             self.reserve(start + T)
-        logits, hidden = [], []  # a long prefill runs in chunks of the largest captured bucket, each over the
-        for lo in range(0, T, CAPTURE_ROWS):  # K/V of the last; clones: the next call overwrites the runner's buffers
-            hi = min(T, lo + CAPTURE_ROWS)
-            x, h = self.runner(ids[lo:hi], self._pos[start + lo : start + hi], self._slots[: hi - lo], mask, slot=0,
-                               keys=self.keys)
-            if not last or hi == T:
-                logits.append((x[-1:] if last else x).clone())
-            hidden.append(h.clone())
-        return Output(torch.cat(logits) if len(logits) > 1 else logits[0],
-                      torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+        return Output(*self.runner.chunked(ids, self._pos[start : start + T], self._slots.expand(T), mask, slot=0,
+                                           keys=self.keys, last=last))

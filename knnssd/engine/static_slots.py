@@ -26,7 +26,7 @@ from knnssd.engine import exactness
 from knnssd.engine.batch_plan import BatchPlan, plan_costs
 from knnssd.engine.cache import CacheFull
 from knnssd.engine.decoder import Decoder, Output
-from knnssd.engine.graphs import CAPTURE_ROWS, StaticSequence, StepRunner
+from knnssd.engine.graphs import StaticSequence, StepRunner
 from knnssd.engine.skip import SkipMask
 from knnssd.engine.stack import Stack
 from knnssd.engine.static_step import ROW_BUCKETS, StaticCache
@@ -69,8 +69,7 @@ class SlotView(StaticSequence):
         T = ids.shape[0]
         self.owner.check(start + T)
         pos = self.owner.positions[start : start + T]
-        logits, hidden = self.owner.run(ids, pos, self.owner.slot_rows(self.index, T), mask)
-        return Output(logits[-1:] if last else logits, hidden)
+        return Output(*self.owner.runner.chunked(ids, pos, self.owner.slot_rows(self.index, T), mask, last=last))
 
 
 class StaticSlots:
@@ -111,18 +110,6 @@ class StaticSlots:
         """The positions a run's jobs reserve must fit: the cache does not grow."""
         self.check(positions)
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits (n, V) and hidden states (n, E) of n rows of any slots, in chunks of the largest captured
-        bucket: a sequence's rows in a later chunk read the K/V its rows in an earlier one wrote."""
-        logits, hidden = [], []
-        for lo in range(0, ids.shape[0], CAPTURE_ROWS):  # clones: the next call overwrites the runner's buffers
-            hi = min(ids.shape[0], lo + CAPTURE_ROWS)
-            x, h = self.runner(ids[lo:hi], pos[lo:hi], slots[lo:hi], skip)
-            logits.append(x.clone())
-            hidden.append(h.clone())
-        return (torch.cat(logits), torch.cat(hidden)) if len(logits) > 1 else (logits[0], hidden[0])
-
     def forward_slots(self, views: list[SlotView], calls: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
         """One pass over several views' rows (``decoder.forward_slots``'s contract): each call's logits (T_b, V)."""
         sizes = [ids.shape[0] for ids, _ in calls]
@@ -133,7 +120,7 @@ class StaticSlots:
         ids = torch.cat([ids for ids, _ in calls])
         pos = torch.cat([self.positions[start : start + ids.shape[0]] for ids, start in calls])
         slots = torch.cat([self.slot_rows(v.index, n) for v, n in zip(views, sizes)])
-        return list(self.run(ids, pos, slots)[0].split(sizes))
+        return list(self.runner.chunked(ids, pos, slots)[0].split(sizes))
 
     @torch.inference_mode()
     def packed_exact(self, slots: int) -> bool:
