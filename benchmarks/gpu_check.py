@@ -293,7 +293,7 @@ def batched_section(a, eager: Decoder, prompts: list[list[int]], device: torch.d
                 decoder, p = eager, eager_plan(eager, slots, positions)
             else:
                 slots = min(a.slots, len(jobs))
-                decoder = StaticSlots(eager, slots, length=max(positions, exactness.CONTEXTS[-1] + exactness.MAX_T))
+                decoder = StaticSlots(eager, slots, length=max(positions, exactness.PROBE_POSITIONS))
                 p = static_plan(decoder, slots)
             plan_s = time.perf_counter() - t0
             for name, make in (("plain", lambda: None), ("n-gram", lambda: NGram(max_len=8))):

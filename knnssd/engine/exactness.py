@@ -57,6 +57,7 @@ CONTEXT = 37
 # a second failed); their passes read key lengths of 64, 64 and 96 (straddling the two: one call per
 # length), and 320 (``cache.KVCache.keys``).
 CONTEXTS = (CONTEXT, CONTEXT + 23, CONTEXT + 263)
+PROBE_POSITIONS = CONTEXTS[-1] + MAX_T  # the cache positions the probe's longest pass reaches
 TIMING_ROUNDS = 8  # with 4, a slow spell on the 2-core VM once ranked fp32_pad4 first for bf16 SmolLM2 (11% slower)
 # Candidates whose best after PRUNE_AFTER rounds is over PRUNE_MARGIN x the best one's are not timed again:
 # a slow spell hits one round, not the best of two, and the slow forms (an SDPA call per key length, padded

@@ -227,7 +227,7 @@ class StaticDecoder(StaticSequence):
     runs_ahead = True
 
     def __init__(self, dec: Decoder, length: int, graphs: bool = True, compiled: bool = False):
-        least = exactness.CONTEXTS[-1] + exactness.MAX_T  # the probe's longest context
+        least = exactness.PROBE_POSITIONS
         if length < least:
             raise ValueError(f"a static decoder needs a cache of at least {least} positions (the exactness probe's), "
                              f"not {length}")

@@ -77,7 +77,7 @@ class StaticSlots:
     engine takes (``pooled_slots``, ``forward_slots``, ``exactness``) over ``decoder``'s weights."""
 
     def __init__(self, decoder: Decoder, slots: int, length: int, graphs: bool = True):
-        least = exactness.CONTEXTS[-1] + exactness.MAX_T
+        least = exactness.PROBE_POSITIONS
         if length < least:
             raise ValueError(f"static slots need at least {least} positions each (the exactness probe's), not {length}")
         self.stack, self.attention, self.device, self.n_layers = (decoder.stack, decoder.attention, decoder.device,
