@@ -48,7 +48,7 @@ from knnssd.engine.suffix import SuffixCache  # noqa: E402
 from knnssd.engine.stack import from_hf  # noqa: E402
 from knnssd.engine.static_slots import StaticSlots  # noqa: E402
 from knnssd.engine.static_slots import plan as static_plan  # noqa: E402
-from knnssd.engine.static_step import StaticCache  # noqa: E402
+from knnssd.engine.static_step import StaticCache, step  # noqa: E402
 from knnssd.engine.timing import median_ms, read_bandwidth, sync  # noqa: E402
 from knnssd.search.proxy import least_influential  # noqa: E402
 
@@ -254,9 +254,12 @@ def engine_section(a, device: torch.device) -> tuple[dict, Decoder, list[list[in
         # a one-row step alone, through the decoder's forward (buffer copies, replay, clones), each to its end
         static.reserve(400)  # the key bucket of a short request
         step_ms = median_ms(lambda: static.forward(one, 300, last=True), device, repeats=50, warmup=3)
+        # a verify pass's cost by rows: with the one-row step, the ceiling a drafter's acceptance allows
+        by_rows = {T: median_ms(lambda T=T: static.forward(one.expand(T), 300), device, repeats=30, warmup=3)
+                   for T in (2, 4, 8, 9, 16)}
         forms[form] = dict(probe=static.exactness.describe(), exact=static.exactness.exact,
                            cuda_graphs=static.runner.graphs, compiled=static.runner.compiled, setup_s=setup_s,
-                           compile_s=static.runner.compile_s, one_row_step_ms=step_ms,
+                           compile_s=static.runner.compile_s, one_row_step_ms=step_ms, step_ms_by_rows=by_rows,
                            loop_ms_per_token=1e3 / rows[plain_name]["tok_s"],
                            keys=static.keys, warm_s=warm_s,
                            captures=[dict(mask=c.skip.n_skipped if c.skip else 0, rows=c.rows, slot=c.slot, keys=c.keys,
@@ -347,9 +350,11 @@ def throughput_section(a, stack, device: torch.device) -> dict:
     return out
 
 
-def big_section(a, device: torch.device) -> dict:
+def big_section(a, device: torch.device, note=lambda section: None) -> dict:
     """The large shape's one-row step (one sequence, graphed on CUDA) at a short and a long cache, against the
-    bandwidth floor of its weights; and its 25% and 50% skip draft steps, against the full one."""
+    bandwidth floor of its weights; its 25% and 50% skip draft steps, against the full one; where its time goes
+    (the step's linears alone, graphed, and on CUDA the kernels of one eager step by time). ``note(out)`` gets
+    what is measured so far after each part, so a run cut off keeps it."""
     model = llama(LLAMA2_7B if a.big == "7b" else TINY, device)
     s = from_hf(model)
     weight_bytes = sum(t.numel() * t.element_size() for layer in s.layers
@@ -358,10 +363,14 @@ def big_section(a, device: torch.device) -> dict:
     del model
     bandwidth = read_bandwidth(device, 2048 if a.big == "7b" else 64, torch.bfloat16)
     floor_ms = weight_bytes / bandwidth * 1e3
+    out = dict(shape="Llama-2-7B" if a.big == "7b" else "tiny", weight_gib=weight_bytes / 2**30,
+               read_gb_s=bandwidth / 1e9, floor_ms=floor_ms, graphed=device.type == "cuda")
+    linears = linears_ms(s, device)
+    out.update(linears_ms=linears, linears_over_floor=linears / floor_ms)
+    note(out)
     L = s.n_layers
     masks = {"25%": SkipMask.from_layers(L, attn=range(1, L, 4), mlp=range(3, L, 4)),
              "50%": SkipMask.from_layers(L, attn=range(1, L, 2), mlp=range(0, L, 2))}
-    steps, drafts = {}, {}
     runs = [(256, False), (2048, False)] + [(256, True)] * a.compiled
     for length, compiled in runs:  # the keys a step reads grow with the cache; the floor counts the weights alone
         runner = StepRunner(s, StaticCache(s, slots=1, length=length), graphs=device.type == "cuda", compiled=compiled)
@@ -369,35 +378,108 @@ def big_section(a, device: torch.device) -> dict:
         zero = torch.zeros(128, dtype=torch.long, device=device)
         runner(ids, torch.arange(128, device=device), zero, slot=0)
         one = (ids[:1], torch.tensor([128], device=device), zero[:1])
-        key = f"{length}{' compiled' if compiled else ''}"
-        steps[key] = median_ms(lambda: runner(*one, slot=0), device, repeats=20, warmup=3)
+        tag = "_compiled" if compiled else ("" if length == 256 else f"_{length}")
+        ms = median_ms(lambda: runner(*one, slot=0), device, repeats=20, warmup=3)
+        out.update({f"step_ms{tag}": ms, f"step_over_floor{tag}": ms / floor_ms})
+        if compiled:
+            out["compile_s"] = runner.compile_s
+        note(out)
         if length == 256:
-            drafts[key] = {name: median_ms(lambda m=m: runner(*one, skip=m, slot=0), device, repeats=20, warmup=3)
-                           / steps[key] for name, m in masks.items()}
-    out = dict(shape="Llama-2-7B" if a.big == "7b" else "tiny", weight_gib=weight_bytes / 2**30,
-               read_gb_s=bandwidth / 1e9, step_ms=steps["256"], step_ms_2048=steps["2048"], floor_ms=floor_ms,
-               step_over_floor=steps["256"] / floor_ms, step_over_floor_2048=steps["2048"] / floor_ms,
-               graphed=device.type == "cuda", draft_cost_vs_full=drafts["256"])
-    if a.compiled:
-        out.update(step_ms_compiled=steps["256 compiled"], step_over_floor_compiled=steps["256 compiled"] / floor_ms,
-                   draft_cost_vs_full_compiled=drafts["256 compiled"])
+            out[f"draft_cost_vs_full{tag}"] = {
+                name: median_ms(lambda m=m: runner(*one, skip=m, slot=0), device, repeats=20, warmup=3) / ms
+                for name, m in masks.items()}
+            note(out)
+        if length == 256 and not compiled and device.type == "cuda":
+            out["kernels"] = kernel_profile(lambda: step(runner.stack, runner.cache.k, runner.cache.v,
+                                                         runner.cache.tables, *one, slot=0, keys=256))
+            note(out)
+        runner = None  # its cache and graphs, before the next one's
     return out
+
+
+def linears_ms(s, device: torch.device) -> float:
+    """Milliseconds of a one-row step's linears alone (every layer's, and the head), each on a fixed input,
+    graphed on CUDA: what its weights' reads cost with nothing else between them."""
+    xs = {}
+
+    def run() -> None:
+        for layer in s.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                w = lin.weight.shape[1]
+                if w not in xs:
+                    xs[w] = torch.randn(1, w, dtype=lin.weight.dtype, device=device)
+                lin(xs[w])
+        x = xs.setdefault(s.lm_head.weight.shape[1], torch.randn(1, s.lm_head.weight.shape[1], dtype=s.dtype,
+                                                                  device=device))
+        s.lm_head(x)
+
+    with torch.inference_mode():
+        run()
+        if device.type != "cuda":
+            return median_ms(run, device, repeats=20, warmup=2)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        return median_ms(g.replay, device, repeats=20, warmup=3)
+
+
+def kernel_profile(fn, top: int = 14) -> dict:
+    """The CUDA kernels of one eager call of ``fn`` (after two unprofiled ones): how many, their summed time,
+    and the ``top`` names by time (a name cut to 90 characters, its count and microseconds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        fn(), fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
+    total = sum(e.device_time_total for e in kernels)
+    kernels.sort(key=lambda e: -e.device_time_total)
+    return dict(count=sum(e.count for e in kernels), total_us=total,
+                top=[dict(name=e.key[:90], count=e.count, us=e.device_time_total) for e in kernels[:top]])
 
 
 SECTIONS = ("throughput", "batched", "big")  # after the engine section, each on its own
 
 
 def markdown(r: dict) -> str:
-    e, t, b = r["engine"], r.get("throughput", {}), r.get("big", {})
     lines = [f"# GPU check, {r['when']}", "", f"{r['device']}; torch {r['torch']}, transformers {r['transformers']}; "
-             f"code {r['commit']}.", "", f"- Probe, eager engine: {e['probe_eager']}"]
+             f"code {r['commit']}.", ""]
+    if "engine" in r:
+        lines += engine_markdown(r["engine"])
+    lines += [""] + [f"- The {k} section failed: {r[k]['error']}" for k in SECTIONS if "error" in r.get(k, {})]
+    t = r.get("throughput", {})
+    if t and "error" not in t:
+        lines += ["", "| packed plain decoding (sequences, form) | tok/s |", "|---|---:|"]
+        lines += [f"| {k} | {v['tok_s']:.1f} |" for k, v in t.items()]
+    if "error" not in r.get("batched", {"error": ""}):
+        lines += ["", "| batched engine (form, drafter) | slots | tok/s | plan s | exact | equal to eager plain |",
+                  "|---|---:|---:|---:|---|---:|"]
+        lines += [f"| {k} | failed: {v['error']} | | | | |" if "error" in v else
+                  f"| {k} | {v['slots']} | {v['tok_s']:.1f} | {v['plan_s']:.1f} | {v['exact']} | "
+                  f"{v['equal_to_eager_plain']:.2f} |" for k, v in r["batched"].items()]
+    if "big" in r:
+        lines += [""] + big_markdown(r["big"])
+    return "\n".join(lines + [""])
+
+
+def engine_markdown(e: dict) -> list[str]:
+    lines = [f"- Probe, eager engine: {e['probe_eager']}"]
     for form, f in e["forms"].items():
         caps = f["captures"]
         lines += [f"- {form}: probe {f['probe']}; "
                   + ("CUDA graphs captured" if f["cuda_graphs"] else "no CUDA graphs (not CUDA): it ran eagerly")
                   + f"; compiled: {f['compiled']} ({f['compile_s']:.1f} s); set-up {f['setup_s']:.1f} s; "
                   f"one-row step {f['one_row_step_ms']:.3f} ms over {f['keys']} keys, plain loop "
-                  f"{f['loop_ms_per_token']:.3f} ms a token; "
+                  f"{f['loop_ms_per_token']:.3f} ms a token; T-row passes "
+                  + ", ".join(f"{T}: {ms:.3f}" for T, ms in f["step_ms_by_rows"].items()) + " ms; "
                   f"{len(caps)} captures, {sum(c['seconds'] for c in caps):.2f} s, "
                   f"{sum(c['mib'] for c in caps):.1f} MiB."]
     lines += [f"- SmolLM2: {e['weights']}; {e['prompts']} prompt(s) x {e['max_new_tokens']} tokens. Graphed plain "
@@ -414,30 +496,31 @@ def markdown(r: dict) -> str:
               f"{d['plain']}; plain's top-two margin {d['margin']:.4g}); the deciding rows "
               + ("are bitwise equal" if d["rows_equal"] else f"differ by up to {d['max_abs_diff']:.4g}") + "."
               for name, row in e["rows"].items() if (d := row.get("divergence"))]
-    lines += [""] + [f"- The {k} section failed: {r[k]['error']}" for k in SECTIONS if "error" in r.get(k, {})]
-    if t and "error" not in t:
-        lines += ["", "| packed plain decoding (sequences, form) | tok/s |", "|---|---:|"]
-        lines += [f"| {k} | {v['tok_s']:.1f} |" for k, v in t.items()]
-    if "error" not in r.get("batched", {"error": ""}):
-        lines += ["", "| batched engine (form, drafter) | slots | tok/s | plan s | exact | equal to eager plain |",
-                  "|---|---:|---:|---:|---|---:|"]
-        lines += [f"| {k} | failed: {v['error']} | | | | |" if "error" in v else
-                  f"| {k} | {v['slots']} | {v['tok_s']:.1f} | {v['plan_s']:.1f} | {v['exact']} | "
-                  f"{v['equal_to_eager_plain']:.2f} |" for k, v in r["batched"].items()]
-    if not b or "error" in b:
-        return "\n".join(lines + [""])
-    lines += ["", f"- {b['shape']}-shaped, random weights ({b['weight_gib']:.2f} GiB): one-row step "
-              f"{'graphed' if b['graphed'] else 'eager'} {b['step_ms']:.3f} ms at a 256-position cache, "
-              f"{b['step_ms_2048']:.3f} ms at 2,048; floor {b['floor_ms']:.3f} ms at {b['read_gb_s']:.0f} GB/s read: "
-              f"{b['step_over_floor']:.2f}x and {b['step_over_floor_2048']:.2f}x the floor.",
-              "- Draft steps against the full step: " + ", ".join(f"{k} skipped {v:.2f}" for k, v in
-                                                                  b["draft_cost_vs_full"].items()) + "."]
+    return lines
+
+
+def big_markdown(b: dict) -> list[str]:
+    lines = [f"- {b['shape']}-shaped, random weights ({b['weight_gib']:.2f} GiB), floor {b['floor_ms']:.3f} ms at "
+             f"{b['read_gb_s']:.0f} GB/s read. Its linears alone: {b['linears_ms']:.3f} ms "
+             f"({b['linears_over_floor']:.2f}x the floor)."]
+    if "step_ms" in b:
+        lines.append(f"- One-row step {'graphed' if b['graphed'] else 'eager'} {b['step_ms']:.3f} ms at a "
+                     f"256-position cache ({b['step_over_floor']:.2f}x the floor)"
+                     + (f", {b['step_ms_2048']:.3f} ms at 2,048 ({b['step_over_floor_2048']:.2f}x)"
+                        if "step_ms_2048" in b else "") + ".")
+    for tag, name in (("", "Draft steps"), ("_compiled", "Compiled draft steps")):
+        if f"draft_cost_vs_full{tag}" in b:
+            lines.append(f"- {name} against the full step: " + ", ".join(
+                f"{k} skipped {v:.2f}" for k, v in b[f"draft_cost_vs_full{tag}"].items()) + ".")
     if "step_ms_compiled" in b:
-        lines += [f"- Compiled: one-row step {b['step_ms_compiled']:.3f} ms at 256 "
-                  f"({b['step_over_floor_compiled']:.2f}x "
-                  "the floor); draft steps " + ", ".join(f"{k} skipped {v:.2f}" for k, v in
-                                                        b["draft_cost_vs_full_compiled"].items()) + "."]
-    return "\n".join(lines + [""])
+        lines.append(f"- Compiled ({b.get('compile_s', 0):.0f} s of compiling): one-row step "
+                     f"{b['step_ms_compiled']:.3f} ms at 256 ({b['step_over_floor_compiled']:.2f}x the floor).")
+    if "kernels" in b:
+        k = b["kernels"]
+        lines += [f"- One eager step's CUDA kernels: {k['count']}, {k['total_us'] / 1e3:.3f} ms of kernel time.", "",
+                  "| kernel | count | us |", "|---|---:|---:|"]
+        lines += [f"| `{x['name']}` | {x['count']} | {x['us']:.0f} |" for x in k["top"]]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -460,6 +543,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--compiled", action="store_true", help="also the static step compiled by torch.compile "
                     "(inductor) before capture: each form, bucket and mask compiles once")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="leave out HF generate (its eager loop is slow)")
+    ap.add_argument("--sections", type=lambda v: v.split(","), default=["engine", *SECTIONS],
+                    help=f"which to run, of engine,{','.join(SECTIONS)} (default: all); the others take SmolLM2 "
+                    "from the engine's set-up")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the script, not the GPU")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -475,28 +561,36 @@ def main(argv: list[str] | None = None) -> dict:
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                   torch=torch.__version__, transformers=transformers.__version__, commit=_commit(), smoke=a.smoke)
 
-    def done(name: str, section: dict) -> None:
-        # each section is written as it ends, so a run cut off by the machine's time limit keeps what it measured
-        report[name] = section
+    def done(name: str, section: dict, quiet: bool = False) -> None:
+        # each section is written as it ends (and the big one part by part), so a run cut off by the machine's
+        # time limit keeps what it measured
+        report[name] = dict(section)
         report["seconds"] = time.perf_counter() - t0
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
-        print(f"[{report['seconds']:.0f} s] {name}: {json.dumps(section)}", flush=True)
+        print(f"[{report['seconds']:.0f} s] {name}: {json.dumps(section) if not quiet else sorted(section)}",
+              flush=True)
 
-    engine, eager, prompts = engine_section(a, device)
-    done("engine", engine)
+    eager = prompts = None
+    if "engine" in a.sections or "batched" in a.sections or "throughput" in a.sections:
+        engine, eager, prompts = engine_section(a, device)
+        if "engine" in a.sections:
+            done("engine", engine)
     sections = {"throughput": lambda: throughput_section(a, eager.stack, device),
-                "batched": lambda: batched_section(a, eager, prompts, device), "big": lambda: big_section(a, device)}
+                "batched": lambda: batched_section(a, eager, prompts, device),
+                "big": lambda: big_section(a, device, note=lambda part: done("big", part, quiet=True))}
     for name in SECTIONS:
+        if name not in a.sections:
+            continue
+        if name == "big" and eager is not None:
+            eager = None  # the 7B shape's weights need the room
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         try:
             section = sections[name]()
         except Exception as e:  # one section's failure must not cost the others their device time
             traceback.print_exc()
-            section = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
-        if name == "batched":
-            del eager  # the 7B shape's weights need the room
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            section = dict(report.get(name, {}), error=f"{type(e).__name__}: {e}".splitlines()[0])
         done(name, section)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     (out / "gpu_check.md").write_text(markdown(report))
