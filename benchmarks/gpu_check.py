@@ -230,7 +230,7 @@ def engine_section(a, device: torch.device) -> tuple[dict, Decoder, list[list[in
     def keep(k: int) -> None:
         kept[k] = copy.deepcopy(caches[-1])
     one = torch.tensor([7], device=device)
-    for form, compiled in (("graphed", False), ("graphed+compiled", True))[: 2 if a.compiled else 1]:
+    for form, compiled in (("graphed", False), ("graphed+compiled", True))[: 2 if "engine" in a.compiled else 1]:
         caches.append(SuffixCache())
         t0 = time.perf_counter()
         static = StaticDecoder(eager, length=a.length, compiled=compiled)
@@ -323,7 +323,7 @@ def throughput_section(a, stack, device: torch.device) -> dict:
     out = {}
     steps = 8 if a.smoke else 64
     for B in a.sizes:
-        for form in ("eager", "graphed", "graphed+compiled")[: 3 if a.compiled else 2]:
+        for form in ("eager", "graphed", "graphed+compiled")[: 3 if "throughput" in a.compiled else 2]:
             cache = StaticCache(stack, slots=B, length=a.prompt_len + steps + 16)
             runner = StepRunner(stack, cache, graphs=form != "eager", compiled=form == "graphed+compiled")
             slots = torch.arange(B, device=device)
@@ -371,7 +371,7 @@ def big_section(a, device: torch.device, note=lambda section: None) -> dict:
     L = s.n_layers
     masks = {"25%": SkipMask.from_layers(L, attn=range(1, L, 4), mlp=range(3, L, 4)),
              "50%": SkipMask.from_layers(L, attn=range(1, L, 2), mlp=range(0, L, 2))}
-    runs = [(256, False), (2048, False)] + [(256, True)] * a.compiled
+    runs = [(256, False), (2048, False)] + [(256, True)] * ("big" in a.compiled)
     for length, compiled in runs:  # the keys a step reads grow with the cache; the floor counts the weights alone
         runner = StepRunner(s, StaticCache(s, slots=1, length=length), graphs=device.type == "cuda", compiled=compiled)
         ids = torch.randint(2, s.embed.shape[0], (128,), device=device)
@@ -540,8 +540,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--big", choices=["7b", "tiny"], default="7b", help="the large shape: Llama-2-7B, or a tiny one "
                     "(a CPU run: 7B random weights take 13.5 GB)")
-    ap.add_argument("--compiled", action="store_true", help="also the static step compiled by torch.compile "
-                    "(inductor) before capture: each form, bucket and mask compiles once")
+    ap.add_argument("--compiled", nargs="?", const=["engine", "throughput", "big"], default="", type=lambda v: v.split(","),
+                    help="also the static step compiled by torch.compile (inductor) before capture, in these "
+                    "sections (default: engine,throughput,big): each form, bucket and mask compiles once")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="leave out HF generate (its eager loop is slow)")
     ap.add_argument("--sections", type=lambda v: v.split(","), default=["engine", *SECTIONS],
                     help=f"which to run, of engine,{','.join(SECTIONS)} (default: all); the others take SmolLM2 "
