@@ -312,3 +312,18 @@ def test_a_warm_that_fails_part_way_leaves_reserve_choosing_buckets(monkeypatch)
     assert not dec._pinned
     dec.reserve(600)
     assert dec.keys == 1024
+
+
+def test_a_tapped_prefill_on_the_static_step_is_the_eager_decoders_residual_stream():
+    """A routed prompt's prefill asks for the residual stream after the router's pooling layer."""
+    dec = Decoder(from_hf(tiny("llama")))
+    static = StaticDecoder(dec, length=512, graphs=False)
+    ids = torch.tensor(prompt_ids("llama", 0, length=70))  # two chunks of the captured buckets
+    static.reserve(80)
+    out = static.forward(ids, 0, last=True, tap=2)
+    plain = static.forward(ids, 0, last=True)
+    assert torch.equal(out.logits, plain.logits) and torch.equal(out.hidden, plain.hidden)
+    dec.reserve(80)
+    want = dec.forward(ids, 0, last=True, tap=2)
+    assert out.tapped.shape == want.tapped.shape == (70, COMMON["hidden_size"])
+    torch.testing.assert_close(out.tapped, want.tapped, rtol=TOL, atol=TOL)

@@ -83,15 +83,7 @@ class StepRunner:
         length (``static_step.step``)."""
         n = ids.shape[0]
         keys = keys or self.cache.length
-        R = rows_bucket(n)
-        bi, bp, bs = self._buffers(R)
-        bi[:n].copy_(ids)
-        bp[:n].copy_(pos)
-        bs[:n].copy_(slots)
-        if R > n:  # scratch rows: position 0 of the scratch slot, which no sequence reads
-            bi[n:].zero_()
-            bp[n:].zero_()
-            bs[n:].fill_(self.cache.scratch)
+        R = self._fill(ids, pos, slots)
         if self.graphs and R <= CAPTURE_ROWS:
             key = (skip, R, slot, keys)
             if key not in self._graphs:
@@ -119,6 +111,39 @@ class StepRunner:
             hidden.append(h.clone())
         return (torch.cat(logits) if len(logits) > 1 else logits[0],
                 torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+
+    @torch.inference_mode()
+    def tapped(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tap: int, slot: int | None = None,
+               keys: int | None = None, last: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``chunked``'s logits and hidden states, and the residual stream after layer ``tap`` (n, E): a prompt's
+        prefill for its routing vector. Eager, in the buckets' buffers, so its rows are those of the captured
+        step's kernels; a prefill runs once a request, so it is not captured."""
+        n, c = ids.shape[0], self.cache
+        logits, hidden, tapped = [], [], []
+        for lo in range(0, n, CAPTURE_ROWS):
+            hi = min(n, lo + CAPTURE_ROWS)
+            R = self._fill(ids[lo:hi], pos[lo:hi], slots[lo:hi])
+            x, h, t = step(self.stack, c.k, c.v, c.tables, *self._inputs[R], None, slot, keys or c.length, tap=tap)
+            m = hi - lo
+            if not last or hi == n:
+                logits.append(x[m - 1 : m] if last else x[:m])
+            hidden.append(h[:m])
+            tapped.append(t[:m])
+        return torch.cat(logits), torch.cat(hidden), torch.cat(tapped)
+
+    def _fill(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> int:
+        """Copy n rows into their bucket's input buffers, padded with scratch rows; returns the bucket R."""
+        n = ids.shape[0]
+        R = rows_bucket(n)
+        bi, bp, bs = self._buffers(R)
+        bi[:n].copy_(ids)
+        bp[:n].copy_(pos)
+        bs[:n].copy_(slots)
+        if R > n:  # scratch rows: position 0 of the scratch slot, which no sequence reads
+            bi[n:].zero_()
+            bp[n:].zero_()
+            bs[n:].fill_(self.cache.scratch)
+        return R
 
     def _buffers(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if R not in self._inputs:
@@ -203,17 +228,18 @@ class StaticSequence:
     def rollback(self, length: int) -> None:
         """Nothing to do: later positions are masked and overwritten."""
 
-    def _own_weights(self, stack: Stack | None, tap: int | None, influence: bool) -> None:
+    def _own_weights(self, stack: Stack | None, influence: bool) -> None:
         """Refuse what ``Decoder.forward`` offers and the static step does not."""
-        if stack is not None and stack is not self.stack or tap is not None or influence:
-            raise MaskError("the static step runs the model's own weights and returns no tapped or influence outputs")
+        if stack is not None and stack is not self.stack or influence:
+            raise MaskError("the static step runs the model's own weights and returns no influence outputs")
 
 
 class StaticDecoder(StaticSequence):
     """One sequence on the static step: ``decoder.Decoder``'s interface for the decoding loop (``decode.py``)
     and the drafters (``forward``, ``reserve``, ``rollback``), over slot 0 of a ``StaticCache`` of ``length``
-    positions, on a ``StepRunner``. A skip mask's draft step is a graph of its own; int8 draft weights,
-    tapped or influence outputs are not offered (they raise). ``exactness`` is measured on this step
+    positions, on a ``StepRunner``. A skip mask's draft step is a graph of its own; a tapped pass (a prompt's
+    prefill for its routing vector) runs eagerly; int8 draft weights and influence outputs are not offered
+    (they raise). ``exactness`` is measured on this step
     (``exactness.probe_fixed``), since its rows are not the eager decoder's, at every key bucket.
 
     Its steps attend over a key bucket (``static_step.keys_bucket``) chosen at ``reserve``, which the
@@ -283,11 +309,15 @@ class StaticDecoder(StaticSequence):
 
     def forward(self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack: Stack | None = None,
                 last: bool = False, tap: int | None = None, influence: bool = False) -> Output:
-        self._own_weights(stack, tap, influence)
+        self._own_weights(stack, influence)
         T = ids.shape[0]
         if start + T > self.keys:  # past what was reserved: a bigger bucket (a probe's pinned one never is)
             if self._pinned:
                 raise CacheFull(f"{start + T} positions do not fit the probed key bucket of {self.keys}")
             self.reserve(start + T)
-        return Output(*self.runner.chunked(ids, self._pos[start : start + T], self._slots.expand(T), mask, slot=0,
-                                           keys=self.keys, last=last))
+        pos, slots = self._pos[start : start + T], self._slots.expand(T)
+        if tap is not None:
+            if mask is not None:
+                raise MaskError("a tapped pass runs the full model")
+            return Output(*self.runner.tapped(ids, pos, slots, tap, slot=0, keys=self.keys, last=last))
+        return Output(*self.runner.chunked(ids, pos, slots, mask, slot=0, keys=self.keys, last=last))

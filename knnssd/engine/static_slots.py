@@ -27,7 +27,7 @@ from knnssd.engine.batch_plan import BatchPlan, plan_costs
 from knnssd.engine.cache import CacheFull
 from knnssd.engine.decoder import Decoder, Output
 from knnssd.engine.graphs import StaticSequence, StepRunner
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.skip import MaskError, SkipMask
 from knnssd.engine.stack import Stack
 from knnssd.engine.static_step import ROW_BUCKETS, StaticCache
 
@@ -48,7 +48,8 @@ class _SlotCache:
 class SlotView(StaticSequence):
     """Slot ``index`` of a ``StaticSlots``: one sequence, with ``decoder.Decoder``'s interface for the decoding
     loop and the drafters (``forward``, ``reserve``, ``rollback``). A skip mask's draft step is a graph of its
-    own; int8 drafts, tapped or influence outputs are not offered (they raise)."""
+    own; a tapped pass (a prompt's prefill for its routing vector) runs eagerly; int8 drafts and influence
+    outputs are not offered (they raise)."""
 
     def __init__(self, owner: "StaticSlots", index: int):
         self.owner, self.index = owner, index
@@ -65,11 +66,15 @@ class SlotView(StaticSequence):
 
     def forward(self, ids: torch.Tensor, start: int, mask: SkipMask | None = None, stack: Stack | None = None,
                 last: bool = False, tap: int | None = None, influence: bool = False) -> Output:
-        self._own_weights(stack, tap, influence)
+        self._own_weights(stack, influence)
         T = ids.shape[0]
         self.owner.check(start + T)
-        pos = self.owner.positions[start : start + T]
-        return Output(*self.owner.runner.chunked(ids, pos, self.owner.slot_rows(self.index, T), mask, last=last))
+        pos, slots = self.owner.positions[start : start + T], self.owner.slot_rows(self.index, T)
+        if tap is not None:
+            if mask is not None:
+                raise MaskError("a tapped pass runs the full model")
+            return Output(*self.owner.runner.tapped(ids, pos, slots, tap, last=last))
+        return Output(*self.owner.runner.chunked(ids, pos, slots, mask, last=last))
 
 
 class StaticSlots:

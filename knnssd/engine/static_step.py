@@ -121,16 +121,17 @@ class StaticCache:
 
 def step(s: Stack, k: list[torch.Tensor], v: list[torch.Tensor], tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
          ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None,
-         slot: int | None = None, keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (R, V) float32 and final-normed hidden states (R, E) of R rows; writes their K/V into ``k``, ``v``
-    (for the layers whose attention runs).
+         slot: int | None = None, keys: int | None = None, tap: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Logits (R, V) float32 and final-normed hidden states (R, E) of R rows, and with ``tap`` the residual
+    stream after layer ``tap`` (R, E) too; writes their K/V into ``k``, ``v`` (for the layers whose attention
+    runs).
 
     s: a ``plain`` stack. k[i], v[i]: (S, KV, L, D), layer i's cache. tables[key]: (cos (L, 1, d), signed sin
     (L, 1, d)). ids, pos, slots: (R,) long. skip: sub-layers to skip (a draft step), or None (the full model).
     slot: where every real row is of one sequence, its slot (a constant, so a graph of its own): the rows then
     read that slot's keys as one view, where rows of several slots each read a copy of their own slot's.
     keys: K, the positions every row attends over (a constant: a graph each), more than any row's position;
-    None: all L.
+    None: all L. tap: a layer (a constant), for a prompt's routing vector (``decode.prefill``).
     """
     length = keys or k[0].shape[2]
     h = Decoder._embed(s, ids)  # (1, R, E)
@@ -144,8 +145,10 @@ def step(s: Stack, k: list[torch.Tensor], v: list[torch.Tensor], tables: dict[st
                                              slot, length))
         if skip is None or not skip.mlp[i]:
             h = h + _mlp(layer, h)
+        if i == tap:
+            tapped = h[0]
     hidden = s.norm(h)[0]
-    return _logits(s, hidden), hidden
+    return (_logits(s, hidden), hidden) if tap is None else (_logits(s, hidden), hidden, tapped)
 
 
 def _attend(s: Stack, layer: Layer, i: int, h: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], rope,
