@@ -133,7 +133,8 @@ class BatchPlan:
     runs batched over the slots (``pooled``: measured exact, ``pooled_exact``) or per sequence, and
     the positions each pooled slot is allocated at the start (``positions``; 0: as jobs reserve them),
     and whether prompts reuse the leading positions of others in the batch (``shares``: measured exact,
-    ``prefix_exact``); ``recalled``: ``pooled`` and ``shares`` were taken from a record (``plan``)."""
+    ``prefix_exact``); ``recalled``: ``pooled`` and ``shares`` were taken from a record (``plan``); ``runs_on``:
+    the decoder the plan measured, where it is not the one the run is given (``static_slots.plan``)."""
 
     slots: int
     costs: PassCosts
@@ -142,6 +143,8 @@ class BatchPlan:
     positions: int = 0
     shares: bool = False
     recalled: bool = False
+    runs_on: object = None  # what the run decodes on where not the decoder it is given: the static slots
+    # (``static_slots.plan``) whose passes these figures measured
 
 
 # The engine code the checks run besides the forward pass (the record's name, from

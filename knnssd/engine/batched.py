@@ -181,6 +181,7 @@ class Scheduler:
                  stats: BatchStats | None = None, failed: Callable[[Job, Exception], None] | None = None,
                  on_step: Callable[[list[Run]], None] | None = None):
         self.plan, self.failed, self.on_step = plan, failed, on_step
+        decoder = plan.runs_on or decoder  # a plan on static slots runs there, over the same weights
         self.stats = stats if stats is not None else BatchStats(plan.slots)
         self.stats.exact = plan.exact
         if plan.pooled:

@@ -172,10 +172,11 @@ class StaticSlots:
 
 def plan(static: StaticSlots, slots: int) -> BatchPlan:
     """What a batched run of ``slots`` sequences on ``static`` needs (``batch_plan.plan``'s for the eager
-    engine): whether its outputs are exact (its probe, and ``packed_exact``), and v(R) measured on its runner."""
+    engine): whether its outputs are exact (its probe, and ``packed_exact``), and v(R) measured on its runner;
+    a run given the plan runs on ``static`` (``runs_on``), whatever decoder it is handed."""
     ex = static.exactness
     exact = static.packed_exact(slots)
     if ex.exact and not exact:
         log.warning("packed static passes of %d sequences are not row-invariant here: batched output may differ "
                     "from plain decoding where two tokens nearly tie", slots)
-    return BatchPlan(slots, plan_costs(static, slots, ex.max_t, pooled=True), exact, pooled=True)
+    return BatchPlan(slots, plan_costs(static, slots, ex.max_t, pooled=True), exact, pooled=True, runs_on=static)
