@@ -136,10 +136,11 @@ def cmd_complete(a) -> int:
         mask.validate(models.config(a.model).num_hidden_layers)
     models.limits(a.model, a.dtype, a.device).check(p)
     lm = models.load(a.model, a.dtype, a.device)
-    dec = lm.decoder
+    ids, _ = prompt_ids(lm.tokenizer, a.prompt, p, lm.limits)
+    static = None if a.int8 else lm.static  # the static step ($KNNSSD_GRAPHS) runs full-precision drafts
+    dec = static if static is not None and len(ids) + p.max_new_tokens <= static.length else lm.decoder
     cfg = dataclasses.replace(cfg, mask=(mask or SkipMask.none(dec.n_layers)).to_dict())
     gen = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=models.eos_ids(lm))
-    ids, _ = prompt_ids(lm.tokenizer, a.prompt, p, lm.limits)
     out, stats = generate(dec, ids, build(cfg, dec.n_layers, dec.can_skip), gen)
     print(lm.tokenizer.decode(out, skip_special_tokens=True))
     s = stats.to_dict()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from knnssd import locks, shims
+from knnssd import locks, settings, shims
 from knnssd.engine import exactness
 from knnssd.engine.params import Limits
 from knnssd.engine.decoder import Decoder, HFDecoder, make_decoder
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
 
 CACHE_MARKER = "knnssd-cache.json"
+STATIC_POSITIONS = 4096  # the most positions one sequence holds on the static step (``LoadedModel.static``)
 
 
 class ModelError(ValueError):
@@ -80,6 +81,7 @@ class LoadedModel:
     busy: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     gguf: Path | None = None  # --dtype gguf: the file whose blocks the projections and head run on
     blocks: str | None = None  # --dtype gguf, q4_1 or q8_0 (``settings.BLOCKS``): weights in blocks
+    _static_slots: object = field(default=None, repr=False, compare=False)  # the last ``static_slots`` made
 
     @cached_property
     def decoder(self) -> Decoder | HFDecoder:
@@ -95,6 +97,44 @@ class LoadedModel:
         else:
             weights = lambda s: quantized.quantize_stack(s, self.blocks)[0]  # noqa: E731
         return make_decoder(self.model, record=self._record("json"), weights=weights)
+
+    @cached_property
+    def static(self):
+        """The decoder on the static step (``engine.graphs.StaticDecoder``, CUDA graphs where the device has
+        them) where ``settings.graphs`` asks for it and the model runs on the lean decoder at full precision,
+        else None. Its cache holds ``STATIC_POSITIONS`` positions (at most the model's): a longer request runs
+        on ``decoder``."""
+        if not settings.graphs(self.device):
+            return None
+        from knnssd.engine.graphs import StaticDecoder
+        from knnssd.engine.stack import UnsupportedArchitecture
+
+        dec = self.decoder
+        if not isinstance(dec, Decoder) or self.blocks is not None:
+            log.info("generation runs eagerly: the static step runs the lean decoder's full-precision weights")
+            return None
+        length = max(exactness.PROBE_POSITIONS, min(self.limits.positions, STATIC_POSITIONS))
+        try:
+            return StaticDecoder(dec, length)
+        except UnsupportedArchitecture as e:
+            log.info("generation runs eagerly: %s", e)
+            return None
+
+    def static_slots(self, slots: int, positions: int):
+        """Static slots (``engine.static_slots.StaticSlots``) of at least ``slots`` sequences of ``positions``
+        each, over ``decoder``'s weights: the last ones made where they hold that many, else new ones (the old
+        ones' memory freed first). Their steps attend over all their positions, so they are made no longer
+        than asked."""
+        from knnssd.engine.static_slots import StaticSlots
+
+        have = self._static_slots
+        if have is not None and have.slots >= slots and have.length >= positions:
+            return have
+        self._static_slots = have = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._static_slots = StaticSlots(self.decoder, slots, max(positions, exactness.PROBE_POSITIONS))
+        return self._static_slots
 
     @property
     def batch_record(self) -> Path:
@@ -315,6 +355,7 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -
 
     dev = resolve_device(device)  # before a GGUF's conversion: a bad device or dtype fails in a second
     dt = resolve_dtype(dtype, dev)
+    settings.graphs(dev)  # and a bad $KNNSSD_GRAPHS
     gguf = gguf_weights(name) if dtype == "gguf" else None
     if dtype in BLOCKS[1:]:
         check_blocks(dtype)

@@ -6,7 +6,8 @@
                     exactness probe measured on this machine (shared by every work folder)
     tracking_uri()  $MLFLOW_TRACKING_URI, else sqlite:///<work_dir>/mlflow.db (``default_tracking_uri``)
 
-``check_work_dir`` says in one line why the work folder cannot be used.
+``check_work_dir`` says in one line why the work folder cannot be used. ``graphs`` reads
+``$KNNSSD_GRAPHS``: whether generation runs on the static step (CUDA graphs).
 """
 from __future__ import annotations
 
@@ -17,6 +18,19 @@ from pathlib import Path
 # or weights in blocks (``BLOCKS``), each a precision of its own with bf16 activations (``engine.quantized``)
 BLOCKS = ("gguf", "q4_1", "q8_0")  # a GGUF model's own blocks; any model's weights quantized at load
 DTYPES = ("auto", "bfloat16", "float32", *BLOCKS)
+# What $KNNSSD_GRAPHS takes: whether generation runs the static step, replayed from CUDA graphs
+# (``engine.graphs``): auto (on CUDA, where kernel launches set a step's time), on (any device; on the CPU it
+# runs eagerly, slower than the native kernels: for tests), off
+GRAPHS = ("auto", "on", "off")
+
+
+def graphs(device, value: str | None = None) -> bool:
+    """Whether generation on ``device`` (a ``torch.device``) runs the static step: ``value``, else
+    ``$KNNSSD_GRAPHS``, default auto. A value not in ``GRAPHS`` raises a one-line ``ValueError``."""
+    value = value or os.environ.get("KNNSSD_GRAPHS") or "auto"
+    if value not in GRAPHS:
+        raise ValueError(f"KNNSSD_GRAPHS={value!r} is not one of {', '.join(GRAPHS)}")
+    return value == "on" or value == "auto" and device.type == "cuda"
 
 
 def work_dir() -> Path:

@@ -447,7 +447,8 @@ def test_server_settings_are_checked_in_one_line_each():
     cases = [({"KNNSSD_BATCH_SIZE": "abc"}, "KNNSSD_BATCH_SIZE must be 'auto' or an integer >= 1, got 'abc'"),
              ({"KNNSSD_BATCH_SIZE": "0"}, "got '0'"), ({"KNNSSD_BATCH_SIZE": "-3"}, "got '-3'"),
              ({"KNNSSD_DTYPE": "float16"}, "KNNSSD_DTYPE='float16' is not one of auto, bfloat16, float32"),
-             ({"KNNSSD_DEVICE": "gpu0"}, "KNNSSD_DEVICE: unknown device 'gpu0'")]
+             ({"KNNSSD_DEVICE": "gpu0"}, "KNNSSD_DEVICE: unknown device 'gpu0'"),
+             ({"KNNSSD_GRAPHS": "1"}, "KNNSSD_GRAPHS='1' is not one of auto, on, off")]
     if not torch.cuda.is_available():
         cases.append(({"KNNSSD_DEVICE": "cuda"}, "KNNSSD_DEVICE: device 'cuda' asked for, but CUDA is not available"))
     for env, message in cases:

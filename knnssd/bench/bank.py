@@ -147,10 +147,10 @@ class Runner:
         n, can = self.dec.n_layers, self.dec.can_skip
         self.drafters = {"ar": None, **{m: build(untuned(m), n, can) for m in ("ngram", "suffix")}}
         if static is not None:
-            self.drafters["static_ssd"] = build(static.clusters[0].drafter, n, can)
+            self.drafters["static_ssd"] = self.routed.build(static.clusters[0])
         self.oracle = {}  # domain -> drafter of its largest own-domain cluster
         for c in sorted(bank.clusters, key=lambda c: c.members):
-            self.oracle[c.label] = build(c.drafter, n, can)
+            self.oracle[c.label] = self.routed.build(c)
         self.gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_ids=self.routed.eos)
         self.methods = [m for m in METHODS if self.available(m)]
         self.ood_methods = [m for m in OOD_METHODS if self.available(m)]
@@ -175,7 +175,8 @@ class Runner:
                                   self.cfg.pld_tokens if method == "hf_pld" else 0)
             return {"tokens": toks, "s": s}
         drafter = self.oracle.get(p.domain) if method == "oracle" else self.drafters[method]
-        toks, st = generate(self.dec, ids, drafter, self.gen)
+        # the form the routed methods run on (the static step, where it runs): the same plain decoding
+        toks, st = generate(self.routed.decoder_for(len(ids) + self.cfg.max_new_tokens), ids, drafter, self.gen)
         return {"tokens": toks, "s": st.total_s, "drafted": st.drafted, "accepted": sum(st.accepted),
                 "steps": st.steps}
 

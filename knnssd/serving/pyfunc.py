@@ -2,7 +2,7 @@
 
 ``load_context`` checks the server's settings (``server_settings``: ``$KNNSSD_BATCH_SIZE`` slots,
 default auto; ``$KNNSSD_MODEL``, default the name the bank records; ``$KNNSSD_DTYPE`` and
-``$KNNSSD_DEVICE``, default auto), then starts the batch that concurrent requests join
+``$KNNSSD_DEVICE``, default auto; ``$KNNSSD_GRAPHS``, ``settings.graphs``), then starts the batch that concurrent requests join
 (``batcher.Batcher``), whose thread loads the bank and its base model. Under ``mlflow models serve`` a
 setting that cannot be used ends the server with one line and exit status 2, before the model loads
 where it can. ``predict`` takes a DataFrame with a ``prompt`` column and returns one row per prompt with
@@ -22,15 +22,17 @@ def server_settings(env) -> dict:
     (``--dtype``, ``--device``, ``--batch-size``); an empty value means its default."""
     from knnssd.engine.params import batch_size
     from knnssd.models import DTYPES, resolve_device
+    from knnssd.settings import graphs
 
     dtype = env.get("KNNSSD_DTYPE") or "auto"
     if dtype not in DTYPES:
         raise ValueError(f"KNNSSD_DTYPE={dtype!r} is not one of {', '.join(DTYPES)}")
     device = env.get("KNNSSD_DEVICE") or "auto"
     try:
-        resolve_device(device)
+        dev = resolve_device(device)
     except ValueError as e:
         raise ValueError(f"KNNSSD_DEVICE: {e}") from None
+    graphs(dev, env.get("KNNSSD_GRAPHS") or "auto")
     return {"model": env.get("KNNSSD_MODEL") or None, "dtype": dtype, "device": device,
             "slots": batch_size(env.get("KNNSSD_BATCH_SIZE") or "auto", "KNNSSD_BATCH_SIZE")}
 

@@ -10,17 +10,18 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from knnssd import models
-from knnssd.engine import batch_plan
+from knnssd.engine import batch_plan, static_slots
 from knnssd.engine.batch_plan import BatchPlan
 from knnssd.engine.batched import BatchStats, decode_batch
 from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Run, prefill
 from knnssd.engine.drafters import build
+from knnssd.engine.graphs import CAPTURE_ROWS
 from knnssd.engine.suffix import SuffixCache
 from knnssd.engine.params import GenerateParams, prompt_ids
 from knnssd.engine.decoder import Decoder
@@ -68,15 +69,35 @@ class RoutedGenerator:
                         "(calibrate with --dtype %s for this setting)", bank.dtype, lm.dtype_name, lm.dtype_name)
         self.router = bank.router()
         self.suffix_cache = SuffixCache()  # the earlier outputs of this bank's suffix-drafted sequences
-        self.drafters = {c.id: build(c.drafter, self.decoder.n_layers, self.decoder.can_skip, self.suffix_cache)
-                         for c in bank.clusters}
+        # the static step (CUDA graphs) where settings.graphs asks for it: one sequence's requests run on it,
+        # and a batch where its measured passes are the cheaper (``plan``)
+        self.static = lm.static
+        if self.static is not None and any(c.drafter.int8 for c in bank.clusters):
+            log.info("the static step has no int8 weights: clusters that draft on them draft on the full weights")
+        self.drafters = {c.id: self.build(c) for c in bank.clusters}
+        if self.static is not None and self.static.runner.graphs:
+            masks = tuple({c.mask for c in bank.clusters if c.mask is not None})
+            log.info("static step captured for every bucket in %.1f s", self.static.warm(masks))
         self.eos = models.eos_ids(lm)
         self._int8_weights()
+
+    def decoder_for(self, positions: int):
+        """The decoder one sequence of ``positions`` (prompt and new tokens) runs on: the static step where it
+        runs and holds them, else the eager one. A plain baseline to compare with a request takes the same."""
+        static = self.static
+        return static if static is not None and positions <= static.length else self.decoder
+
+    def build(self, cluster: banks.BankCluster):
+        """A new drafter for ``cluster`` (None: plain decoding); on full weights where the static step runs."""
+        cfg = cluster.drafter
+        if self.static is not None and cfg.int8:
+            cfg = replace(cfg, int8=False)
+        return build(cfg, self.decoder.n_layers, self.decoder.can_skip, self.suffix_cache)
 
     def _int8_weights(self) -> None:
         """Quantise the int8 draft weights now, where a cluster drafts on them, not in the first request
         routed there (it takes about a second)."""
-        if self.can_batch and any(c.drafter.int8 for c in self.bank.clusters):
+        if self.can_batch and self.static is None and any(c.drafter.int8 for c in self.bank.clusters):
             self.decoder.int8_stack()
 
     @classmethod
@@ -111,7 +132,7 @@ class RoutedGenerator:
     def _generate(self, ids: list[int], truncated: bool, params: GenerateParams) -> Result:
         t0 = time.perf_counter()
         job = RoutedJob(self, ids, truncated, params)
-        new, stats = job.start(self.decoder, drafter=self.drafters.get).complete()
+        new, stats = job.start(self.decoder_for(len(ids) + params.max_new_tokens), drafter=self.drafters.get).complete()
         stats.total_s = time.perf_counter() - t0
         return job.result(new, stats)
 
@@ -137,7 +158,20 @@ class RoutedGenerator:
         the most a job reserves, prompt and new tokens, when known)."""
         plan = batch_plan.plan(self.decoder, slots, positions, record=self.lm.batch_record)
         self._int8_weights()  # again, where the plan gave the decoder other forms of its linears
-        return plan
+        if self.static is None or slots > CAPTURE_ROWS:  # static slots were measured up to one captured bucket
+            return plan
+        try:
+            fixed = static_slots.plan(self.lm.static_slots(slots, positions), slots)
+        except (RuntimeError, ValueError) as e:  # out of memory, or a cache the probe cannot fit: eager it is
+            log.warning("batches run eagerly: static slots of %d sequences failed (%s)", slots,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return plan
+        # one row a sequence, as plain decoding packs them: the form whose pass costs less, exactness first
+        eager_s, fixed_s = plan.costs(slots), fixed.costs(slots)
+        use = fixed if (fixed.exact, -fixed_s) > (plan.exact, -eager_s) else plan
+        log.info("batches of %d run on %s: a packed pass of %d rows %.2f ms on static slots, %.2f ms eagerly",
+                 slots, "static slots" if use is fixed else "the eager engine", slots, 1e3 * fixed_s, 1e3 * eager_s)
+        return use
 
     def prefill_route(self, ids: list[int], cfg: GenerationConfig, decoder=None, prefill: Prefill = prefill):
         """Prefill the prompt on ``decoder`` (default: the generator's own) with ``prefill`` and route its
@@ -176,8 +210,7 @@ class RoutedJob:
         if g.plain:
             d = None
         else:
-            d = drafter(cluster.id) if drafter is not None else build(cluster.drafter, g.decoder.n_layers,
-                                                                     g.decoder.can_skip, g.suffix_cache)
+            d = drafter(cluster.id) if drafter is not None else g.build(cluster)
         run = Run(seq, logits, d, cfg, g.lm.tokenizer if p.stop else None)
         run.stats.prefill_s = t1 - t0
         return run
