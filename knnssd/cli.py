@@ -137,8 +137,7 @@ def cmd_complete(a) -> int:
     models.limits(a.model, a.dtype, a.device).check(p)
     lm = models.load(a.model, a.dtype, a.device)
     ids, _ = prompt_ids(lm.tokenizer, a.prompt, p, lm.limits)
-    static = None if a.int8 else lm.static  # the static step ($KNNSSD_GRAPHS) runs full-precision drafts
-    dec = static if static is not None and len(ids) + p.max_new_tokens <= static.length else lm.decoder
+    dec = lm.decoder_for(len(ids) + p.max_new_tokens, int8=a.int8)
     cfg = dataclasses.replace(cfg, mask=(mask or SkipMask.none(dec.n_layers)).to_dict())
     gen = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=models.eos_ids(lm))
     out, stats = generate(dec, ids, build(cfg, dec.n_layers, dec.can_skip), gen)
@@ -726,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     from knnssd.prompts import PromptError
     from knnssd.routing.bank import BankError
     from knnssd.serving.batch import OutputError
-    from knnssd.settings import check_work_dir
+    from knnssd.settings import check_work_dir, graphs
     from knnssd.tracking import RegistryError
 
     p = parser()
@@ -743,7 +742,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.cmd not in ("complete", "bench-engine", "ui", "plant"):  # the commands that use MLflow
                 console.adopt_library_loggers()
             if getattr(a, "device", None) is not None:  # every command that loads a model takes --device:
-                resolve_device(a.device)  # a bad one fails here, before any server starts or model loads
+                graphs(resolve_device(a.device))  # a bad one (or $KNNSSD_GRAPHS) fails here, before
+                # any server starts or model loads
             return a.fn(a)
         except (ModelError, PromptError, MaskError, BankError, RegistryError, OutputError, ValueError,
                 FileNotFoundError, PrefectUnavailable) as e:

@@ -101,9 +101,10 @@ class LoadedModel:
     @cached_property
     def static(self):
         """The decoder on the static step (``engine.graphs.StaticDecoder``, CUDA graphs where the device has
-        them) where ``settings.graphs`` asks for it and the model runs on the lean decoder at full precision,
-        else None. Its cache holds ``STATIC_POSITIONS`` positions (at most the model's): a longer request runs
-        on ``decoder``."""
+        them) where ``settings.graphs`` asks for it, the model runs on the lean decoder at full precision, the
+        step could be made, and its probe does not find it inexact where the eager step is exact; else None,
+        with a log line. Its cache holds ``STATIC_POSITIONS`` positions or the model's context, the fewer (the
+        probe's at least)."""
         if not settings.graphs(self.device):
             return None
         from knnssd.engine.graphs import StaticDecoder
@@ -115,26 +116,45 @@ class LoadedModel:
             return None
         length = max(exactness.PROBE_POSITIONS, min(self.limits.positions, STATIC_POSITIONS))
         try:
-            return StaticDecoder(dec, length)
-        except UnsupportedArchitecture as e:
-            log.info("generation runs eagerly: %s", e)
+            static = StaticDecoder(dec, length)
+        except (UnsupportedArchitecture, RuntimeError) as e:  # RuntimeError: out of device memory, a failed kernel
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.warning("generation runs eagerly: the static step could not be made (%s)",
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
             return None
+        if dec.exactness.exact and not static.exactness.exact:  # outputs equal to plain decoding come first
+            log.warning("generation runs eagerly: the static step's probe found it not exact (%s), the eager "
+                        "step's exact", static.exactness.describe())
+            return None
+        return static
+
+    def decoder_for(self, positions: int, int8: bool = False):
+        """The decoder one sequence of ``positions`` (prompt and new tokens) runs on: ``static`` where there is
+        one, it holds them and no int8 draft weights are asked for (it has none), else ``decoder``. A plain
+        baseline to compare with a request takes the same."""
+        static = None if int8 else self.static
+        return static if static is not None and positions <= static.length else self.decoder
 
     def static_slots(self, slots: int, positions: int):
         """Static slots (``engine.static_slots.StaticSlots``) of at least ``slots`` sequences of ``positions``
-        each, over ``decoder``'s weights: the last ones made where they hold that many, else new ones (the old
-        ones' memory freed first). Their steps attend over all their positions, so they are made no longer
-        than asked."""
+        each, over ``decoder``'s weights: the last ones made where they hold that many, else new ones (the last
+        ones dropped first: their memory is freed once no plan holds them). Their steps attend over all their
+        positions, so they are made no longer than asked."""
         from knnssd.engine.static_slots import StaticSlots
 
         have = self._static_slots
         if have is not None and have.slots >= slots and have.length >= positions:
             return have
-        self._static_slots = have = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.drop_static_slots()
         self._static_slots = StaticSlots(self.decoder, slots, max(positions, exactness.PROBE_POSITIONS))
         return self._static_slots
+
+    def drop_static_slots(self) -> None:
+        """Let go of the last static slots made (``static_slots``)."""
+        self._static_slots = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @property
     def batch_record(self) -> Path:

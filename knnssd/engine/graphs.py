@@ -116,8 +116,10 @@ class StepRunner:
     def tapped(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tap: int, slot: int | None = None,
                keys: int | None = None, last: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``chunked``'s logits and hidden states, and the residual stream after layer ``tap`` (n, E): a prompt's
-        prefill for its routing vector. Eager, in the buckets' buffers, so its rows are those of the captured
-        step's kernels; a prefill runs once a request, so it is not captured."""
+        prefill for its routing vector. Eager and uncompiled, in the buckets' buffers (the captured step's
+        kernels, where it is not compiled); a prefill runs once a request, so it is not captured."""
+        if not 0 <= tap < self.stack.n_layers:
+            raise ValueError(f"tap {tap} is not a layer of this {self.stack.n_layers}-layer model")
         n, c = ids.shape[0], self.cache
         logits, hidden, tapped = [], [], []
         for lo in range(0, n, CAPTURE_ROWS):

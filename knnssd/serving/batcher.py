@@ -120,7 +120,8 @@ class Batcher:
                 n = auto_slots(gen.decoder, positions, 1 << 10)
             else:
                 check_slots(gen.decoder, n, positions, option)
-            return gen, gen.plan(n, positions) if n > 1 or always else None
+            # requests may reserve more than these defaults' positions: the running batch's slots must grow
+            return gen, gen.plan(n, positions, bound=False) if n > 1 or always else None
 
         return cls(load, **kw)
 

@@ -1,8 +1,8 @@
 """The servable model: an MLflow pyfunc whose artifact is a skip bank.
 
 ``load_context`` checks the server's settings (``server_settings``: ``$KNNSSD_BATCH_SIZE`` slots,
-default auto; ``$KNNSSD_MODEL``, default the name the bank records; ``$KNNSSD_DTYPE`` and
-``$KNNSSD_DEVICE``, default auto; ``$KNNSSD_GRAPHS``, ``settings.graphs``), then starts the batch that concurrent requests join
+default auto; ``$KNNSSD_MODEL``, default the name the bank records; ``$KNNSSD_DTYPE``, ``$KNNSSD_DEVICE``
+and ``$KNNSSD_GRAPHS``, default auto), then starts the batch that concurrent requests join
 (``batcher.Batcher``), whose thread loads the bank and its base model. Under ``mlflow models serve`` a
 setting that cannot be used ends the server with one line and exit status 2, before the model loads
 where it can. ``predict`` takes a DataFrame with a ``prompt`` column and returns one row per prompt with

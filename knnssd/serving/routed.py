@@ -82,10 +82,9 @@ class RoutedGenerator:
         self._int8_weights()
 
     def decoder_for(self, positions: int):
-        """The decoder one sequence of ``positions`` (prompt and new tokens) runs on: the static step where it
-        runs and holds them, else the eager one. A plain baseline to compare with a request takes the same."""
-        static = self.static
-        return static if static is not None and positions <= static.length else self.decoder
+        """The decoder one sequence of ``positions`` (prompt and new tokens) runs on (``LoadedModel.decoder_for``:
+        int8 drafts here run on the full weights where the static step runs)."""
+        return self.lm.decoder_for(positions)
 
     def build(self, cluster: banks.BankCluster):
         """A new drafter for ``cluster`` (None: plain decoding); on full weights where the static step runs."""
@@ -153,16 +152,20 @@ class RoutedGenerator:
         """The lean decoder runs sequences in slots; the HF fallback runs one at a time."""
         return isinstance(self.decoder, Decoder)
 
-    def plan(self, slots: int, positions: int = 0) -> BatchPlan:
-        """A batched run's measured plan for this generator's decoder (``engine.batch_plan.plan``; ``positions``:
-        the most a job reserves, prompt and new tokens, when known)."""
+    def plan(self, slots: int, positions: int = 0, bound: bool = True) -> BatchPlan:
+        """A batched run's measured plan (``engine.batch_plan.plan``; ``positions``: the most a job reserves,
+        prompt and new tokens, when known). Where the static step runs, ``positions`` is known and ``bound`` (no
+        job will reserve more: static slots do not grow), and ``slots`` fit one captured bucket, static slots
+        are measured too, and the plan whose packed pass costs less is returned (exactness first); a plan on
+        static slots runs there (``BatchPlan.runs_on``)."""
         plan = batch_plan.plan(self.decoder, slots, positions, record=self.lm.batch_record)
         self._int8_weights()  # again, where the plan gave the decoder other forms of its linears
-        if self.static is None or slots > CAPTURE_ROWS:  # static slots were measured up to one captured bucket
+        if self.static is None or not (bound and positions) or slots > CAPTURE_ROWS:
             return plan
         try:
             fixed = static_slots.plan(self.lm.static_slots(slots, positions), slots)
         except (RuntimeError, ValueError) as e:  # out of memory, or a cache the probe cannot fit: eager it is
+            self.lm.drop_static_slots()
             log.warning("batches run eagerly: static slots of %d sequences failed (%s)", slots,
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
             return plan
@@ -171,6 +174,8 @@ class RoutedGenerator:
         use = fixed if (fixed.exact, -fixed_s) > (plan.exact, -eager_s) else plan
         log.info("batches of %d run on %s: a packed pass of %d rows %.2f ms on static slots, %.2f ms eagerly",
                  slots, "static slots" if use is fixed else "the eager engine", slots, 1e3 * fixed_s, 1e3 * eager_s)
+        if use is plan:
+            self.lm.drop_static_slots()
         return use
 
     def prefill_route(self, ids: list[int], cfg: GenerationConfig, decoder=None, prefill: Prefill = prefill):
