@@ -43,13 +43,14 @@ DRAFTERS = {kind: untuned(kind) for kind in ("ngram", "suffix")}
 
 
 def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:
-    dec, lm = gen.decoder, gen.lm
+    lm = gen.lm
     params = GenerateParams(max_new_tokens=max_new)
     config = GenerationConfig(max_new_tokens=max_new, eos_ids=gen.eos)
     cache = SuffixCache()
     totals = {m: dict(tokens=0, seconds=0.0, accepted=0, steps=0, equal=0) for m in METHODS}
     for i, text in enumerate(texts):
         ids, _ = gen.tokenize(text, params)
+        dec = gen.decoder_for(len(ids) + max_new)  # the form the routed method runs on
         order = METHODS[i % len(METHODS):] + METHODS[: i % len(METHODS)]
         outs = {}
         for m in order:

@@ -164,6 +164,9 @@ def measure(gen, cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stder
     fixed = max(r["tokens_per_s"] for r in table if r["setting"].startswith("routed b=") and r["batch_size"] > 1)
     return {"model": gen.lm.name, "dtype": gen.lm.dtype_name, "prompts": len(rows), "max_new_tokens": cfg.max_new_tokens,
             "auto_batch_size": auto, "exactness": dec.exactness.to_dict() if dec.exactness else None,
+            # where the static step runs: its probe (routed b=1) and the batch sizes that ran on static slots
+            "static_exactness": gen.static.exactness.to_dict() if gen.static is not None else None,
+            "static_slots": sorted(n for n, p in plans.items() if p.runs_on is not None),
             "table": table, "auto_vs_best_fixed": best["routed auto"]["tokens_per_s"] / fixed}
 
 
