@@ -523,6 +523,15 @@ def big_markdown(b: dict) -> list[str]:
     return lines
 
 
+def names(value: str) -> list[str]:
+    """A comma-separated list of section names (``engine`` and ``SECTIONS``), checked."""
+    out = [v for v in value.split(",") if v]
+    unknown = sorted(set(out) - {"engine", *SECTIONS})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no section {', '.join(unknown)} (of engine, {', '.join(SECTIONS)})")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
@@ -540,11 +549,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--big", choices=["7b", "tiny"], default="7b", help="the large shape: Llama-2-7B, or a tiny one "
                     "(a CPU run: 7B random weights take 13.5 GB)")
-    ap.add_argument("--compiled", nargs="?", const=["engine", "throughput", "big"], default="", type=lambda v: v.split(","),
+    ap.add_argument("--compiled", nargs="?", const=["engine", *SECTIONS], default="", type=names,
                     help="also the static step compiled by torch.compile (inductor) before capture, in these "
                     "sections (default: engine,throughput,big): each form, bucket and mask compiles once")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="leave out HF generate (its eager loop is slow)")
-    ap.add_argument("--sections", type=lambda v: v.split(","), default=["engine", *SECTIONS],
+    ap.add_argument("--sections", type=names, default=["engine", *SECTIONS],
                     help=f"which to run, of engine,{','.join(SECTIONS)} (default: all); the others take SmolLM2 "
                     "from the engine's set-up")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the script, not the GPU")
@@ -573,9 +582,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     eager = prompts = None
     if "engine" in a.sections or "batched" in a.sections or "throughput" in a.sections:
-        engine, eager, prompts = engine_section(a, device)
-        if "engine" in a.sections:
-            done("engine", engine)
+        engine, eager, prompts = engine_section(a, device)  # the others' SmolLM2: its figures are kept too
+        done("engine", engine)
     sections = {"throughput": lambda: throughput_section(a, eager.stack, device),
                 "batched": lambda: batched_section(a, eager, prompts, device),
                 "big": lambda: big_section(a, device, note=lambda part: done("big", part, quiet=True))}
