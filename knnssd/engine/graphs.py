@@ -241,8 +241,8 @@ class StaticDecoder(StaticSequence):
     and the drafters (``forward``, ``reserve``, ``rollback``), over slot 0 of a ``StaticCache`` of ``length``
     positions, on a ``StepRunner``. A skip mask's draft step is a graph of its own; a tapped pass (a prompt's
     prefill for its routing vector) runs eagerly; int8 draft weights and influence outputs are not offered
-    (they raise). ``exactness`` is measured on this step
-    (``exactness.probe_fixed``), since its rows are not the eager decoder's, at every key bucket.
+    (they raise). ``exactness`` is measured on this step (``exactness.probe_fixed``), since its rows are not
+    the eager decoder's, at every key bucket.
 
     Its steps attend over a key bucket (``static_step.keys_bucket``) chosen at ``reserve``, which the
     decoding loop calls once a request with the prompt's length plus ``max_new_tokens``: every step of a
