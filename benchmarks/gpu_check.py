@@ -12,6 +12,8 @@ weights for it), and writes ``gpu_check.json`` and ``gpu_check.md`` to ``--out``
   agreement with graphed plain decoding (where it differs: where, and whether the deciding rows do);
 - packed plain decoding on the static step at 1, 16 and 64 sequences, eager and graphed;
 - the batched engine over 64 jobs: eagerly at the size ``auto`` picks, and on 64 static slots;
+- what routed generation's plan weighs: the eager and the static slots' packed pass at a few sizes, and a
+  tapped prefill on static slots;
 - a random-weight Llama-2-7B-shaped model: its graphed one-row step against the bandwidth floor of its
   weights, and its 25% and 50% skip draft steps.
 
@@ -318,6 +320,35 @@ def batched_section(a, eager: Decoder, prompts: list[list[int]], device: torch.d
     return out
 
 
+def choice_section(a, eager: Decoder, device: torch.device) -> dict:
+    """What ``RoutedGenerator.plan`` weighs where the static step runs: the eager plan's packed pass of one row a
+    sequence against static slots', for a few (slots, positions), a server's length among them; and whether a
+    routed prefill on static slots (tapped at the middle layer) gives the untapped pass's logits, bitwise."""
+    out: dict = {}
+    sizes = ((2, 320),) if a.smoke else ((16, 512), (64, 512), (64, 2304))
+    for slots, positions in sizes:
+        key = f"{slots} x {positions}"
+        try:
+            p = eager_plan(eager, slots, positions)
+            static = StaticSlots(eager, slots, length=max(positions, exactness.PROBE_POSITIONS))
+            f = static_plan(static, slots)
+            out[key] = dict(eager_ms=1e3 * p.costs(slots), static_ms=1e3 * f.costs(slots), eager_exact=p.exact,
+                            static_exact=f.exact)
+            view, ids = static.views[0], torch.tensor(prompt_ids(a, None, eager.stack.embed.shape[0])[0],
+                                                      device=device)
+            tapped = view.forward(ids, 0, last=True, tap=eager.n_layers // 2)
+            untapped = view.forward(ids, 0, last=True)
+            out[key]["tap_equal"] = bool(torch.equal(tapped.logits, untapped.logits))
+        except Exception as e:  # noqa: BLE001 - one size's failure keeps the others'
+            traceback.print_exc()
+            out[key] = dict(error=f"{type(e).__name__}: {e}".splitlines()[0])
+        p = f = static = view = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def throughput_section(a, stack, device: torch.device) -> dict:
     """Packed plain decoding on the static step: B sequences, one row each a step, greedy on the device."""
     out = {}
@@ -446,7 +477,7 @@ def kernel_profile(fn, top: int = 14) -> dict:
                 top=[dict(name=e.key[:90], count=e.count, us=e.device_time_total) for e in kernels[:top]])
 
 
-SECTIONS = ("throughput", "batched", "big")  # after the engine section, each on its own
+SECTIONS = ("throughput", "batched", "choice", "big")  # after the engine section, each on its own
 
 
 def markdown(r: dict) -> str:
@@ -465,6 +496,13 @@ def markdown(r: dict) -> str:
         lines += [f"| {k} | failed: {v['error']} | | | | |" if "error" in v else
                   f"| {k} | {v['slots']} | {v['tok_s']:.1f} | {v['plan_s']:.1f} | {v['exact']} | "
                   f"{v['equal_to_eager_plain']:.2f} |" for k, v in r["batched"].items()]
+    c = r.get("choice", {})
+    if c and "error" not in c:
+        lines += ["", "| plan choice (slots x positions) | eager pass, ms | static pass, ms | exact (eager, static) "
+                  "| tapped prefill = untapped |", "|---|---:|---:|---|---|"]
+        lines += [f"| {k} | failed: {v['error']} | | | |" if "error" in v else
+                  f"| {k} | {v['eager_ms']:.2f} | {v['static_ms']:.2f} | {v['eager_exact']}, {v['static_exact']} | "
+                  f"{v.get('tap_equal')} |" for k, v in c.items()]
     if "big" in r:
         lines += [""] + big_markdown(r["big"])
     return "\n".join(lines + [""])
@@ -581,11 +619,12 @@ def main(argv: list[str] | None = None) -> dict:
               flush=True)
 
     eager = prompts = None
-    if "engine" in a.sections or "batched" in a.sections or "throughput" in a.sections:
+    if {"engine", "throughput", "batched", "choice"} & set(a.sections):
         engine, eager, prompts = engine_section(a, device)  # the others' SmolLM2: its figures are kept too
         done("engine", engine)
     sections = {"throughput": lambda: throughput_section(a, eager.stack, device),
                 "batched": lambda: batched_section(a, eager, prompts, device),
+                "choice": lambda: choice_section(a, eager, device),
                 "big": lambda: big_section(a, device, note=lambda part: done("big", part, quiet=True))}
     for name in SECTIONS:
         if name not in a.sections:
