@@ -140,14 +140,19 @@ class LoadedModel:
         """Static slots (``engine.static_slots.StaticSlots``) of at least ``slots`` sequences of ``positions``
         each, over ``decoder``'s weights: the last ones made where they hold that many, else new ones (the last
         ones dropped first: their memory is freed once no plan holds them). Their steps attend over all their
-        positions, so they are made no longer than asked."""
+        positions, so they are made no longer than the static decoder's key bucket for ``positions``: a job
+        whose own bucket it is then computes the rows it would alone (``static``)."""
         from knnssd.engine.static_slots import StaticSlots
+        from knnssd.engine.static_step import keys_bucket
 
         have = self._static_slots
         if have is not None and have.slots >= slots and have.length >= positions:
             return have
         self.drop_static_slots()
-        self._static_slots = StaticSlots(self.decoder, slots, max(positions, exactness.PROBE_POSITIONS))
+        length = max(positions, exactness.PROBE_POSITIONS)
+        if self.static is not None and length <= self.static.length:
+            length = keys_bucket(length, self.static.length)
+        self._static_slots = StaticSlots(self.decoder, slots, length)
         return self._static_slots
 
     def drop_static_slots(self) -> None:

@@ -88,12 +88,14 @@ def test_routed_generation_on_the_static_step_equals_its_plain_decoding(monkeypa
     assert "batches of 3 run on" in caplog.text
     fixed = static_slots.plan(lm.static_slots(3, 40), 3)
     assert fixed.exact and fixed.runs_on is lm.static_slots(2, 30)  # slots are reused where they hold a batch
-    for plan in (fixed, chosen):  # each batch form against plain decoding in the same form: its key length is
-        # the slots' (a prompt alone reads its own key bucket), so near ties may go the other way between forms
+    assert fixed.runs_on.length == lm.static.keys == 512  # the key bucket every prompt here reads alone
+    for plan in (fixed, chosen):  # each batch form against plain decoding in the same form
         base = {i: r.tokens for i, r in plain.generate_many(prompts.items(), params, plan)}
         got = dict(gen.generate_many(prompts.items(), params, plan))
         assert {i: r.tokens for i, r in got.items()} == base
         assert len({r.cluster for r in got.values()}) > 1  # several clusters' drafters ran
+        if plan is fixed:  # static slots of the prompts' own key bucket: each prompt's rows are those it has alone
+            assert base == want
 
 
 def test_an_inexact_static_step_is_not_used_where_the_eager_one_is_exact(monkeypatch, caplog):
