@@ -138,20 +138,19 @@ class LoadedModel:
 
     def static_slots(self, slots: int, positions: int):
         """Static slots (``engine.static_slots.StaticSlots``) of at least ``slots`` sequences of ``positions``
-        each, over ``decoder``'s weights: the last ones made where they hold that many, else new ones (the last
-        ones dropped first: their memory is freed once no plan holds them). Their steps attend over all their
-        positions, so they are made no longer than the static decoder's key bucket for ``positions``: a job
-        whose own bucket it is then computes the rows it would alone (``static``)."""
-        from knnssd.engine.static_slots import StaticSlots
-        from knnssd.engine.static_step import keys_bucket
+        each, over ``decoder``'s weights, as long as ``static_slots.slots_length`` says (the static decoder's
+        key bucket for them, within the KV budget: a job of that bucket computes the rows it computes alone):
+        the last ones made where they hold that many at that length, else new ones (the last ones dropped
+        first: their memory is freed once no plan holds them)."""
+        from knnssd.engine.static_slots import StaticSlots, slots_length
 
+        static, limits = self.static, self.limits
+        length = slots_length(slots, positions, static.length if static is not None else None, limits.kv_bytes,
+                              limits.memory)
         have = self._static_slots
-        if have is not None and have.slots >= slots and have.length >= positions:
+        if have is not None and have.slots >= slots and have.length == length:
             return have
         self.drop_static_slots()
-        length = max(positions, exactness.PROBE_POSITIONS)
-        if self.static is not None and length <= self.static.length:
-            length = keys_bucket(length, self.static.length)
         self._static_slots = StaticSlots(self.decoder, slots, length)
         return self._static_slots
 

@@ -65,3 +65,14 @@ def test_packed_exact_finds_packed_logits_or_k_v_that_differ(monkeypatch):
     for wrong in (logits_off, kv_off):
         monkeypatch.setattr(StaticSlots, "forward_slots", wrong)
         assert not static.packed_exact(3), wrong.__name__
+
+
+def test_static_slots_are_as_long_as_their_jobs_key_bucket_within_the_kv_budget():
+    from knnssd.engine.static_slots import slots_length
+
+    kv = 1000  # bytes a position
+    assert slots_length(4, 40, 4096, kv, 1 << 30) == 512  # the static decoder's bucket for 40 positions
+    assert slots_length(4, 600, 4096, kv, 1 << 30) == 1024
+    assert slots_length(4, 600, 4096, kv, 5 * 1024 * kv - 1) == 600  # 5 slots of 1,024 would pass the budget
+    assert slots_length(4, 5000, 4096, kv, 1 << 30) == 5000  # past the static decoder: no bucket to match
+    assert slots_length(4, 40, None, kv, 1 << 30) == 312  # no static decoder: the probe's positions at least

@@ -29,7 +29,7 @@ from knnssd.engine.decoder import Decoder, Output
 from knnssd.engine.graphs import StaticSequence, StepRunner
 from knnssd.engine.skip import MaskError, SkipMask
 from knnssd.engine.stack import Stack
-from knnssd.engine.static_step import ROW_BUCKETS, StaticCache
+from knnssd.engine.static_step import ROW_BUCKETS, StaticCache, keys_bucket
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,19 @@ class StaticSlots:
     def _kv(self, b: int, start: int, n: int) -> torch.Tensor:
         """A copy of slot ``b``'s K and V at positions start..start+n, every layer."""
         return torch.stack([k[b, :, start : start + n] for k in self.cache.k + self.cache.v])
+
+
+def slots_length(slots: int, positions: int, bucket_of: int | None, kv_bytes: int, memory: int) -> int:
+    """The positions each of ``slots`` static slots holds for jobs of at most ``positions`` each: the static
+    decoder's key bucket for them (``keys_bucket`` in a cache of ``bucket_of``; None: no static decoder), so a
+    job of that bucket runs the attention shape it runs alone, where that many fit ``memory`` bytes of KV at
+    ``kv_bytes`` a position (the budget the eager plan checks); else ``positions``. The probe's at least."""
+    length = max(positions, exactness.PROBE_POSITIONS)
+    if bucket_of is not None and length <= bucket_of:
+        bucket = keys_bucket(length, bucket_of)
+        if (slots + 1) * bucket * kv_bytes <= memory:
+            return bucket
+    return length
 
 
 def plan(static: StaticSlots, slots: int) -> BatchPlan:
