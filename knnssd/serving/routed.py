@@ -77,7 +77,11 @@ class RoutedGenerator:
         self.drafters = {c.id: self.build(c) for c in bank.clusters}
         if self.static is not None and self.static.runner.graphs:
             masks = tuple({c.mask for c in bank.clusters if c.mask is not None})
-            log.info("static step captured for every bucket in %.1f s", self.static.warm(masks))
+            try:
+                log.info("static step captured for every bucket in %.1f s", self.static.warm(masks))
+            except RuntimeError as e:  # out of device memory: the buckets not captured are captured at first use
+                log.warning("the static step's buckets could not all be captured now (%s)",
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
         self.eos = models.eos_ids(lm)
         self._int8_weights()
 
@@ -169,7 +173,9 @@ class RoutedGenerator:
             log.warning("batches run eagerly: static slots of %d sequences failed (%s)", slots,
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
             return plan
-        # one row a sequence, as plain decoding packs them: the form whose pass costs less, exactness first
+        # one row a sequence, as plain decoding packs them: the form whose pass costs less, exactness first (the
+        # eager plan times its passes over a short context, the static slots over their whole length: a long
+        # batch leans to the eager engine)
         eager_s, fixed_s = plan.costs(slots), fixed.costs(slots)
         use = fixed if (fixed.exact, -fixed_s) > (plan.exact, -eager_s) else plan
         log.info("batches of %d run on %s: a packed pass of %d rows %.2f ms on static slots, %.2f ms eagerly",
