@@ -50,6 +50,9 @@ from knnssd.engine.suffix import SuffixCache  # noqa: E402
 from knnssd.engine.stack import from_hf  # noqa: E402
 from knnssd.engine.static_slots import StaticSlots  # noqa: E402
 from knnssd.engine.static_slots import plan as static_plan  # noqa: E402
+from knnssd.engine.static_slots import slots_length  # noqa: E402
+from knnssd.engine.params import KV_MEMORY  # noqa: E402
+from knnssd.models import STATIC_POSITIONS  # noqa: E402
 from knnssd.engine.static_step import StaticCache, step  # noqa: E402
 from knnssd.engine.timing import median_ms, read_bandwidth, sync  # noqa: E402
 from knnssd.search.proxy import least_influential  # noqa: E402
@@ -322,15 +325,17 @@ def batched_section(a, eager: Decoder, prompts: list[list[int]], device: torch.d
 
 def choice_section(a, eager: Decoder, device: torch.device) -> dict:
     """What ``RoutedGenerator.plan`` weighs where the static step runs: the eager plan's packed pass of one row a
-    sequence against static slots', for a few (slots, positions), a server's length among them; and whether a
-    routed prefill on static slots (tapped at the middle layer) gives the untapped pass's logits, bitwise."""
+    sequence (timed over a short context) against that of the static slots it would make (over their whole
+    length), for a few (slots, positions); and whether a routed prefill on static slots (tapped at the middle
+    layer) gives the untapped pass's logits, bitwise."""
     out: dict = {}
-    sizes = ((2, 320),) if a.smoke else ((16, 512), (64, 512), (64, 2304))
+    sizes = ((2, 320),) if a.smoke else ((16, 512), (64, 512), (64, 1536))
     for slots, positions in sizes:
-        key = f"{slots} x {positions}"
-        try:
+        try:  # the slots routed generation makes (SmolLM2's context is longer than a static decoder holds)
+            length = slots_length(slots, positions, STATIC_POSITIONS, kv_bytes(eager.stack), KV_MEMORY)
+            key = f"{slots} x {positions} ({length} a slot)"
             p = eager_plan(eager, slots, positions)
-            static = StaticSlots(eager, slots, length=max(positions, exactness.PROBE_POSITIONS))
+            static = StaticSlots(eager, slots, length=length)
             f = static_plan(static, slots)
             out[key] = dict(eager_ms=1e3 * p.costs(slots), static_ms=1e3 * f.costs(slots), eager_exact=p.exact,
                             static_exact=f.exact)
@@ -341,12 +346,17 @@ def choice_section(a, eager: Decoder, device: torch.device) -> dict:
             out[key]["tap_equal"] = bool(torch.equal(tapped.logits, untapped.logits))
         except Exception as e:  # noqa: BLE001 - one size's failure keeps the others'
             traceback.print_exc()
-            out[key] = dict(error=f"{type(e).__name__}: {e}".splitlines()[0])
+            out[f"{slots} x {positions}"] = dict(error=f"{type(e).__name__}: {e}".splitlines()[0])
         p = f = static = view = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def kv_bytes(s) -> int:
+    """Bytes of K and V a position takes in every layer of stack ``s``."""
+    return 2 * s.n_layers * s.n_kv * s.head_dim * s.embed.element_size()
 
 
 def throughput_section(a, stack, device: torch.device) -> dict:
@@ -587,9 +597,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--big", choices=["7b", "tiny"], default="7b", help="the large shape: Llama-2-7B, or a tiny one "
                     "(a CPU run: 7B random weights take 13.5 GB)")
-    ap.add_argument("--compiled", nargs="?", const=["engine", *SECTIONS], default="", type=names,
+    ap.add_argument("--compiled", nargs="?", const=["engine", "throughput", "big"], default="", type=names,
                     help="also the static step compiled by torch.compile (inductor) before capture, in these "
-                    "sections (default: engine,throughput,big): each form, bucket and mask compiles once")
+                    "sections (default: engine,throughput,big, those that run it): each form, bucket and mask "
+                    "compiles once")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="leave out HF generate (its eager loop is slow)")
     ap.add_argument("--sections", type=names, default=["engine", *SECTIONS],
                     help=f"which to run, of engine,{','.join(SECTIONS)} (default: all); the others take SmolLM2 "

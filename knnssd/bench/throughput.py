@@ -122,7 +122,8 @@ def measure(gen, cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stder
     positions = max(len(x) for x in ids) + cfg.max_new_tokens
     gguf = models.gguf_file(gen.lm.name) if peers.available() else None
     auto = batch_plan.auto_slots(dec, positions, len(rows))
-    plans = {n: gen.plan(n, positions) for n in sorted({*cfg.sizes, auto}) if n > 1}
+    # largest first: where static slots are planned, the smaller sizes reuse the largest's
+    plans = {n: gen.plan(n, positions) for n in sorted({*cfg.sizes, auto}, reverse=True) if n > 1}
     best: dict[str, dict] = {}
     ref: list[list[int]] | None = None
 
