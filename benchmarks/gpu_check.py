@@ -53,7 +53,7 @@ from knnssd.engine.static_slots import plan as static_plan  # noqa: E402
 from knnssd.engine.static_slots import slots_length  # noqa: E402
 from knnssd.engine.params import KV_MEMORY  # noqa: E402
 from knnssd.models import STATIC_POSITIONS  # noqa: E402
-from knnssd.engine.static_step import StaticCache, step  # noqa: E402
+from knnssd.engine.static_step import StaticCache, keys_buckets, step  # noqa: E402
 from knnssd.engine.timing import median_ms, read_bandwidth, sync  # noqa: E402
 from knnssd.search.proxy import least_influential  # noqa: E402
 
@@ -351,6 +351,30 @@ def choice_section(a, eager: Decoder, device: torch.device) -> dict:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    try:
+        out["key_buckets"] = bucket_invariance(eager.stack, 512 if a.smoke else 2048)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        out["key_buckets"] = dict(error=f"{type(e).__name__}: {e}".splitlines()[0])
+    return out
+
+
+def bucket_invariance(stack, length: int) -> dict:
+    """Does a row's step give the same logits, bitwise, whatever key bucket it attends over (the positions
+    past its own masked)? Where it does, static slots could pick a bucket each step by their longest active
+    sequence and stay exact. One row at position 300 after a 300-token prefill, at every key bucket of a
+    ``length`` cache, for one sequence's graph (``slot`` 0) and a packed one's (``slot`` None)."""
+    runner = StepRunner(stack, StaticCache(stack, slots=1, length=length))
+    dev = stack.device
+    ids = torch.randint(2, stack.embed.shape[0], (301,), generator=torch.Generator().manual_seed(3)).to(dev)
+    zero = torch.zeros(301, dtype=torch.long, device=dev)
+    runner.chunked(ids[:300], torch.arange(300, device=dev), zero[:300], slot=0)
+    out = {}
+    for slot in (0, None):
+        rows = {K: runner(ids[300:], torch.tensor([300], device=dev), zero[:1], slot=slot, keys=K)[0].clone()
+                for K in keys_buckets(length)}
+        first = next(iter(rows.values()))
+        out["one sequence" if slot == 0 else "packed"] = {str(K): bool(torch.equal(x, first)) for K, x in rows.items()}
     return out
 
 
@@ -512,7 +536,12 @@ def markdown(r: dict) -> str:
                   "| tapped prefill = untapped |", "|---|---:|---:|---|---|"]
         lines += [f"| {k} | failed: {v['error']} | | | |" if "error" in v else
                   f"| {k} | {v['eager_ms']:.2f} | {v['static_ms']:.2f} | {v['eager_exact']}, {v['static_exact']} | "
-                  f"{v.get('tap_equal')} |" for k, v in c.items()]
+                  f"{v.get('tap_equal')} |" for k, v in c.items() if k != "key_buckets"]
+        kb = c.get("key_buckets", {})
+        lines += ["", "- A row's logits at every key bucket equal those at the first: " + (
+            f"failed: {kb['error']}" if "error" in kb else "; ".join(
+                f"{form}: " + ", ".join(f"{K} {'yes' if same else 'no'}" for K, same in by.items())
+                for form, by in kb.items())) + "."]
     if "big" in r:
         lines += [""] + big_markdown(r["big"])
     return "\n".join(lines + [""])
