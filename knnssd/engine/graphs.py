@@ -95,43 +95,36 @@ class StepRunner:
         logits, hidden = self._eager(skip, R, slot, keys)
         return logits[:n], hidden[:n]
 
+    @torch.inference_mode()
     def chunked(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None,
-                slot: int | None = None, keys: int | None = None, last: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                slot: int | None = None, keys: int | None = None, last: bool = False, tap: int | None = None
+                ) -> tuple[torch.Tensor, ...]:
         """Logits (n, V), or with ``last`` only the last row's (1, V), and hidden states (n, E) of any number of
         rows, run in chunks of the largest captured bucket (``CAPTURE_ROWS``): a sequence's rows in a later
-        chunk read the K/V its rows in an earlier one wrote. Copies, not the runner's buffers."""
-        n = ids.shape[0]
-        logits, hidden = [], []
+        chunk read the K/V its rows in an earlier one wrote. Copies, not the runner's buffers. With ``tap``
+        (a prompt's prefill for its routing vector, full model only) also the residual stream after layer
+        ``tap`` (n, E), computed eagerly and uncompiled in the buckets' buffers (the captured step's kernels,
+        where it is not compiled): a prefill runs once a request, so it is not captured."""
+        if tap is not None:
+            if skip is not None:
+                raise MaskError("a tapped pass runs the full model")
+            if not 0 <= tap < self.stack.n_layers:
+                raise ValueError(f"tap {tap} is not a layer of this {self.stack.n_layers}-layer model")
+        n, c = ids.shape[0], self.cache
+        outs: list[list[torch.Tensor]] = [[], [], []] if tap is not None else [[], []]
         for lo in range(0, n, CAPTURE_ROWS):  # clones: the next call overwrites the runner's buffers
             hi = min(n, lo + CAPTURE_ROWS)
-            x, h = self(ids[lo:hi], pos[lo:hi], slots[lo:hi], skip, slot, keys)
+            if tap is None:
+                got = self(ids[lo:hi], pos[lo:hi], slots[lo:hi], skip, slot, keys)
+            else:
+                R = self._fill(ids[lo:hi], pos[lo:hi], slots[lo:hi])
+                got = tuple(x[: hi - lo] for x in step(self.stack, c.k, c.v, c.tables, *self._inputs[R], None, slot,
+                                                       keys or c.length, tap=tap))
             if not last or hi == n:
-                logits.append((x[-1:] if last else x).clone())
-            hidden.append(h.clone())
-        return (torch.cat(logits) if len(logits) > 1 else logits[0],
-                torch.cat(hidden) if len(hidden) > 1 else hidden[0])
-
-    @torch.inference_mode()
-    def tapped(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tap: int, slot: int | None = None,
-               keys: int | None = None, last: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``chunked``'s logits and hidden states, and the residual stream after layer ``tap`` (n, E): a prompt's
-        prefill for its routing vector. Eager and uncompiled, in the buckets' buffers (the captured step's
-        kernels, where it is not compiled); a prefill runs once a request, so it is not captured."""
-        if not 0 <= tap < self.stack.n_layers:
-            raise ValueError(f"tap {tap} is not a layer of this {self.stack.n_layers}-layer model")
-        n, c = ids.shape[0], self.cache
-        logits, hidden, tapped = [], [], []
-        for lo in range(0, n, CAPTURE_ROWS):
-            hi = min(n, lo + CAPTURE_ROWS)
-            R = self._fill(ids[lo:hi], pos[lo:hi], slots[lo:hi])
-            x, h, t = step(self.stack, c.k, c.v, c.tables, *self._inputs[R], None, slot, keys or c.length, tap=tap)
-            m = hi - lo
-            if not last or hi == n:
-                logits.append(x[m - 1 : m] if last else x[:m])
-            hidden.append(h[:m])
-            tapped.append(t[:m])
-        return torch.cat(logits), torch.cat(hidden), torch.cat(tapped)
+                outs[0].append((got[0][-1:] if last else got[0]).clone())
+            for out, x in zip(outs[1:], got[1:]):
+                out.append(x.clone())
+        return tuple(torch.cat(out) if len(out) > 1 else out[0] for out in outs)
 
     def _fill(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> int:
         """Copy n rows into their bucket's input buffers, padded with scratch rows; returns the bucket R."""
@@ -317,9 +310,5 @@ class StaticDecoder(StaticSequence):
             if self._pinned:
                 raise CacheFull(f"{start + T} positions do not fit the probed key bucket of {self.keys}")
             self.reserve(start + T)
-        pos, slots = self._pos[start : start + T], self._slots.expand(T)
-        if tap is not None:
-            if mask is not None:
-                raise MaskError("a tapped pass runs the full model")
-            return Output(*self.runner.tapped(ids, pos, slots, tap, slot=0, keys=self.keys, last=last))
-        return Output(*self.runner.chunked(ids, pos, slots, mask, slot=0, keys=self.keys, last=last))
+        return Output(*self.runner.chunked(ids, self._pos[start : start + T], self._slots.expand(T), mask, slot=0,
+                                           keys=self.keys, last=last, tap=tap))

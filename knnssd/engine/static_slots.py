@@ -27,7 +27,7 @@ from knnssd.engine.batch_plan import BatchPlan, plan_costs
 from knnssd.engine.cache import CacheFull
 from knnssd.engine.decoder import Decoder, Output
 from knnssd.engine.graphs import StaticSequence, StepRunner
-from knnssd.engine.skip import MaskError, SkipMask
+from knnssd.engine.skip import SkipMask
 from knnssd.engine.stack import Stack
 from knnssd.engine.static_step import ROW_BUCKETS, StaticCache, keys_bucket
 
@@ -69,12 +69,9 @@ class SlotView(StaticSequence):
         self._own_weights(stack, influence)
         T = ids.shape[0]
         self.owner.check(start + T)
-        pos, slots = self.owner.positions[start : start + T], self.owner.slot_rows(self.index, T)
-        if tap is not None:
-            if mask is not None:
-                raise MaskError("a tapped pass runs the full model")
-            return Output(*self.owner.runner.tapped(ids, pos, slots, tap, last=last))
-        return Output(*self.owner.runner.chunked(ids, pos, slots, mask, last=last))
+        pos = self.owner.positions[start : start + T]
+        return Output(*self.owner.runner.chunked(ids, pos, self.owner.slot_rows(self.index, T), mask, last=last,
+                                                 tap=tap))
 
 
 class StaticSlots:
