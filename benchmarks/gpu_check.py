@@ -41,7 +41,8 @@ from knnssd.engine.decode import GenerationConfig, generate, mean_accepted  # no
 from knnssd.engine.decoder import Decoder, make_decoder  # noqa: E402
 from knnssd.engine.drafters import Hybrid, LayerSkip, NGram, Suffix  # noqa: E402
 from knnssd.engine import exactness  # noqa: E402
-from knnssd.engine.batch_plan import auto_slots  # noqa: E402
+from knnssd.engine.batch_plan import auto_slots, slot_bytes  # noqa: E402
+from knnssd.engine.cache import BUCKET  # noqa: E402
 from knnssd.engine.batch_plan import plan as eager_plan  # noqa: E402
 from knnssd.engine.batched import PromptJob, decode_batch  # noqa: E402
 from knnssd.engine.graphs import StaticDecoder, StepRunner  # noqa: E402
@@ -332,7 +333,8 @@ def choice_section(a, eager: Decoder, device: torch.device) -> dict:
     sizes = ((2, 320),) if a.smoke else ((16, 512), (64, 512), (64, 1536))
     for slots, positions in sizes:
         try:  # the slots routed generation makes (SmolLM2's context is longer than a static decoder holds)
-            length = slots_length(slots, positions, STATIC_POSITIONS, kv_bytes(eager.stack), KV_MEMORY)
+            length = slots_length(slots, positions, STATIC_POSITIONS, slot_bytes(eager, BUCKET) // BUCKET,
+                                  KV_MEMORY)
             key = f"{slots} x {positions} ({length} a slot)"
             p = eager_plan(eager, slots, positions)
             static = StaticSlots(eager, slots, length=length)
@@ -376,11 +378,6 @@ def bucket_invariance(stack, length: int) -> dict:
         first = next(iter(rows.values()))
         out["one sequence" if slot == 0 else "packed"] = {str(K): bool(torch.equal(x, first)) for K, x in rows.items()}
     return out
-
-
-def kv_bytes(s) -> int:
-    """Bytes of K and V a position takes in every layer of stack ``s``."""
-    return 2 * s.n_layers * s.n_kv * s.head_dim * s.embed.element_size()
 
 
 def throughput_section(a, stack, device: torch.device) -> dict:
