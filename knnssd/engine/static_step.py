@@ -13,9 +13,9 @@ Terms:
 ``pos[r]``. It writes each row's K/V into its slot, then each row attends, alone, over the first K
 positions of its slot (K a key bucket, ``keys_bucket``, at least every row's position + 1) with a mask
 built on the device from its position (``attention.allowed``). A short sequence in a long cache so reads
-a few hundred keys, not L. So a plain step (one
-row), a verify pass (T rows of one slot) and a packed pass (rows of many slots) are one function at
-different buckets, and a row's attention is the same call whatever the other rows are. Inside: no host
+a few hundred keys, not L. So a plain step (one row), a verify pass (T rows of one slot) and a packed pass
+(rows of many slots) are one function at different buckets, and a row's attention is the same call
+whatever the other rows are. Inside: no host
 read, no Python branch on a tensor's value, no tensor of a new shape per call. A skip mask is a Python
 constant: each mask is its own graph.
 
