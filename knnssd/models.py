@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from knnssd import locks, settings, shims
+from knnssd import console, locks, settings, shims
 from knnssd.engine import exactness
 from knnssd.engine.params import Limits
 from knnssd.engine.decoder import Decoder, HFDecoder, make_decoder
@@ -120,8 +120,7 @@ class LoadedModel:
         except (UnsupportedArchitecture, RuntimeError) as e:  # RuntimeError: out of device memory, a failed kernel
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            log.warning("generation runs eagerly: the static step could not be made (%s)",
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            log.warning("generation runs eagerly: the static step could not be made (%s)", console.first_line(e))
             return None
         if dec.exactness.exact and not static.exactness.exact:  # outputs equal to plain decoding come first
             log.warning("generation runs eagerly: the static step's probe found it not exact (%s), the eager "

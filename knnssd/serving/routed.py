@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from knnssd import models
+from knnssd import console, models
 from knnssd.engine import batch_plan, static_slots
 from knnssd.engine.batch_plan import BatchPlan
 from knnssd.engine.batched import BatchStats, decode_batch
@@ -80,8 +80,7 @@ class RoutedGenerator:
             try:
                 log.info("static step captured for every bucket in %.1f s", self.static.warm(masks))
             except RuntimeError as e:  # out of device memory: the buckets not captured are captured at first use
-                log.warning("the static step's buckets could not all be captured now (%s)",
-                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                log.warning("the static step's buckets could not all be captured now (%s)", console.first_line(e))
         self.eos = models.eos_ids(lm)
         self._int8_weights()
 
@@ -170,8 +169,7 @@ class RoutedGenerator:
             fixed = static_slots.plan(self.lm.static_slots(slots, positions), slots)
         except (RuntimeError, ValueError) as e:  # out of memory, or a cache the probe cannot fit: eager it is
             self.lm.drop_static_slots()
-            log.warning("batches run eagerly: static slots of %d sequences failed (%s)", slots,
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            log.warning("batches run eagerly: static slots of %d sequences failed (%s)", slots, console.first_line(e))
             return plan
         # one row a sequence, as plain decoding packs them: the form whose pass costs less, exactness first (the
         # eager plan times its passes over a short context, the static slots over their whole length: a long
