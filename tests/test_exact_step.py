@@ -323,6 +323,23 @@ def test_a_pass_in_one_native_call_has_the_per_op_bits(arch):
         assert all(torch.equal(x, y) for x, y in zip(ka, kb)), (T, m, stack)
 
 
+def test_one_call_layers_find_every_layers_buffers_of_a_new_cache():
+    """A cache allocated after another was freed can take its first and last layers' memory and not the
+    rest: ``native.Layers`` must pass the C call every layer's buffers anew (a key of the ends alone once
+    had a batch on a tiny model read a freed cache's middle layers, and decode other tokens)."""
+    dec = Decoder(from_hf(tiny("llama", dtype=torch.bfloat16)))
+    layers = dec._layers_call(dec.stack)
+    if layers is None:
+        pytest.skip("no one-call layers here (no C compiler, no avx512_bf16, or AMX)")
+    slot = dec.slot()
+    slot.reserve(16)
+    k, v = list(slot.cache.k), list(slot.cache.v)
+    layers._pointers(k, v)
+    moved_k, moved_v = [k[0], *(t.clone() for t in k[1:-1]), k[-1]], [v[0], *(t.clone() for t in v[1:-1]), v[-1]]
+    kp, vp = layers._pointers(moved_k, moved_v)
+    assert list(kp) == [t.data_ptr() for t in moved_k] and list(vp) == [t.data_ptr() for t in moved_v]
+
+
 def test_native_silu_product_rounds_as_the_torch_ops_do():
     if not native.available():
         pytest.skip("no C compiler here")

@@ -584,10 +584,13 @@ class Layers:
         return self._skips[skip]
 
     def _pointers(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> tuple:
-        key = (k[0].data_ptr(), k[-1].data_ptr(), v[0].data_ptr(), v[-1].data_ptr(), len(k))
+        """The C arrays of every layer's K and V buffers, built again when any buffer moved: a cache allocated
+        after another was freed can take its first and last layers' memory and not the rest, so a key of the
+        ends alone once had a batch read a freed cache's middle layers."""
+        key = tuple(t.data_ptr() for t in k) + tuple(t.data_ptr() for t in v)
         if self._buffers is None or self._buffers[0] != key:
-            self._buffers = (key, (ctypes.c_void_p * len(k))(*(t.data_ptr() for t in k)),
-                             (ctypes.c_void_p * len(v))(*(t.data_ptr() for t in v)))
+            n = len(k)
+            self._buffers = (key, (ctypes.c_void_p * n)(*key[:n]), (ctypes.c_void_p * (len(key) - n))(*key[n:]))
         return self._buffers[1:]
 
     def __call__(self, h: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
