@@ -142,3 +142,24 @@ def test_bank_tuned_in_another_dtype_warns_and_still_loads(tmp_path, caplog):
         assert not caplog.records
         RoutedGenerator(lm, replace(b, dtype="bfloat16"))
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["bank was tuned in bfloat16 and runs in float32"]
+
+
+def test_prompt_vectors_of_another_precision_are_not_taken_from_the_cache(monkeypatch, tmp_path):
+    """The weights' fingerprint is the same in fp32 and bf16; their prompt vectors are not, and a calibration in
+    one precision must not build its anchors from vectors the other computed."""
+    import torch
+
+    from knnssd import prompts
+    from knnssd.search import steps
+    from test_graphed_generation import loaded
+    from tiny import prompt_ids
+
+    rows = [prompts.Prompt(str(i), " ".join(map(str, prompt_ids("llama", i))), "d") for i in range(3)]
+    got = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        lm = loaded(dtype)
+        monkeypatch.setattr(steps, "runtime", lambda spec, lm=lm: (lm, lm.decoder))
+        got[dtype] = steps.embed(steps.ModelSpec("tiny", "auto"), rows, cache_dir=tmp_path)
+    assert got[torch.float32] != got[torch.bfloat16]
+    (_, _, a), (_, _, b) = (router.load_vectors(p) for p in got.values())
+    assert not np.array_equal(a, b)
