@@ -51,6 +51,20 @@ def threads(request):
     torch.set_num_threads(THREADS)
 
 
+@pytest.fixture(autouse=True)
+def native_kernels_kept():
+    """A test that changes how the native kernels load must leave them loadable: a None it left in
+    ``native.library``'s cache ran every later test of the session on torch ops, unseen."""
+    from knnssd.engine import native
+
+    cached = native.library.cache_info().currsize
+    before = native.library() is not None if cached else None
+    yield
+    if before and native.library.cache_info().currsize and native.library() is None:
+        native.library.cache_clear()
+        pytest.fail("the test left native.library() None: clear its cache after the last call that may fail")
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     if not (DATA / "reasoning.jsonl").is_file():

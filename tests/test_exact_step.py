@@ -373,10 +373,10 @@ def test_a_library_that_lacks_a_kernel_is_reported_removed_and_not_used(monkeypa
     try:
         assert native.library() is None and "could not build the native kernels" in caplog.text
         assert not list((tmp_path / "native").iterdir())  # the broken library is gone: the next load builds again
-    finally:
+        x = torch.randn(3, 4, 64)
+        assert native.rope(x, torch.ones(1, 1, 64), torch.ones(1, 1, 64)) is None  # broadcast cos/sin: torch ops
+    finally:  # the last call of library() here: a None it kept would leave every later test without the kernels
         native.library.cache_clear()
-    x = torch.randn(3, 4, 64)
-    assert native.rope(x, torch.ones(1, 1, 64), torch.ones(1, 1, 64)) is None  # broadcast cos/sin: torch ops
 
 
 def test_without_a_compiler_norms_run_as_torch_ops(monkeypatch):
