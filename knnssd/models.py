@@ -159,6 +159,12 @@ class LoadedModel:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @cached_property
+    def config_key(self) -> str:
+        """``config_digest`` of this model's config: with the weights' fingerprint, what a record or cache of
+        what the model computes is keyed on."""
+        return config_digest(self.model.config)
+
     @property
     def batch_record(self) -> Path:
         """Where ``engine.batch_plan.plan`` keeps what its checks found for this model on this machine key (as
@@ -166,7 +172,8 @@ class LoadedModel:
         return self._record("batched.json")
 
     def _record(self, suffix: str) -> Path:
-        key = f"{self.fingerprint}-{self.dtype_name}-{self.device.type}-{exactness.machine_key(self.device)}"
+        key = (f"{self.fingerprint}-{self.config_key}-{self.dtype_name}-{self.device.type}-"
+               f"{exactness.machine_key(self.device)}")
         return cache_dir() / "exactness" / f"{key}.{suffix}"
 
     @property
@@ -450,6 +457,20 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
         h.update(f"{name}:{tuple(p.shape)}".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def config_digest(config) -> str:
+    """A short hash of a model's config as the forward pass reads it (norm epsilon, rotary settings, heads,
+    ...) and of the transformers version that built the model from it: the same weights under an edited
+    ``config.json`` compute other rows, so the exactness and plan records are keyed on it too (the weights'
+    fingerprint alone would hand them the other config's findings). Fields set per load (its folder, its
+    dtype, private attributes) are left out."""
+    import transformers
+
+    fields = {k: v for k, v in config.to_dict().items()
+              if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
+    text = json.dumps(fields, sort_keys=True, default=str) + "|" + transformers.__version__
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def _first_line(e: BaseException) -> str:

@@ -437,6 +437,29 @@ def test_probe_remembers_its_exact_choice_on_its_machine_key(tmp_path, monkeypat
     assert not other.exists()
 
 
+def test_records_of_the_same_weights_under_another_config_are_apart(tmp_path, monkeypatch):
+    """The same weights with an edited config (here the norms' epsilon) compute other rows: their probe and plan
+    records, and their cached prompt vectors, must not be the other config's (the weights' fingerprint, the
+    same for both, named them before)."""
+    import copy
+
+    from knnssd import models
+
+    monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path))
+    model = tiny("llama")
+    edited = copy.deepcopy(model)
+    edited.config.rms_norm_eps = model.config.rms_norm_eps * 10
+    a, b = (models.LoadedModel(name="tiny", model=m, tokenizer=None, source="tiny", fingerprint="abc")
+            for m in (model, edited))
+    assert models.weights_fingerprint(model) == models.weights_fingerprint(edited)
+    assert a._record("json") != b._record("json") and a.batch_record != b.batch_record
+    assert a.config_key != b.config_key
+    # fields set per load (the folder, the dtype) name no other record
+    moved = copy.deepcopy(model).to(torch.bfloat16)
+    moved.config.name_or_path = "/elsewhere"
+    assert models.config_digest(moved.config) == a.config_key
+
+
 def _drafters(n_layers: int):
     @st.composite
     def make(draw):

@@ -102,8 +102,8 @@ def embed(spec: ModelSpec, rows: list[prompts.Prompt], pooling: router.Pooling =
     pooling.check(dec.n_layers)
     cache_dir = Path(cache_dir or work_dir() / "vectors")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    # the fingerprint is the weights' alone: another precision or device gives other vectors
-    key = router.content_key(lm.fingerprint, lm.dtype_name, lm.device.type, asdict(pooling), max_tokens,
+    # the fingerprint is the weights' alone: another config, precision or device gives other vectors
+    key = router.content_key(lm.fingerprint, lm.config_key, lm.dtype_name, lm.device.type, asdict(pooling), max_tokens,
                              [(r.id, r.domain, r.prompt) for r in rows])
     path = cache_dir / f"vectors-{key}.parquet"
     if path.is_file():
