@@ -320,9 +320,9 @@ def test_plan_allocates_the_longest_job_within_memory_and_the_pool_never_regrows
 
 def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_path, monkeypatch):
     """The first plan of 3 slots measures the batched-attention and prefix-reuse checks and keeps them
-    in its record (no temp file left); the next of 3 takes them from it without running them, one of 2
-    slots measures its own; a record of other code, or unreadable, or for other forms of the linears, is
-    measured again."""
+    in its record (no temp file left), with the row count its linears proved row-invariant over; the next
+    of 3 takes them from it without running them, one of 2 slots measures its own; a record of other code,
+    or unreadable, or for other forms of the linears, is measured again."""
     import dataclasses
 
     from knnssd.engine.stack import RowPadded
@@ -333,16 +333,22 @@ def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_pat
     for name in ("pooled_exact", "prefix_exact"):
         check = getattr(batch_plan, name)
         monkeypatch.setattr(batch_plan, name, lambda *a, _c=check, _n=name: (ran.append(_n), _c(*a))[1])
+    rows = []
+    monkeypatch.setattr(batch_plan, "rows_exact", lambda d, n, _c=batch_plan.rows_exact: (rows.append(n), _c(d, n))[1])
     first = batch_plan.plan(dec, 3, record=record)
     assert ran == ["pooled_exact", "prefix_exact"] and not first.recalled and first.exact
+    max_t = dec.exactness.max_t
+    assert rows == [3 * max_t] and json.loads(record.read_text())["rows"] == [3 * max_t]
     assert [p.name for p in record.parent.iterdir()] == [record.name]
     again = batch_plan.plan(dec, 3, record=record)
     assert again.recalled and (again.pooled, again.shares) == (first.pooled, first.shares) and len(ran) == 2
-    assert not batch_plan.plan(dec, 2, record=record).recalled and len(ran) == 4
+    assert again.exact and len(rows) == 1
+    assert not batch_plan.plan(dec, 2, record=record).recalled and len(ran) == 4 and rows[1:] == [2 * max_t]
     assert batch_plan.plan(dec, 2, record=record).recalled and batch_plan.plan(dec, 3, record=record).recalled
     kept = json.loads(record.read_text())
+    assert len(rows) == 2 and kept["rows"] == [2 * max_t, 3 * max_t]
     record.write_text(json.dumps({**kept, "code": "other"}))
-    assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 6
+    assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 6 and len(rows) == 3
     record.write_text("{not json")
     assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 8
     record.write_text(json.dumps({**kept, "slots": []}))

@@ -168,15 +168,22 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     model, dtype, device and machine key). Where packed passes are row-invariant, what the two slow
     checks found (``pooled_exact``, ``prefix_exact``) is kept there per slot count, with a hash of the
     code they ran, the attention step, ``max_t`` and each linear's form, and the next plan of as many
-    slots under the same key takes it instead of measuring again: they were most of a plan's time.
-    Row-invariance (which may change the
-    linears' forms) and the pass costs are always measured."""
+    slots under the same key takes it instead of measuring again: they were most of a plan's time. So is
+    the row count over which the linears' forms, unchanged, were found row-invariant. Where the check
+    changed the forms it runs every time (it changes them again), as do the pass costs (timings)."""
     ex = decoder.exactness
     max_t = ex.max_t if ex is not None else 12
-    exact = _rows(decoder, slots, max_t)
-    code = _record_code(decoder, max_t) if record is not None else None
-    kept = _entries(exactness.read_record(record), code).get(str(slots))
+    known = exactness.read_record(record)
+    before = _record_code(decoder, max_t) if record is not None else None
+    rows = slots * max_t
+    # the linears' forms as they are were found row-invariant over this many rows under this key: a property of
+    # the kernels, so not measured again (a plan that had to change the forms measures them every time)
+    rows_recalled = ex is not None and ex.exact and rows in _invariant(known, before)
+    exact = True if rows_recalled else _rows(decoder, slots, max_t)
+    code = _record_code(decoder, max_t) if record is not None else None  # the forms may have changed
+    kept = _entries(known, code).get(str(slots))
     recalled = exact and isinstance(kept, dict)
+    entry = None
     if recalled:
         pooled, shares = kept.get("pooled") is True, kept.get("shares") is True  # a wrong True costs exactness
         log.info("batched checks for %d slots taken from %s", slots, record)
@@ -184,10 +191,11 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
         pooled = exact and pooled_exact(decoder, slots)
         # rotary tables that depend on the sequence's length (dynamic NTK, longrope) rotate a lender's keys
         shares = slots > 1 and decoder.stack.rope_static and prefix_exact(decoder, pooled)
-        if record is not None and exact:
-            entry = {"pooled": bool(pooled), "shares": bool(shares)}
-            exactness.update_record(record, lambda now: {"code": code,
-                                                         "slots": {**_entries(now, code), str(slots): entry}})
+        entry = {str(slots): {"pooled": bool(pooled), "shares": bool(shares)}}
+    invariant = [rows] if exact and code == before and not rows_recalled else []
+    if record is not None and exact and (entry or invariant):
+        exactness.update_record(record, lambda now: {"code": code, "slots": {**_entries(now, code), **(entry or {})},
+                                                     "rows": sorted({*_invariant(now, code), *invariant})})
     log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
              "per sequence (no batched form measured exact for this step)")
     log.info("prompts reuse the leading positions of others in the batch: %s", "yes" if shares else
@@ -211,6 +219,13 @@ def _entries(known: dict, code: str | None) -> dict:
     """A plan record's checks by slot count, where it was written by the same ``code`` (else none)."""
     by_slots = known.get("slots") if code is not None and known.get("code") == code else None
     return by_slots if isinstance(by_slots, dict) else {}
+
+
+def _invariant(known: dict, code: str | None) -> set[int]:
+    """The row counts a plan record's linears were found row-invariant over, where it was written by the same
+    ``code`` (else none)."""
+    rows = known.get("rows") if code is not None and known.get("code") == code else None
+    return {r for r in rows if isinstance(r, int)} if isinstance(rows, list) else set()
 
 
 def _record_code(decoder: Decoder, max_t: int) -> str:
