@@ -338,7 +338,8 @@ def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_pat
     first = batch_plan.plan(dec, 3, record=record)
     assert ran == ["pooled_exact", "prefix_exact"] and not first.recalled and first.exact
     max_t = dec.exactness.max_t
-    assert rows == [3 * max_t] and json.loads(record.read_text())["rows"] == [3 * max_t]
+    (code, entry), = json.loads(record.read_text()).items()
+    assert rows == [3 * max_t] and entry["rows"] == [3 * max_t]
     assert [p.name for p in record.parent.iterdir()] == [record.name]
     again = batch_plan.plan(dec, 3, record=record)
     assert again.recalled and (again.pooled, again.shares) == (first.pooled, first.shares) and len(ran) == 2
@@ -346,17 +347,37 @@ def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_pat
     assert not batch_plan.plan(dec, 2, record=record).recalled and len(ran) == 4 and rows[1:] == [2 * max_t]
     assert batch_plan.plan(dec, 2, record=record).recalled and batch_plan.plan(dec, 3, record=record).recalled
     kept = json.loads(record.read_text())
-    assert len(rows) == 2 and kept["rows"] == [2 * max_t, 3 * max_t]
-    record.write_text(json.dumps({**kept, "code": "other"}))
+    assert len(rows) == 2 and kept[code]["rows"] == [2 * max_t, 3 * max_t]
+    record.write_text(json.dumps({"other": kept[code]}))
     assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 6 and len(rows) == 3
     record.write_text("{not json")
     assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 8
-    record.write_text(json.dumps({**kept, "slots": []}))
+    record.write_text(json.dumps({code: {**kept[code], "slots": []}}))
     assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 10
     assert batch_plan.plan(dec, 3, record=record).recalled
+    plain = dec.stack
     dec.use_stack(dataclasses.replace(dec.stack, lm_head=RowPadded(dec.stack.lm_head)))
     assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 12
+    # the other forms' entries sit beside the first ones' (the last RECORD_CODES codes'): going back takes them
+    assert len(json.loads(record.read_text())) == 2
+    dec.use_stack(plain)
+    assert batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 12
 
+
+def test_auto_slots_takes_its_choice_from_the_record(tmp_path, monkeypatch):
+    """``auto_slots`` times its sizes once per limit and record; the next call takes the choice, and a call of
+    another limit (fewer jobs) times its own. Where the record names a size over the limit it times again."""
+    dec = make_decoder(tiny("llama"))
+    record = tmp_path / "tiny.batched.json"
+    timed = []
+    monkeypatch.setattr(batch_plan, "_auto_slots", lambda d, limit: (timed.append(limit), min(4, limit))[1])
+    assert batch_plan.auto_slots(dec, 64, 8, record=record) == 4 and timed == [8]
+    assert batch_plan.auto_slots(dec, 64, 8, record=record) == 4 and timed == [8]
+    assert batch_plan.auto_slots(dec, 64, 2, record=record) == 2 and timed == [8, 2]
+    assert batch_plan.auto_slots(dec, 64, 8) == 4 and timed == [8, 2, 8]  # no record: timed
+    (code, entry), = json.loads(record.read_text()).items()
+    record.write_text(json.dumps({code: {**entry, "auto": {"8": 99}}}))
+    assert batch_plan.auto_slots(dec, 64, 8, record=record) == 4 and timed == [8, 2, 8, 8]
 
 def test_records_updated_by_two_writers_at_once_keep_both_writers_entries(tmp_path):
     """Two plans of other slot counts that finish together each add their entry to the same record

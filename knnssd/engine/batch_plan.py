@@ -100,13 +100,32 @@ AUTO_GAIN = 1.05
 AUTO_ROUNDS = 7  # timed passes of each of the two sizes compared (alternately, each after one untimed)
 
 
-def auto_slots(decoder: Decoder, positions: int, jobs: int, memory: int = DEFAULT_MEMORY) -> int:
+def auto_slots(decoder: Decoder, positions: int, jobs: int, memory: int = DEFAULT_MEMORY,
+               record: Path | None = None) -> int:
     """The batch size ``--batch-size auto`` picks: of the sizes in ``AUTO_SLOTS`` (within the memory
     budget and the number of jobs), in increasing order, each whose plain batched decoding's tokens/s
     (slots / v(slots), one-row passes at 64 positions) is ``AUTO_GAIN`` times the last chosen size's or
     more, the two sizes timed alternately (medians). Every size is measured: one that gains too little
-    does not end the search, since a later size may still gain (docs/benchmarks.md)."""
+    does not end the search, since a later size may still gain (docs/benchmarks.md).
+
+    ``record``: the plan's record (``plan``). The choice for the same limit, under the same key and code,
+    is taken from it, as the probe takes its timed choice from its own: a server or a run of
+    ``generate`` starts without timing the sizes again. Delete the record to time them again."""
     limit = min(max_slots(decoder, positions, memory), max(1, jobs))
+    code = _record_code(decoder, decoder.exactness.max_t if decoder.exactness is not None else 12) \
+        if record is not None else None
+    known = _autos(exactness.read_record(record), code).get(str(limit))
+    if isinstance(known, int) and 1 <= known <= limit:
+        log.info("batch size auto: %d slots (of at most %d by memory and jobs), taken from %s", known, limit, record)
+        return known
+    best = _auto_slots(decoder, limit)
+    if record is not None:
+        _keep(record, code, auto={str(limit): best})
+    return best
+
+
+def _auto_slots(decoder: Decoder, limit: int) -> int:
+    """``auto_slots``'s measured choice of at most ``limit`` slots."""
     pooled = decoder.attention.poolable
     best, best_pass = 1, None
     for n in (x for x in AUTO_SLOTS if x <= limit):
@@ -194,8 +213,7 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
         entry = {str(slots): {"pooled": bool(pooled), "shares": bool(shares)}}
     invariant = [rows] if exact and code == before and not rows_recalled else []
     if record is not None and exact and (entry or invariant):
-        exactness.update_record(record, lambda now: {"code": code, "slots": {**_entries(now, code), **(entry or {})},
-                                                     "rows": sorted({*_invariant(now, code), *invariant})})
+        _keep(record, code, slots=entry, rows=invariant)
     log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
              "per sequence (no batched form measured exact for this step)")
     log.info("prompts reuse the leading positions of others in the batch: %s", "yes" if shares else
@@ -215,16 +233,44 @@ def plan_costs(decoder, slots: int, max_t: int, pooled: bool) -> PassCosts:
     return costs
 
 
+RECORD_CODES = 4  # a plan record keeps the entries of this many codes (forms), the latest: a plan that changes the
+# linears' forms writes under the new forms' code, and the next load's ``auto_slots`` reads under the old one's
+
+
+def _keep(record: Path, code: str, slots: dict | None = None, rows: list[int] = (), auto: dict | None = None) -> None:
+    """Add to a plan record's entries under ``code`` (``update_record``): checks by slot count, row counts
+    found invariant, ``auto_slots``'s choices by limit."""
+    def change(now: dict) -> dict:
+        entry = {"slots": {**_entries(now, code), **(slots or {})}, "rows": sorted({*_invariant(now, code), *rows}),
+                 "auto": {**_autos(now, code), **(auto or {})}}
+        others = [(k, v) for k, v in now.items() if k != code and isinstance(v, dict)]
+        return {**dict(others[-(RECORD_CODES - 1) :]), code: entry}
+
+    exactness.update_record(record, change)
+
+
+def _section(known: dict, code: str | None, name: str) -> object:
+    """What a plan record holds under ``code`` and ``name`` (None where it has none)."""
+    entry = known.get(code) if code is not None else None
+    return entry.get(name) if isinstance(entry, dict) else None
+
+
 def _entries(known: dict, code: str | None) -> dict:
-    """A plan record's checks by slot count, where it was written by the same ``code`` (else none)."""
-    by_slots = known.get("slots") if code is not None and known.get("code") == code else None
+    """A plan record's checks by slot count, written by the same ``code`` (else none)."""
+    by_slots = _section(known, code, "slots")
     return by_slots if isinstance(by_slots, dict) else {}
 
 
+def _autos(known: dict, code: str | None) -> dict:
+    """A plan record's ``auto_slots`` choices by limit, written by the same ``code`` (else none)."""
+    by_limit = _section(known, code, "auto")
+    return by_limit if isinstance(by_limit, dict) else {}
+
+
 def _invariant(known: dict, code: str | None) -> set[int]:
-    """The row counts a plan record's linears were found row-invariant over, where it was written by the same
-    ``code`` (else none)."""
-    rows = known.get("rows") if code is not None and known.get("code") == code else None
+    """The row counts a plan record's linears were found row-invariant over, written by the same ``code`` (else
+    none)."""
+    rows = _section(known, code, "rows")
     return {r for r in rows if isinstance(r, int)} if isinstance(rows, list) else set()
 
 

@@ -367,7 +367,7 @@ def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, b
     if gen.can_batch and todo and batch_size != 1:
         positions = gen.positions([r.prompt for r in todo], params)
         if batch_size is None:
-            slots = auto_slots(gen.decoder, positions, len(todo))
+            slots = auto_slots(gen.decoder, positions, len(todo), record=gen.lm.batch_record)
         else:  # no more slots than prompts, and no more than the KV-cache budget holds (100,000 ran out of memory)
             slots = min(batch_size, len(todo))
             check_slots(gen.decoder, slots, positions, "--batch-size")

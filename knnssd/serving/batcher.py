@@ -117,7 +117,7 @@ class Batcher:
             positions = min(d.max_prompt_tokens + d.max_new_tokens, gen.lm.limits.positions)
             n = slots
             if n is None:
-                n = auto_slots(gen.decoder, positions, 1 << 10)
+                n = auto_slots(gen.decoder, positions, 1 << 10, record=gen.lm.batch_record)
             else:
                 check_slots(gen.decoder, n, positions, option)
             # requests may reserve more than these defaults' positions: the running batch's slots must grow
