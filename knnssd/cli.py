@@ -72,6 +72,16 @@ def _sizes(text: str, option: str) -> tuple[int, ...]:
         raise ValueError(f"{option} takes integers separated by commas, got '{text}'") from None
 
 
+def _floats(text: str, option: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out:
+        raise ValueError(f"{option} takes one or more numbers separated by commas, got '{text}'")
+    return out
+
+
 def _json_option(text: str, option: str) -> dict:
     try:
         value = json.loads(text)
@@ -104,7 +114,7 @@ def _flow(fn, *args):
 def cmd_bench_engine(a) -> int:
     from knnssd.bench import engine as bench_engine
 
-    _counts(a, "prompts", "max_new_tokens")
+    _counts(a, "prompts", "max_new_tokens", "repeats")
     cfg = bench_engine.EngineBench(
         model=a.model, dtype=a.dtype, device=a.device, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
         domains=tuple(a.domains.split(",")), data=Path(a.data) if a.data else bench_engine.prompt_sets.default_data_dir(),
@@ -291,7 +301,7 @@ def cmd_bench(a) -> int:
         data=Path(a.data) if a.data else BenchConfig.__dataclass_fields__["data"].default_factory(),
         domains=tuple(a.domains.split(",")), ood=tuple(x for x in a.ood.split(",") if x), prompts=a.prompts,
         ood_prompts=a.ood_prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
-        ratios=tuple(float(x) for x in a.ratios.split(",")), hf=not a.no_hf, seed=a.seed, out=Path(a.out),
+        ratios=_floats(a.ratios, "--ratios"), hf=not a.no_hf, seed=a.seed, out=Path(a.out),
         tracking_uri=a.tracking_uri, device=a.device, throughput=a.throughput,
         throughput_sizes=_sizes(a.throughput_sizes, "--throughput-sizes"),
     )

@@ -280,6 +280,12 @@ def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
         (["bench-throughput", "--bank", str(tmp_path), "--sizes", ""], "batch sizes must be one or more"),
         (["bench", "--bank", str(tmp_path), "--throughput", "2", "--throughput-sizes", "2", "--flow",
           "--repeats", "0"], "repeats must be >= 1"),
+        # a probability of switching domain out of [0, 1] ran the whole stream; a folder that cannot be made
+        # failed after the banks and the model loaded, without naming --out
+        (["bench", "--bank", str(tmp_path), "--ratios", "0.3,2"], "each in [0, 1], got 0.3,2.0"),
+        (["bench", "--bank", str(tmp_path), "--ratios", "nan"], "each in [0, 1]"),
+        (["bench", "--bank", str(tmp_path), "--ratios", ""], "--ratios takes one or more numbers"),
+        (["bench", "--bank", str(tmp_path), "--out", "/proc/x/y"], "cannot make the results folder /proc/x/y (--out)"),
         (["calibrate", "--device", "gpu0"], "unknown device 'gpu0'"),
     ]
     for (args, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
@@ -688,16 +694,18 @@ def test_ui_checks_its_port_and_store_before_starting(tmp_path):
 def test_counts_sizes_and_json_options_are_checked_by_name(tmp_path):
     """Trial 3, D12, D13, D16, D18, D22: ``--prompts 0`` or ``-3`` ran every prompt (or a slice from the end)
     for minutes; ``--max-new-tokens 0`` failed in transformers after the load; a bad ``--sizes`` or ``--search``
-    gave Python's message without the option's name; ``--worker-trials 0`` named calibrate's ``--trials``."""
+    gave Python's message without the option's name; ``--worker-trials 0`` named calibrate's ``--trials``;
+    bench-engine's ``--repeats 0`` raised an IndexError after the model loaded."""
     bank = ["--bank", str(tmp_path)]
     cases = run_cli([["bench-engine", "--prompts", "0"], ["bench-engine", "--prompts", "-3"],
-                     ["bench-engine", "--max-new-tokens", "0"], ["route-eval", "--model-uri", "x", "--prompts", "-1"],
+                     ["bench-engine", "--max-new-tokens", "0"], ["bench-engine", "--repeats", "0"],
+                     ["route-eval", "--model-uri", "x", "--prompts", "-1"],
                      ["search-worker", "--worker-trials", "0"],
                      ["bench-throughput", *bank, "--sizes", "0,abc"], ["watch", "--drop", str(tmp_path), "--search", "not json"],
                      ["watch", "--drop", str(tmp_path), "--promote", "[1]"]],
                     env={**os.environ, "KNNSSD_WORK": str(tmp_path / "work")})
     assert all(c.code == 2 for c in cases), cases
-    for c, option in zip(cases, ["--prompts", "--prompts", "--max-new-tokens", "--prompts", "--worker-trials",
+    for c, option in zip(cases, ["--prompts", "--prompts", "--max-new-tokens", "--repeats", "--prompts", "--worker-trials",
                                  "--sizes", "--search", "--promote"]):
         assert option in c.stderr[-1] and c.seconds < 30, (option, c)
 

@@ -86,12 +86,20 @@ class BenchConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def check(self) -> None:
-        """One-line errors for settings that cannot run, before any server starts or model loads."""
+        """One-line errors for settings that cannot run, before any server starts or model loads. Makes the
+        results folder (``out``), which the run writes its journal to."""
         if self.repeats < 1 or not self.ratios:
             raise ValueError("repeats must be >= 1 and ratios non-empty")
+        if not all(0.0 <= r <= 1.0 for r in self.ratios):  # NaN fails both
+            raise ValueError(f"ratios are probabilities of switching domain, each in [0, 1], got "
+                             f"{','.join(map(str, self.ratios))}")
         tp = self.throughput_bench()
         if tp is not None:
             throughput.check(tp)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot make the results folder {self.out} (--out): {e.strerror or e}") from None
 
     def throughput_bench(self) -> ThroughputBench | None:
         """bench-throughput's settings for the report's table: ``throughput`` mixed eval prompts of this
@@ -131,15 +139,17 @@ class Runner:
         def folder(uri):
             return tracking.bank_folder(uri, cfg.tracking_uri)
 
+        # every bank before the model: a bad one is an error in seconds, not after the load
         bank = banks.load(folder(cfg.bank))
+        masks = banks.load(folder(cfg.masks_bank)) if cfg.masks_bank else None
+        static = banks.load(folder(cfg.static_bank)) if cfg.static_bank else None
         self.lm = models.load(cfg.model or bank.model, cfg.dtype, cfg.device)
         self.cfg = cfg
         self.routed = RoutedGenerator(self.lm, bank)
         self.dec = self.routed.decoder
-        self.masks = RoutedGenerator(self.lm, banks.load(folder(cfg.masks_bank))) if cfg.masks_bank else None
+        self.masks = RoutedGenerator(self.lm, masks) if masks is not None else None
         self.bank = bank
         self.unmasked = RoutedGenerator(self.lm, bank.unmasked()) if bank.masked() else None
-        static = banks.load(folder(cfg.static_bank)) if cfg.static_bank else None
         if static is not None:
             static.check_model(self.lm.fingerprint, self.dec.n_layers)
             if len(static.clusters) != 1:
