@@ -137,6 +137,10 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
         ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
         ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, 400, "must be below the model's context"),
+        # a prompt that did not fit with max_tokens was cut to its last tokens and answered 200 (a hostile trial)
+        ({"model": MODEL, "prompt": "Please translate this long sentence about the weather in Paris:",
+          "max_tokens": 8190}, 400, "shorten the prompt or ask for fewer tokens"),
+        ({"model": MODEL, "prompt": "hello " * 9000}, 400, "tokens of prompt and 1 of completion"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "temperature": 1e308}, 400, "temperature"),
         ({"model": MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed must be in"),
@@ -160,6 +164,8 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
          "'tools' is not supported"),
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "content parts"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8190}, 400,
+         "tokens of messages and 8190 of completion"),
     ]
     for path, cases in (("/v1/completions", bad), ("/v1/chat/completions", chat)):
         for body, status, message in cases:
@@ -167,6 +173,9 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
             err = answer.get("error", {})
             assert code == status and message in err.get("message", "") and set(err) == {
                 "message", "type", "param", "code"}, (body, code, answer)
+            if "of completion" in message:
+                assert err["code"] == "context_length_exceeded" and err["param"] == (
+                    "max_tokens" if "max_tokens" in str(body) or "max_completion" in str(body) else "prompt"), err
     # trial 6: a chunked body passed the bound; two pipelined requests got one answer
     big = json.dumps({"model": MODEL, "max_tokens": 2, "prompt": "hello " * (3 << 20)}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:

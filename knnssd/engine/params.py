@@ -84,7 +84,8 @@ class Limits:
         by_memory = self.memory // max(1, self.kv_bytes)
         return by_memory if self.context is None else min(self.context, by_memory)
 
-    def _bound(self) -> str:
+    def bound(self) -> str:
+        """What ``positions`` is set by, in words."""
         if self.positions == self.context:
             return f"the model's context of {self.context} tokens"
         return f"the {self.memory / 2**30:g} GiB KV-cache budget of one sequence ({self.positions} positions)"
@@ -92,7 +93,7 @@ class Limits:
     def check(self, params: "GenerateParams") -> None:
         """A one-line ``ValueError`` when ``max_new_tokens`` leaves no room for a prompt."""
         if params.max_new_tokens >= self.positions:
-            raise ValueError(f"max_new_tokens ({params.max_new_tokens}) must be below {self._bound()}, "
+            raise ValueError(f"max_new_tokens ({params.max_new_tokens}) must be below {self.bound()}, "
                              "which also holds the prompt")
 
     def check_slots(self, slots: int, positions: int, name: str) -> None:

@@ -16,6 +16,7 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -176,7 +177,11 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
         check_served(body.model)
         try:
             params = body.params(CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS)
-            batcher.gen.lm.limits.check(params)
+            limits = batcher.gen.lm.limits
+            limits.check(params)
+            # as OpenAI's API: the whole prompt, or a 400 where it does not fit with max_tokens (the CLI's policy
+            # of keeping a long prompt's last tokens would drop a chat's system and user turns unseen)
+            params = replace(params, max_prompt_tokens=limits.positions)
             follow = _Follow()
 
             def submit():  # tokenizing a long prompt takes a while: off the event loop, which serves the others
@@ -184,6 +189,9 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
                 fitted = _fit(params, batcher, len(ids)) if body.max_tokens is None else params
                 if truncated and fitted != params:  # fewer new tokens leave room for more of the prompt
                     ids, truncated = batcher.gen.tokenize(prompt, fitted)
+                if truncated:
+                    raise _too_long(len(batcher.gen.lm.tokenizer(prompt).input_ids), fitted, limits, chat,
+                                    body.max_tokens is not None)
                 return fitted, batcher.submit_ids(ids, truncated, fitted, lambda t: follow.put("tokens", t),
                                                   lambda r: follow.put("done", r))
 
@@ -314,10 +322,18 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def _too_long(prompt_tokens: int, params, limits, chat: bool, asked: bool) -> ApiError:
+    """OpenAI's 400 for a prompt that does not fit the context with the tokens asked for (or with one, where
+    the request set no ``max_tokens``)."""
+    where = "messages" if chat else "prompt"
+    new = params.max_new_tokens if asked else 1
+    return ApiError(400, f"this request needs {prompt_tokens} tokens of {where} and {new} of completion, more than "
+                    f"{limits.bound()}: shorten the {where}" + (" or ask for fewer tokens" if asked else ""),
+                    "max_tokens" if asked else where, code="context_length_exceeded")
+
+
 def _fit(params, batcher: Batcher, prompt_tokens: int):
     """A request without ``max_tokens`` gets the default, or what the context leaves after its prompt."""
-    from dataclasses import replace
-
     positions = batcher.gen.lm.limits.positions
     return replace(params, max_new_tokens=max(1, min(params.max_new_tokens, positions - prompt_tokens)))
 
