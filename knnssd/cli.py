@@ -82,6 +82,11 @@ def _floats(text: str, option: str) -> tuple[float, ...]:
     return out
 
 
+def _url(host: str, port: int) -> str:
+    """The address a server listens on, as a URL (an IPv6 host in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _json_option(text: str, option: str) -> dict:
     try:
         value = json.loads(text)
@@ -421,7 +426,7 @@ def cmd_serve(a) -> int:
         raise ValueError(f"{bank.model} runs on the plain HF fallback, which knnssd serve cannot batch")
     batcher.version = version
     print(f"knnssd: serving {a.model_uri} (bank version {batcher.version or folder}) with {batcher.slots} slots on "
-          f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+          f"{_url(a.host, a.port)}/v1", file=sys.stderr, flush=True)
     openai_server.run(batcher, a.model_uri, a.host, a.port, a.tracking_uri, a.request_timeout, a.reload_s, a.grace_s)
     return 0
 
@@ -439,7 +444,7 @@ def cmd_ui(a) -> int:
     if reason is not None:
         raise ValueError(f"--host {a.host} --port {a.port}: cannot serve there ({reason})")
     _check_tracking(uri)  # a mistyped sqlite path is an error, not a new database
-    print(f"MLflow UI for {uri} on http://{a.host}:{a.port}  (Ctrl-C stops it)", file=sys.stderr)
+    print(f"MLflow UI for {uri} on {_url(a.host, a.port)}  (Ctrl-C stops it)", file=sys.stderr)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
     # a group of its own (its server, workers and job consumers), stopped whole however this command ends
     # (Ctrl-C, SIGTERM, SIGHUP: the group gets neither the terminal's signals nor a stop sent to this one's

@@ -149,6 +149,7 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
         ({"model": MODEL, "prompt": "hi", "logprobs": 5}, 400, "'logprobs' is not supported"),
         ({"model": MODEL, "prompt": ["a", "b"]}, 400, "must be one string"),
         ({"model": MODEL, "prompt": [1, 2, 3]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "stop": "\ud800"}, 400, "stop is not valid UTF-8"),  # was accepted
         ({"model": MODEL, "prompt": "   "}, 400, "empty prompt"),
         ({"model": MODEL, "prompt": "hi", "stop": ["x"] * 20}, 400, "stop must be"),
         ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "'stream_options' is only"),
@@ -173,6 +174,7 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
             err = answer.get("error", {})
             assert code == status and message in err.get("message", "") and set(err) == {
                 "message", "type", "param", "code"}, (body, code, answer)
+            assert err["param"] is None or "." not in err["param"] or err["param"].startswith("messages."), err
             if "of completion" in message:
                 assert err["code"] == "context_length_exceeded" and err["param"] == (
                     "max_tokens" if "max_tokens" in str(body) or "max_completion" in str(body) else "prompt"), err

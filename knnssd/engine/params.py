@@ -31,6 +31,11 @@ class GenerateParams:
                 and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)):
             raise ValueError(f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings of at most "
                              f"{MAX_STOP_CHARS} characters, got {self.stop!r:.80}")
+        for s in self.stop:  # a lone surrogate: no generated text can contain it, as no prompt may
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"stop is not valid UTF-8 text: {s!r:.40}") from None
         for name in ("max_new_tokens", "top_k", "max_prompt_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):

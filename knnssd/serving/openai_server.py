@@ -32,7 +32,7 @@ from knnssd.serving.text_stream import TextStream
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 SHUTDOWN = "the server is shutting down and its grace period is over; retry on another server or later"
-MAX_BODY = 16 << 20  # bytes: a prompt is cut to its last tokens anyway, and tokenizing more only costs time
+MAX_BODY = 16 << 20  # bytes: far more text than a context holds, which a prompt must fit (else a 400)
 
 
 class _Follow:
@@ -117,7 +117,9 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
         first = e.errors()[0]
         if first["type"] == "json_invalid":
             return answer_error(ApiError(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', '')})"))
-        loc = [str(x) for x in first["loc"] if x != "body"]
+        # pydantic names the member of a union that failed ('prompt.str', 'temperature.float'): not a parameter
+        loc = [str(x) for x in first["loc"] if x != "body" and not (isinstance(x, str) and (
+            x in ("str", "int", "float", "bool") or "[" in x))]
         param = ".".join(loc) or None
         msg = first["msg"].removeprefix("Value error, ")
         if param is None:  # the body itself: empty, a list, a string, a form
