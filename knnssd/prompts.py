@@ -126,6 +126,9 @@ def load(path: str | os.PathLike, split: str | None = None, fields: Fields = Fie
         if not isinstance(text, str):
             raise PromptError(f"{path}: row {n} field '{fields.prompt}' is not text")
         pid = row.get(fields.id)
+        if isinstance(pid, (dict, list, bool)):  # str() made Python's text of them ("{'x': 1}", "True")
+            raise PromptError(f"{path}: row {n} field '{fields.id}' must be a string or a number, got "
+                              f"{type(pid).__name__}")
         pid = str(pid) if pid not in (None, "") else auto_id(path.stem, text, repeats)
         if pid in seen:
             raise PromptError(f"{path}: duplicate id '{pid}' (rows {seen[pid]} and {n})")

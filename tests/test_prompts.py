@@ -59,6 +59,9 @@ def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
     (b'{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "duplicate id '1'"),
     (b'{"prompt": "a"\n', "line 1 is not JSON"),
     (b'[{"prompt": "a"}, {"prompt": "b"}]\n', "row 1 is not an object"),
+    # ids that were kept as Python's text of them ("{'x': 1}", "True")
+    (b'{"id": {"x": 1}, "prompt": "a"}\n', "row 1 field 'id' must be a string or a number, got dict"),
+    (b'{"id": "a", "prompt": "a"}\n{"id": true, "prompt": "b"}\n', "row 2 field 'id' .* got bool"),
 ])
 def test_bad_files_fail_in_one_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
