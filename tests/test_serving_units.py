@@ -74,3 +74,31 @@ def test_generate_params_take_stop_strings_as_openai_sends_them():
     for bad in ([""], ["x"] * 17, [3], "a" * 300):
         with pytest.raises(ValueError, match="stop must be"):
             GenerateParams.from_dict({"stop": bad})
+
+
+def test_the_api_keeps_the_whole_prompt_or_refuses_it():
+    """``whole_prompt_ids``: a request with no max_tokens gets what the context leaves after its whole prompt
+    (a review found the default first cut the prompt to leave room for itself, then refused it as too
+    long); one that asks for more than fits, or a prompt over ``max_prompt_tokens``, is ContextTooLong
+    naming what to change. Never a prompt's tail."""
+    from knnssd.engine.params import ContextTooLong, Limits, whole_prompt_ids
+
+    class Words:
+        def __call__(self, text):
+            return type("Out", (), {"input_ids": list(range(len(text.split())))})()
+
+    limits = Limits(context=100, memory=1 << 30, kv_bytes=1)
+    p = GenerateParams(max_new_tokens=64, max_prompt_tokens=80)
+    ids, fitted = whole_prompt_ids(Words(), "w " * 70, p, limits, fit=True)
+    assert len(ids) == 70 and fitted.max_new_tokens == 30  # the default cut to the room left, the prompt whole
+    ids, fitted = whole_prompt_ids(Words(), "w " * 20, p, limits, fit=True)
+    assert len(ids) == 20 and fitted.max_new_tokens == 64
+    with pytest.raises(ContextTooLong, match="needs 70 tokens of messages and 64 of completion") as e:
+        whole_prompt_ids(Words(), "w " * 70, p, limits, fit=False, where="messages")
+    assert e.value.param == "max_tokens"
+    with pytest.raises(ContextTooLong, match="takes 81 tokens, more than the 80") as e:
+        whole_prompt_ids(Words(), "w " * 81, p, limits, fit=True)
+    assert e.value.param == "prompt"
+    with pytest.raises(ContextTooLong, match="needs 100 tokens of prompt and 1 of completion") as e:
+        whole_prompt_ids(Words(), "w " * 100, GenerateParams(max_prompt_tokens=200), limits, fit=True)
+    assert e.value.param == "prompt"

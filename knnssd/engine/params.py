@@ -1,9 +1,11 @@
 """What one generation request asks for (``GenerateParams``), what one sequence may hold (``Limits``:
 the model's context and the KV-cache memory budget), how many sequences a batch may decode together
-(``batch_size``), and the one prompt policy (checked, tokenized, truncated to its last tokens): shared
-by the CLI, batch generation and serving."""
+(``batch_size``), and the two prompt policies: the CLI's, batch generation's and the pyfunc server's
+(checked, tokenized, truncated to its last tokens, ``prompt_ids``) and the OpenAI server's (the whole
+prompt, or an error, ``whole_prompt_ids``)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, fields
 
@@ -161,10 +163,42 @@ def check_prompt(prompt) -> None:
         raise ValueError("empty prompt")
 
 
+class ContextTooLong(ValueError):
+    """A prompt the OpenAI server will not cut (``whole_prompt_ids``): ``param`` is what the request should
+    change, ``prompt`` (or ``messages``) or ``max_tokens``."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def whole_prompt_ids(tokenizer, prompt: str, params: GenerateParams, limits: Limits, fit: bool, where: str = "prompt"
+                     ) -> tuple[list[int], GenerateParams]:
+    """The OpenAI server's prompt policy (OpenAI's): token ids of the whole ``prompt`` and the params to run it
+    with, never a prompt's tail. ``fit``: the request set no ``max_tokens``, so ``params.max_new_tokens`` (the
+    default) is lowered to what the context leaves. ``ContextTooLong`` where the prompt is over
+    ``max_prompt_tokens`` (the slots are planned for that many, ``batcher.Batcher``) or it and the new tokens do
+    not fit ``limits``. ``where``: the request's name for the prompt."""
+    check_prompt(prompt)
+    ids = tokenizer(prompt).input_ids
+    n = len(ids)
+    if n > params.max_prompt_tokens:
+        raise ContextTooLong(f"the {where} {'take' if where == 'messages' else 'takes'} {n} tokens, more than the "
+                             f"{params.max_prompt_tokens} a prompt may take here: shorten {where}", where)
+    if fit:
+        params = dataclasses.replace(params, max_new_tokens=max(1, min(params.max_new_tokens, limits.positions - n)))
+    if n + params.max_new_tokens > limits.positions:
+        raise ContextTooLong(f"this request needs {n} tokens of {where} and {params.max_new_tokens} of completion, "
+                             f"more than {limits.bound()}: shorten the {where}" + ("" if fit else
+                                                                                    " or ask for fewer tokens"),
+                             where if fit else "max_tokens")
+    return ids, params
+
+
 def prompt_ids(tokenizer, prompt: str, params: GenerateParams, limits: Limits | None = None) -> tuple[list[int], bool]:
     """Token ids of ``prompt``, keeping the last ``limits.prompt_tokens(params)`` of a longer one
-    (``max_prompt_tokens`` without ``limits``; warned); True if truncated. The one prompt policy of
-    ``generate``, ``complete`` and serving."""
+    (``max_prompt_tokens`` without ``limits``; warned); True if truncated. The prompt policy of ``generate``,
+    ``complete`` and the pyfunc server (the OpenAI server refuses instead: ``whole_prompt_ids``)."""
     check_prompt(prompt)
     limit = limits.prompt_tokens(params) if limits is not None else params.max_prompt_tokens
     ids = tokenizer(prompt).input_ids

@@ -16,13 +16,13 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from knnssd.engine.params import ContextTooLong, whole_prompt_ids
 from knnssd.serving.batcher import Batcher, QueueFull, StreamJob
 from knnssd.serving.metrics import ServerMetrics
 from knnssd.serving.openai_protocol import (CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, FINISH, ApiError, ChatRequest,
@@ -179,22 +179,14 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
         check_served(body.model)
         try:
             params = body.params(CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS)
-            limits = batcher.gen.lm.limits
-            limits.check(params)
-            # as OpenAI's API: the whole prompt, or a 400 where it does not fit with max_tokens (the CLI's policy
-            # of keeping a long prompt's last tokens would drop a chat's system and user turns unseen)
-            params = replace(params, max_prompt_tokens=limits.positions)
             follow = _Follow()
 
             def submit():  # tokenizing a long prompt takes a while: off the event loop, which serves the others
-                ids, truncated = batcher.gen.tokenize(prompt, params)
-                fitted = _fit(params, batcher, len(ids)) if body.max_tokens is None else params
-                if truncated and fitted != params:  # fewer new tokens leave room for more of the prompt
-                    ids, truncated = batcher.gen.tokenize(prompt, fitted)
-                if truncated:
-                    raise _too_long(len(batcher.gen.lm.tokenizer(prompt).input_ids), fitted, limits, chat,
-                                    body.max_tokens is not None)
-                return fitted, batcher.submit_ids(ids, truncated, fitted, lambda t: follow.put("tokens", t),
+                # as OpenAI's API: the whole prompt, or a 400 (the CLI's policy of keeping a long prompt's last
+                # tokens would drop a chat's system and user turns unseen)
+                ids, fitted = whole_prompt_ids(tokenizer, prompt, params, batcher.gen.lm.limits,
+                                               fit=body.max_tokens is None, where="messages" if chat else "prompt")
+                return fitted, batcher.submit_ids(ids, False, fitted, lambda t: follow.put("tokens", t),
                                                   lambda r: follow.put("done", r))
 
             submitting = asyncio.ensure_future(asyncio.to_thread(submit))
@@ -203,6 +195,8 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
             except asyncio.CancelledError:  # the client went away while its prompt was tokenized: drop its job
                 submitting.add_done_callback(_drop_job)
                 raise
+        except ContextTooLong as e:
+            raise ApiError(400, str(e), e.param, code="context_length_exceeded") from None
         except ValueError as e:
             word = str(e).split(" ", 1)[0]  # the parameter a check names first ("seed must be ...")
             raise ApiError(400, str(e), word if word in type(body).model_fields else None) from None
@@ -322,22 +316,6 @@ def _drop_job(submitting: asyncio.Future) -> None:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _too_long(prompt_tokens: int, params, limits, chat: bool, asked: bool) -> ApiError:
-    """OpenAI's 400 for a prompt that does not fit the context with the tokens asked for (or with one, where
-    the request set no ``max_tokens``)."""
-    where = "messages" if chat else "prompt"
-    new = params.max_new_tokens if asked else 1
-    return ApiError(400, f"this request needs {prompt_tokens} tokens of {where} and {new} of completion, more than "
-                    f"{limits.bound()}: shorten the {where}" + (" or ask for fewer tokens" if asked else ""),
-                    "max_tokens" if asked else where, code="context_length_exceeded")
-
-
-def _fit(params, batcher: Batcher, prompt_tokens: int):
-    """A request without ``max_tokens`` gets the default, or what the context leaves after its prompt."""
-    positions = batcher.gen.lm.limits.positions
-    return replace(params, max_new_tokens=max(1, min(params.max_new_tokens, positions - prompt_tokens)))
 
 
 def served_name(model_uri: str) -> str:
