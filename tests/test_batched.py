@@ -365,8 +365,9 @@ def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_pat
 
 
 def test_auto_slots_takes_its_choice_from_the_record(tmp_path, monkeypatch):
-    """``auto_slots`` times its sizes once per limit and record; the next call takes the choice, and a call of
-    another limit (fewer jobs) times its own. Where the record names a size over the limit it times again."""
+    """``auto_slots`` times its sizes once per record and the sizes a limit allows; the next call takes the
+    choice, a call of a limit with fewer sizes (fewer jobs) times its own, and one with the same sizes takes
+    it. Where the record names a size over the limit it times again."""
     dec = make_decoder(tiny("llama"))
     record = tmp_path / "tiny.batched.json"
     timed = []
@@ -374,6 +375,7 @@ def test_auto_slots_takes_its_choice_from_the_record(tmp_path, monkeypatch):
     assert batch_plan.auto_slots(dec, 64, 8, record=record) == 4 and timed == [8]
     assert batch_plan.auto_slots(dec, 64, 8, record=record) == 4 and timed == [8]
     assert batch_plan.auto_slots(dec, 64, 2, record=record) == 2 and timed == [8, 2]
+    assert batch_plan.auto_slots(dec, 64, 3, record=record) == 2 and timed == [8, 2]  # 3 jobs: the sizes of 2
     assert batch_plan.auto_slots(dec, 64, 8) == 4 and timed == [8, 2, 8]  # no record: timed
     (code, entry), = json.loads(record.read_text()).items()
     record.write_text(json.dumps({code: {**entry, "auto": {"8": 99}}}))

@@ -108,19 +108,23 @@ def auto_slots(decoder: Decoder, positions: int, jobs: int, memory: int = DEFAUL
     more, the two sizes timed alternately (medians). Every size is measured: one that gains too little
     does not end the search, since a later size may still gain (docs/benchmarks.md).
 
-    ``record``: the plan's record (``plan``). The choice for the same limit, under the same key and code,
+    ``record``: the plan's record (``plan``). The choice for a limit that allows the same sizes, under the same
+    key and code,
     is taken from it, as the probe takes its timed choice from its own: a server or a run of
     ``generate`` starts without timing the sizes again. Delete the record to time them again."""
     limit = min(max_slots(decoder, positions, memory), max(1, jobs))
     code = _record_code(decoder, decoder.exactness.max_t if decoder.exactness is not None else 12) \
         if record is not None else None
-    known = _autos(exactness.read_record(record), code).get(str(limit))
+    # keyed on the largest size the limit allows: limits of 4 to 7 time the same sizes, 1, 2 and 4
+    key = str(max((x for x in AUTO_SLOTS if x <= limit), default=1))
+    known = _autos(exactness.read_record(record), code).get(key)
     if isinstance(known, int) and 1 <= known <= limit:
-        log.info("batch size auto: %d slots (of at most %d by memory and jobs), taken from %s", known, limit, record)
+        log.info("batch size auto: %d slots (of at most %d by memory and jobs), taken from %s (delete it to time "
+                 "the sizes again)", known, limit, record)
         return known
     best = _auto_slots(decoder, limit)
     if record is not None:
-        _keep(record, code, auto={str(limit): best})
+        _keep(record, code, auto={key: best})
     return best
 
 
