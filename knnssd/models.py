@@ -467,9 +467,13 @@ def config_digest(config) -> str:
     dtype, private attributes) are left out."""
     import transformers
 
-    fields = {k: v for k, v in config.to_dict().items()
-              if not k.startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
-    text = json.dumps(fields, sort_keys=True, default=str) + "|" + transformers.__version__
+    def kept(d):  # nested sub-configs (a multimodal model's text_config) carry the same per-load fields
+        if isinstance(d, dict):
+            return {k: kept(v) for k, v in d.items()
+                    if not str(k).startswith("_") and k not in ("dtype", "torch_dtype", "transformers_version")}
+        return [kept(v) for v in d] if isinstance(d, list) else d
+
+    text = json.dumps(kept(config.to_dict()), sort_keys=True, default=str) + "|" + transformers.__version__
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 

@@ -439,8 +439,8 @@ def test_probe_remembers_its_exact_choice_on_its_machine_key(tmp_path, monkeypat
 
 def test_records_of_the_same_weights_under_another_config_are_apart(tmp_path, monkeypatch):
     """The same weights with an edited config (here the norms' epsilon) compute other rows: their probe and plan
-    records, and their cached prompt vectors, must not be the other config's (the weights' fingerprint, the
-    same for both, named them before)."""
+    records must not be the other config's (the weights' fingerprint, the same for both, named them before;
+    the prompt vectors' cache: test_router_bank)."""
     import copy
 
     from knnssd import models

@@ -163,3 +163,25 @@ def test_prompt_vectors_of_another_precision_are_not_taken_from_the_cache(monkey
     assert got[torch.float32] != got[torch.bfloat16]
     (_, _, a), (_, _, b) = (router.load_vectors(p) for p in got.values())
     assert not np.array_equal(a, b)
+
+
+def test_prompt_vectors_under_another_config_are_not_taken_from_the_cache(monkeypatch, tmp_path):
+    """The same weights under an edited config (the norms' epsilon) compute other vectors: a calibration must not
+    take the other config's from the cache (the weights' fingerprint, the same for both, keyed them before)."""
+    import copy
+
+    from knnssd import models, prompts
+    from knnssd.search import steps
+    from test_graphed_generation import Tokens
+    from tiny import prompt_ids, tiny
+
+    rows = [prompts.Prompt(str(i), " ".join(map(str, prompt_ids("llama", i))), "d") for i in range(3)]
+    model = tiny("llama")
+    edited = copy.deepcopy(model)
+    edited.config.rms_norm_eps = model.config.rms_norm_eps * 10
+    got = []
+    for m in (model, edited):
+        lm = models.LoadedModel(name="tiny", model=m, tokenizer=Tokens(), source="tiny", fingerprint="abc")
+        monkeypatch.setattr(steps, "runtime", lambda spec, lm=lm: (lm, lm.decoder))
+        got.append(steps.embed(steps.ModelSpec("tiny", "auto"), rows, cache_dir=tmp_path))
+    assert got[0] != got[1]
