@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,9 +127,13 @@ def load(path: str | os.PathLike, split: str | None = None, fields: Fields = Fie
         if not isinstance(text, str):
             raise PromptError(f"{path}: row {n} field '{fields.prompt}' is not text")
         pid = row.get(fields.id)
-        if isinstance(pid, (dict, list, bool)):  # str() made Python's text of them ("{'x': 1}", "True")
-            raise PromptError(f"{path}: row {n} field '{fields.id}' must be a string or a number, got "
-                              f"{type(pid).__name__}")
+        if isinstance(pid, float) and pid != pid:  # NaN: a csv's or parquet's missing id
+            pid = None
+        if pid is not None and (type(pid).__name__ in ("bool", "bool_") or not isinstance(pid, (str, numbers.Number))):
+            # str() made Python's text of them ("{'x': 1}", "True", "b'x'")
+            kind = {"dict": "an object", "list": "an array", "bool": "a boolean", "bool_": "a boolean"}.get(
+                type(pid).__name__, type(pid).__name__)
+            raise PromptError(f"{path}: row {n} field '{fields.id}' must be a string or a number, got {kind}")
         pid = str(pid) if pid not in (None, "") else auto_id(path.stem, text, repeats)
         if pid in seen:
             raise PromptError(f"{path}: duplicate id '{pid}' (rows {seen[pid]} and {n})")

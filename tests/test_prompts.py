@@ -60,8 +60,9 @@ def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
     (b'{"prompt": "a"\n', "line 1 is not JSON"),
     (b'[{"prompt": "a"}, {"prompt": "b"}]\n', "row 1 is not an object"),
     # ids that were kept as Python's text of them ("{'x': 1}", "True")
-    (b'{"id": {"x": 1}, "prompt": "a"}\n', "row 1 field 'id' must be a string or a number, got dict"),
-    (b'{"id": "a", "prompt": "a"}\n{"id": true, "prompt": "b"}\n', "row 2 field 'id' .* got bool"),
+    (b'{"id": {"x": 1}, "prompt": "a"}\n', "row 1 field 'id' must be a string or a number, got an object"),
+    (b'{"id": "a", "prompt": "a"}\n{"id": true, "prompt": "b"}\n', "row 2 field 'id' .* got a boolean"),
+    (b'{"id": [1], "prompt": "a"}\n', "got an array"),
 ])
 def test_bad_files_fail_in_one_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
@@ -120,3 +121,11 @@ def test_without_shared_data_the_default_files_are_the_bundled_samples(monkeypat
     files = prompts.domain_files()
     assert files and all(Path(f).is_file() for f in files)
     assert [Path(f).stem for f in files] == sorted(p.stem for p in prompts.samples_dir().glob("*.jsonl"))
+
+
+def test_a_missing_id_read_as_nan_gets_its_own_id(tmp_path):
+    """A csv's or parquet's missing id reads as NaN: it was kept as "nan", and two of them were duplicates."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": NaN, "prompt": "a"}\n{"id": NaN, "prompt": "b"}\n{"id": 7, "prompt": "c"}\n')
+    ids = [r.id for r in prompts.load(path)]
+    assert ids[2] == "7" and "nan" not in ids and len(set(ids)) == 3
