@@ -214,8 +214,7 @@ def run(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     if tp is not None and not runner.routed.can_batch:
         raise ValueError(f"--throughput: {runner.lm.name} runs on the plain HF fallback, which decodes one sequence "
                          "at a time (no batched table)")
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    jpath = cfg.out / f"measurements-{cfg.key()}.jsonl"
+    jpath = cfg.out / f"measurements-{cfg.key()}.jsonl"  # its folder made by cfg.check()
     done = _journal(jpath)
     log(f"bench: {runner.lm.name} ({runner.lm.dtype}, {runner.lm.device}, {torch.get_num_threads()} threads); "
         f"{len(rows)} eval prompts x {len(runner.methods)} methods x {cfg.repeats} passes, {len(ood_rows)} OOD prompts, "
