@@ -184,7 +184,7 @@ def whole_prompt_ids(tokenizer, prompt: str, params: GenerateParams, limits: Lim
     n = len(ids)
     if n > params.max_prompt_tokens:
         raise ContextTooLong(f"the {where} {'take' if where == 'messages' else 'takes'} {n} tokens, more than the "
-                             f"{params.max_prompt_tokens} a prompt may take here: shorten {where}", where)
+                             f"{params.max_prompt_tokens} a prompt may take here: shorten the {where}", where)
     if fit:
         params = dataclasses.replace(params, max_new_tokens=max(1, min(params.max_new_tokens, limits.positions - n)))
     if n + params.max_new_tokens > limits.positions:
