@@ -108,16 +108,14 @@ def auto_slots(decoder: Decoder, positions: int, jobs: int, memory: int = DEFAUL
     more, the two sizes timed alternately (medians). Every size is measured: one that gains too little
     does not end the search, since a later size may still gain (docs/benchmarks.md).
 
-    ``record``: the plan's record (``plan``). The choice for a limit that allows the same sizes, under the same
-    key and code,
-    is taken from it, as the probe takes its timed choice from its own: a server or a run of
-    ``generate`` starts without timing the sizes again. Delete the record to time them again."""
+    ``record``: the plan's record (``plan``). The choice for a limit that allows the same sizes, under the
+    same key and code, is taken from it, as the probe takes its timed choice from its own: a server or a
+    run of ``generate`` starts without timing the sizes again. Delete the record to time them again."""
     limit = min(max_slots(decoder, positions, memory), max(1, jobs))
-    code = _record_code(decoder, decoder.exactness.max_t if decoder.exactness is not None else 12) \
-        if record is not None else None
+    code = _record_code(decoder, _max_t(decoder)) if record is not None else None
     # keyed on the largest size the limit allows: limits of 4 to 7 time the same sizes, 1, 2 and 4
     key = str(max((x for x in AUTO_SLOTS if x <= limit), default=1))
-    known = _autos(exactness.read_record(record), code).get(key)
+    known = _by(exactness.read_record(record), code, "auto").get(key)
     if isinstance(known, int) and 1 <= known <= limit:
         log.info("batch size auto: %d slots (of at most %d by memory and jobs), taken from %s (delete it to time "
                  "the sizes again)", known, limit, record)
@@ -195,7 +193,7 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     the row count over which the linears' forms, unchanged, were found row-invariant. Where the check
     changed the forms it runs every time (it changes them again), as do the pass costs (timings)."""
     ex = decoder.exactness
-    max_t = ex.max_t if ex is not None else 12
+    max_t = _max_t(decoder)
     known = exactness.read_record(record)
     before = _record_code(decoder, max_t) if record is not None else None
     rows = slots * max_t
@@ -204,7 +202,7 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     rows_recalled = ex is not None and ex.exact and rows in _invariant(known, before)
     exact = True if rows_recalled else _rows(decoder, slots, max_t)
     code = _record_code(decoder, max_t) if record is not None else None  # the forms may have changed
-    kept = _entries(known, code).get(str(slots))
+    kept = _by(known, code, "slots").get(str(slots))
     recalled = exact and isinstance(kept, dict)
     entry = None
     if recalled:
@@ -245,8 +243,8 @@ def _keep(record: Path, code: str, slots: dict | None = None, rows: list[int] = 
     """Add to a plan record's entries under ``code`` (``update_record``): checks by slot count, row counts
     found invariant, ``auto_slots``'s choices by limit."""
     def change(now: dict) -> dict:
-        entry = {"slots": {**_entries(now, code), **(slots or {})}, "rows": sorted({*_invariant(now, code), *rows}),
-                 "auto": {**_autos(now, code), **(auto or {})}}
+        entry = {"slots": {**_by(now, code, "slots"), **(slots or {})}, "rows": sorted({*_invariant(now, code), *rows}),
+                 "auto": {**_by(now, code, "auto"), **(auto or {})}}
         others = [(k, v) for k, v in now.items() if k != code and isinstance(v, dict)]
         return {**dict(others[-(RECORD_CODES - 1) :]), code: entry}
 
@@ -259,16 +257,11 @@ def _section(known: dict, code: str | None, name: str) -> object:
     return entry.get(name) if isinstance(entry, dict) else None
 
 
-def _entries(known: dict, code: str | None) -> dict:
-    """A plan record's checks by slot count, written by the same ``code`` (else none)."""
-    by_slots = _section(known, code, "slots")
-    return by_slots if isinstance(by_slots, dict) else {}
-
-
-def _autos(known: dict, code: str | None) -> dict:
-    """A plan record's ``auto_slots`` choices by limit, written by the same ``code`` (else none)."""
-    by_limit = _section(known, code, "auto")
-    return by_limit if isinstance(by_limit, dict) else {}
+def _by(known: dict, code: str | None, name: str) -> dict:
+    """A plan record's entries of one kind, written by the same ``code`` (else none): ``slots``, the checks by
+    slot count; ``auto``, ``auto_slots``'s choices by the largest size a limit allows."""
+    by = _section(known, code, name)
+    return by if isinstance(by, dict) else {}
 
 
 def _invariant(known: dict, code: str | None) -> set[int]:
@@ -276,6 +269,11 @@ def _invariant(known: dict, code: str | None) -> set[int]:
     none)."""
     rows = _section(known, code, "rows")
     return {r for r in rows if isinstance(r, int)} if isinstance(rows, list) else set()
+
+
+def _max_t(decoder: Decoder) -> int:
+    """The most rows a sequence's verify pass takes: the probe's, or 12 where the decoder was not probed."""
+    return decoder.exactness.max_t if decoder.exactness is not None else 12
 
 
 def _record_code(decoder: Decoder, max_t: int) -> str:
