@@ -35,7 +35,13 @@ LOADED = ("OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "OPENBLAS_", "ATE
 # but these two the test process gains when it imports scikit-learn, joblib or threadpoolctl (a setdefault
 # for Intel's OpenMP, which torch's wheel does not use), whichever test imports them first
 BY_IMPORTS = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
-AT_LOAD = {k: v for k, v in os.environ.items() if k.startswith(LOADED) and k not in BY_IMPORTS}
+
+
+def load_time(env) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(LOADED) and k not in BY_IMPORTS}
+
+
+AT_LOAD = load_time(os.environ)
 
 
 def cases(req):
@@ -43,7 +49,7 @@ def cases(req):
     os.environ.update(req["env"])
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    asked = {k: v for k, v in os.environ.items() if k.startswith(LOADED) and k not in BY_IMPORTS}
+    asked = load_time(os.environ)
     if asked != AT_LOAD:
         raise RuntimeError(f"the call's load-time settings {asked} are not the helper's {AT_LOAD}")
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
