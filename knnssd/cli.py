@@ -445,11 +445,15 @@ def cmd_ui(a) -> int:
         raise ValueError(f"--host {a.host} --port {a.port}: cannot serve there ({reason})")
     _check_tracking(uri)  # a mistyped sqlite path is an error, not a new database
     print(f"MLflow UI for {uri} on {_url(a.host, a.port)}  (Ctrl-C stops it)", file=sys.stderr)
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
+    # one web worker and no job runner: a browser of runs and versions needs neither MLflow's four workers
+    # nor its GenAI job consumers, which start three more processes and leave a folder in /dev/shm per start
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port),
+           "--workers", "1"]
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
     # a group of its own (its server, workers and job consumers), stopped whole however this command ends
     # (Ctrl-C, SIGTERM, SIGHUP: the group gets neither the terminal's signals nor a stop sent to this one's
     # group); its leader also stops if this process is SIGKILLed
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=processes.die_with_parent())
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=processes.die_with_parent())
     try:
         return proc.wait()
     finally:

@@ -201,7 +201,7 @@ def test_two_workers_share_one_study_then_one_version(data_dir, prefect_api, pre
 def test_against_a_real_mlflow_server(base_bank, tmp_path):
     bank_dir, _ = base_bank
     port = free_port()
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = open(tmp_path / "mlflow.log", "w")
     server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
                                str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",

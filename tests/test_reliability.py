@@ -140,8 +140,9 @@ def test_sigterm_mid_flow_unwinds_the_command_and_removes_its_lock(tmp_path, pre
 
 @pytest.mark.integration
 def test_ui_stopped_by_sigterm_leaves_no_process(tmp_path):
-    """``knnssd ui`` runs ``mlflow ui`` (a server, its workers and job consumers) in a process group of its
-    own; SIGTERM to knnssd stops the whole group (a SIGKILLed or orphaned ``mlflow ui`` left them running)."""
+    """``knnssd ui`` runs ``mlflow ui`` (a server and its worker) in a process group of its own; SIGTERM to
+    knnssd stops the whole group (a SIGKILLed or orphaned ``mlflow ui`` left them running), and nothing is
+    left in /dev/shm (MLflow's job runner, which knnssd turns off, left a folder there each start)."""
     import urllib.request
 
     from knnssd.processes import group_members
@@ -150,6 +151,9 @@ def test_ui_stopped_by_sigterm_leaves_no_process(tmp_path):
     port = free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     err = tmp_path / "ui.log"  # a file: processes that outlive knnssd would hold a pipe open
+    shm = Path("/dev/shm")
+    folders = lambda: {p for p in shm.iterdir() if p.is_dir()} if shm.is_dir() else set()  # noqa: E731
+    before = folders()
     with err.open("w") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "knnssd.cli", "ui", "--port", str(port)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=fh)
@@ -171,6 +175,7 @@ def test_ui_stopped_by_sigterm_leaves_no_process(tmp_path):
         while time.time() < deadline and group_members(child):
             time.sleep(0.2)
         assert not group_members(child), "processes of the UI's group outlived knnssd"
+        assert not folders() - before, f"left in /dev/shm: {sorted(map(str, folders() - before))}"
     finally:
         proc.kill()
         proc.wait()
