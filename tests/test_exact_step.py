@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from knnssd.engine import attention, exactness, native
@@ -22,7 +22,6 @@ from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.decoder import Decoder, make_decoder
 from knnssd.engine.skip import SkipMask
 from knnssd.engine.stack import Int8Linear, Linear, NativeLinear, from_hf
-from knnssd.models import cpu_has_fast_bf16
 from test_device_step import set_early_stop
 from tiny import ARCHS, prompt_ids, tiny
 
@@ -495,106 +494,6 @@ def test_bf16_speculative_greedy_equals_own_plain_decoding(arch, prompt, data):
     assert stats.exact
 
 
-# SmolLM2 in bf16: real prompts, 64 tokens; on a CPU without avx512_bf16 or AMX, where bf16 runs
-# several times slower than fp32 (--dtype auto picks fp32 there), 24 tokens after each prompt's first
-# 256: on a 2-core Zen 1, these tests took 124 s with 64 tokens and whole prompts, 97 s with 24, and
-# the 774-token summarization prompt's plain decoding alone took 26 s of that, twice.
-
-SMOL_NEW, SMOL_PROMPT = (64, None) if cpu_has_fast_bf16() else (24, 256)
-
-
-@pytest.fixture(scope="module")
-def smol_bf16(data_dir):
-    return _smol_plain(data_dir, "bfloat16")[1:]
-
-
-def _smol_plain(data_dir, dtype: str):
-    """SmolLM2 loaded in ``dtype``: (model, decoder, one eval prompt per domain, config, plain decoding's tokens)."""
-    from knnssd import models
-    from knnssd import prompts as prompt_sets
-
-    lm = models.load("smollm2", dtype=dtype)
-    dec = lm.decoder
-    rows = prompt_sets.load_domains(data_dir, prompt_sets.DOMAINS, "eval", 1)
-    ids = [lm.tokenizer(r.prompt).input_ids[:SMOL_PROMPT] for r in rows]
-    cfg = GenerationConfig(max_new_tokens=SMOL_NEW, eos_ids=models.eos_ids(lm))
-    return lm, dec, ids, cfg, [generate(dec, x, None, cfg)[0] for x in ids]
-
-
-@pytest.mark.integration
-def test_smollm2_bf16_step_is_row_invariant(smol_bf16):
-    dec = smol_bf16[0]
-    exact_or_skip(dec, "bfloat16")
-    equal, total = exactness.row_check(dec, exactness.MAX_T, STRADDLE, seed=13)
-    assert equal == total
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("i", range(5))  # every real prompt (one per domain), a drawn drafter each
-@settings(max_examples=1)
-@given(data=st.data())
-def test_smollm2_bf16_speculative_greedy_equals_own_plain_decoding(smol_bf16, i, data):
-    _speculative_equals_plain(*smol_bf16, i, data)
-
-
-def _speculative_equals_plain(dec, ids, cfg, ref, i: int, data) -> None:
-    """Prompt ``i`` with a drawn drafter that drafts (n-gram, int8, or a mask that skips) gives plain decoding's tokens."""
-    assert len(ids) == 5
-    exact_or_skip(dec, "bfloat16")
-    drafter = data.draw(_drafters(dec.n_layers).filter(lambda c: c.kind == "ngram" or c.int8 or c.mask["skip_attn"]
-                                                       or c.mask["skip_mlp"]))
-    out, _ = generate(dec, ids[i], build(drafter, dec.n_layers), cfg)
-    assert out == ref[i], drafter.describe()
-
-
-@pytest.mark.integration
-def test_smollm2_fp32_step_is_row_invariant(smollm2):
-    dec = smollm2.decoder
-    exact_or_skip(dec, "float32")
-    equal, total = exactness.row_check(dec, exactness.MAX_T, STRADDLE, seed=13)
-    assert equal == total
-
-
-@pytest.fixture(scope="module")
-def smol_gguf(data_dir):
-    """SmolLM2 with ``--dtype gguf``: its projections on the GGUF file's own Q4_1 blocks."""
-    from knnssd import models
-
-    try:
-        models.gguf_weights("smollm2")
-    except models.ModelError as e:
-        pytest.skip(str(e))
-    return _smol_plain(data_dir, "gguf")
-
-
-@pytest.mark.integration
-def test_smollm2_gguf_runs_the_files_blocks_exactly(smol_gguf):
-    """Every projection runs on the file's 4-bit blocks and the head on its 8-bit ones, which de-quantize to the
-    weights transformers loaded (bit for bit, in bf16); the layers run as one native call; the probe finds the
-    step exact, and it is."""
-    from knnssd.engine.stack import PROJECTIONS
-
-    lm, dec = smol_gguf[:2]
-    assert lm.dtype_name == "gguf" and dec._layers_call(dec.stack) is not None
-    for layer in dec.stack.layers:
-        for name in PROJECTIONS:
-            linear = getattr(layer, name)
-            assert linear.kernel.kind == "q4" and torch.equal(linear.kernel.dense(), linear.weight), name
-    head = dec.stack.lm_head  # tied to token_embd, a Q8_0 tensor
-    assert head.kernel.kind == "q8" and torch.equal(head.kernel.dense(), head.weight)
-    exact_or_skip(dec, "bfloat16")
-    equal, total = exactness.row_check(dec, exactness.MAX_T, STRADDLE, seed=13)
-    assert equal == total
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("i", range(5))  # every real prompt (one per domain), a drawn drafter each
-@settings(max_examples=1)
-@given(data=st.data())
-def test_smollm2_gguf_speculative_greedy_equals_own_plain_decoding(smol_gguf, i, data):
-    _speculative_equals_plain(*smol_gguf[1:], i, data)
-
-
 def test_native_4bit_linear_sums_blocks_in_fp32_row_by_row():
     """``native.Linear.q4``: w = d q + m per block of 32 inputs, the product within a bf16 rounding of fp64's,
     each row's bits the same whatever the call's rows; its packing round-trips and survives a pickle."""
@@ -731,12 +630,3 @@ def test_sequences_packed_in_one_pass_equal_their_own_passes(arch, dtype, pooled
     exact_or_skip(dec, dtype)
     prompts = [prompt_ids(arch, i, length) for i, length in enumerate((5, 21, 9, 12, 7))]
     _packed_equals_own(dec, prompts, rows=(1, 4, 12, 2, 3), pooled=pooled)
-
-
-@pytest.mark.integration
-def test_smollm2_sequences_packed_in_one_pass_equal_their_own_passes(smollm2):
-    dec = smollm2.decoder
-    exact_or_skip(dec, "float32")
-    prompts = [smollm2.tokenizer(t).input_ids for t in ("Hi", "Translate German to English: Guten Morgen, Welt.",
-                                                         "Question: What is 12 + 30?\nAnswer:", "SELECT")]
-    _packed_equals_own(dec, prompts, rows=(12, 1, 5, 8), pooled=True)
