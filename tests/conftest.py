@@ -81,13 +81,60 @@ def smollm2():
 
 
 _prefect: PrefectServer | None = None  # the session's Prefect server, started at collection when needed
+_prefect_wanted = False  # on an xdist worker: started with the worker's first integration test instead
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def _group(nodeid: str) -> str:
+    """`make test` (``-n 2 --dist loadgroup``) runs two groups side by side: the integration tests, in
+    their order in one worker on both cores, and the tests of tiny random models in the other at the
+    lowest priority, where they take only the CPU the real model's tests leave idle (servers starting,
+    waits, single-threaded stretches). The groups go by file name, which the controller sees (it
+    collects no tests, so it cannot see their marks)."""
+    return "integration" if Path(nodeid.split("::")[0]).name.startswith("test_integration_") else "units"
+
+
+class _TwoGroups:
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class TwoGroups(LoadScopeScheduling):  # a scope per group: one worker each
+            def _split_scope(self, nodeid: str) -> str:
+                return _group(nodeid)
+
+        return TwoGroups(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_TwoGroups())
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection
 def pytest_collection_modifyitems(config, items):
-    global _prefect
+    global _prefect, _prefect_wanted
+    for item in items:
+        if (item.get_closest_marker("integration") is not None) != (_group(item.nodeid) == "integration"):
+            raise pytest.UsageError(f"{item.nodeid}: integration tests, and only they, go in test_integration_*.py")
     if _prefect is None and any("prefect_api" in item.fixturenames for item in items):
-        _prefect = PrefectServer()  # starts now; the first test that needs it waits for it
+        if WORKER is None:
+            _prefect = PrefectServer()  # starts now; the first test that needs it waits for it
+        else:  # each worker collects every test: only the integration group's needs the server
+            _prefect_wanted = True
+
+
+def pytest_runtest_setup(item):
+    global _prefect
+    if _group(item.nodeid) == "integration":
+        if _prefect_wanted and _prefect is None:
+            _prefect = PrefectServer()  # overlaps the first integration tests, which do not need it
+    elif WORKER is not None and os.nice(0) < 19:  # the units' worker, and what it starts
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):  # not Linux, or not allowed here: the lowest priority instead
+            pass
+        os.nice(19 - os.nice(0))
 
 
 def pytest_sessionfinish(session, exitstatus):
