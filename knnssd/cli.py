@@ -445,12 +445,12 @@ def cmd_ui(a) -> int:
         raise ValueError(f"--host {a.host} --port {a.port}: cannot serve there ({reason})")
     _check_tracking(uri)  # a mistyped sqlite path is an error, not a new database
     print(f"MLflow UI for {uri} on {_url(a.host, a.port)}  (Ctrl-C stops it)", file=sys.stderr)
-    # one web worker and no job runner: a browser of runs and versions needs neither MLflow's four workers
-    # nor its GenAI job consumers, which start three more processes and leave a folder in /dev/shm per start
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port),
-           "--workers", "1"]
-    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
-    # a group of its own (its server, workers and job consumers), stopped whole however this command ends
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]
+    # unless the caller sets them: one web worker and no job runner. A browser of runs and versions needs neither
+    # MLflow's four workers nor its GenAI job consumers, which start three more processes and leave a folder in
+    # /dev/shm at each start
+    env = {"MLFLOW_WORKERS": "1", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
+    # a group of its own (its server and workers), stopped whole however this command ends
     # (Ctrl-C, SIGTERM, SIGHUP: the group gets neither the terminal's signals nor a stop sent to this one's
     # group); its leader also stops if this process is SIGKILLed
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=processes.die_with_parent())
@@ -633,7 +633,9 @@ def parser() -> argparse.ArgumentParser:
     _tracking_arg(v)
     v.set_defaults(fn=cmd_serve)
 
-    u = sub.add_parser("ui", help="the MLflow UI on 127.0.0.1")
+    u = sub.add_parser("ui", help="the MLflow UI on 127.0.0.1",
+                       description="The MLflow UI on 127.0.0.1, with one worker and MLflow's GenAI jobs off "
+                                   "(MLFLOW_WORKERS and MLFLOW_SERVER_ENABLE_JOB_EXECUTION, where set, win).")
     _tracking_arg(u)
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=5000)
