@@ -83,6 +83,7 @@ def smollm2():
 _prefect: PrefectServer | None = None  # the session's Prefect server, started at collection when needed
 _prefect_wanted = False  # on an xdist worker: started with the worker's first integration test instead
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_misplaced: set[str] = set()  # tests whose integration mark and file name disagree
 
 
 def _group(nodeid: str) -> str:
@@ -90,7 +91,8 @@ def _group(nodeid: str) -> str:
     their order in one worker on both cores, and the tests of tiny random models in the other at the
     lowest priority, where they take only the CPU the real model's tests leave idle (servers starting,
     waits, single-threaded stretches). The groups go by file name, which the controller sees (it
-    collects no tests, so it cannot see their marks)."""
+    collects no tests, so it cannot see their marks). ``-x`` there stops the group that failed; the
+    other runs to its end."""
     return "integration" if Path(nodeid.split("::")[0]).name.startswith("test_integration_") else "units"
 
 
@@ -114,9 +116,9 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection
 def pytest_collection_modifyitems(config, items):
     global _prefect, _prefect_wanted
-    for item in items:
+    for item in items:  # failed when they run (an error raised here is lost in an xdist worker's crash report)
         if (item.get_closest_marker("integration") is not None) != (_group(item.nodeid) == "integration"):
-            raise pytest.UsageError(f"{item.nodeid}: integration tests, and only they, go in test_integration_*.py")
+            _misplaced.add(item.nodeid)
     if _prefect is None and any("prefect_api" in item.fixturenames for item in items):
         if WORKER is None:
             _prefect = PrefectServer()  # starts now; the first test that needs it waits for it
@@ -124,17 +126,25 @@ def pytest_collection_modifyitems(config, items):
             _prefect_wanted = True
 
 
+def _beside_integration(config) -> bool:
+    """This worker runs the units' group while another runs the integration group (``_group``)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return WORKER is not None and workers >= 2 and getattr(config.option, "loadgroup", False)
+
+
 def pytest_runtest_setup(item):
     global _prefect
+    if item.nodeid in _misplaced:
+        pytest.fail(f"{item.nodeid}: integration tests, and only they, go in test_integration_*.py", pytrace=False)
     if _group(item.nodeid) == "integration":
         if _prefect_wanted and _prefect is None:
             _prefect = PrefectServer()  # overlaps the first integration tests, which do not need it
-    elif WORKER is not None and os.nice(0) < 19:  # the units' worker, and what it starts
+    elif _beside_integration(item.config) and os.nice(0) < 19:  # this worker, and what its tests start
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except (AttributeError, OSError):  # not Linux, or not allowed here: the lowest priority instead
+        except (AttributeError, OSError):  # not Linux, or not allowed here: nice alone
             pass
-        os.nice(19 - os.nice(0))
+        os.nice(19 - os.nice(0))  # also lowers the I/O priority, which SCHED_IDLE leaves
 
 
 def pytest_sessionfinish(session, exitstatus):
