@@ -1,6 +1,7 @@
 """Batched speculative decoding (engine/batched.py): every sequence's tokens equal its own plain
 decoding, sampling keeps each sequence's distribution, slots are refilled, and draft lengths come
 from goodput."""
+import dataclasses
 import functools
 import json
 
@@ -58,6 +59,9 @@ def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
         pytest.skip(f"no exact packed bf16 pass here: {dec.exactness.note or 'packed linears not row-invariant'}")
     assert plan.exact, "fp32 must be exact"
     assert plan.pooled == (dec.attention.poolable and batch_plan.pooled_exact(dec, 4))
+    # flat pass costs, not the ones timed here: a timing taken on a loaded machine could make no draft pay, and
+    # this test is of drafted output
+    plan = dataclasses.replace(plan, costs=PassCosts((1, 64), (0.01, 0.01)))
     jobs = mixed_jobs(dec, arch, 13, 20)
     stats = BatchStats(plan.slots)
     done = list(decode_batch(dec, jobs, plan, stats))
@@ -68,7 +72,7 @@ def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
         assert f.stats.exact and f.stats.new_tokens == len(f.tokens)
     assert max(stats.active) == 4 and stats.prefills == 13
     assert stats.tokens == sum(len(f.tokens) for f in done)
-    assert sum(stats.drafted) > 0  # with flat-ish tiny-model costs, drafts pay
+    assert sum(stats.drafted) > 0
 
 
 def test_the_scheduler_shows_each_step_the_tokens_emitted_so_far():
