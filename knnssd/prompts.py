@@ -129,8 +129,8 @@ def load(path: str | os.PathLike, split: str | None = None, fields: Fields = Fie
         pid = row.get(fields.id)
         if isinstance(pid, float) and pid != pid:  # NaN: a csv's or parquet's missing id
             pid = None
-        if pid is not None and (type(pid).__name__ in ("bool", "bool_") or not isinstance(pid, (str, numbers.Number))):
-            # str() made Python's text of them ("{'x': 1}", "True", "b'x'")
+        # str() made Python's text of the others ("{'x': 1}", "True", "b'x'"); numpy's bool_ is no Number
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, (str, numbers.Number))):
             kind = {"dict": "an object", "list": "an array", "bool": "a boolean", "bool_": "a boolean"}.get(
                 type(pid).__name__, type(pid).__name__)
             raise PromptError(f"{path}: row {n} field '{fields.id}' must be a string or a number, got {kind}")
