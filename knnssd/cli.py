@@ -418,10 +418,14 @@ def cmd_serve(a) -> int:
     else:
         folder = tracking.bank_folder(a.model_uri, a.tracking_uri)
     bank = banks.load(folder)
-    if slots is not None:  # the budget, from the config alone: before the model loads
-        models.limits(bank.model, a.dtype, a.device).check_slots(slots, 2, "--batch-size")
+    limits = models.limits(bank.model, a.dtype, a.device)  # from the config alone: before the model loads
+    if a.max_model_len is not None and not 2 <= a.max_model_len <= limits.positions:
+        raise ValueError(f"--max-model-len must be an integer from 2 to {limits.positions} ({limits.bound()}), "
+                         f"got {a.max_model_len}")
+    if slots is not None:
+        limits.check_slots(slots, a.max_model_len or 2, "--batch-size")
     batcher = Batcher.routed(folder, None, a.dtype, a.device, slots, "--batch-size", plain=a.no_draft, always=True,
-                             max_queue=a.max_queue)
+                             max_len=a.max_model_len, max_queue=a.max_queue)
     if not batcher.batching:
         raise ValueError(f"{bank.model} runs on the plain HF fallback, which knnssd serve cannot batch")
     batcher.version = version
@@ -624,6 +628,9 @@ def parser() -> argparse.ArgumentParser:
     _dtype_arg(v)
     _device_arg(v)
     v.add_argument("--batch-size", default="auto", metavar="auto|N", help="sequences decoded together (default auto)")
+    v.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="the most tokens of prompt and completion a request may take; more get 400 (default: the "
+                        "model's context). Bounded, batches may run on the static step's slots (CUDA graphs on a GPU)")
     v.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 503")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled")
     v.add_argument("--reload-s", type=float, default=30.0,

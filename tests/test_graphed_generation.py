@@ -104,3 +104,33 @@ def test_an_inexact_static_step_is_not_used_where_the_eager_one_is_exact(monkeyp
     with caplog.at_level("WARNING", logger="knnssd.models"):
         assert lm.static is None and lm.decoder_for(20) is lm.decoder
     assert "the static step's probe found it not exact" in caplog.text
+
+
+def test_a_server_bounded_by_max_len_batches_on_static_slots(monkeypatch, caplog):
+    """``knnssd serve --max-model-len``: with no request reserving more, the batch's plan may run on static slots
+    (it measured them), a request over the bound is refused before it is queued, and the batch's answers are
+    plain decoding's; without the bound the slots must grow, so static slots are not even measured."""
+    from knnssd.serving.batcher import Batcher, serving_plan
+
+    monkeypatch.setenv("KNNSSD_GRAPHS", "on")
+    gen = RoutedGenerator(loaded(), bank([DrafterConfig(kind="ngram", max_len=4), DrafterConfig(kind="none")]))
+    with caplog.at_level("INFO", logger="knnssd.serving.routed"):
+        assert serving_plan(gen, 3, "--batch-size").runs_on is None
+    assert "batches of 3 run on" not in caplog.text
+    with caplog.at_level("INFO", logger="knnssd.serving.routed"):
+        b = Batcher(lambda: (gen, serving_plan(gen, 3, "--batch-size", max_len=40)), max_len=40)
+    try:
+        assert "batches of 3 run on" in caplog.text and b.batching
+        assert b.limits.positions == 40 and b.limits.bound() == "the server's --max-model-len of 40 tokens"
+        params = GenerateParams(max_new_tokens=12)
+        prompts = [" ".join(map(str, prompt_ids("llama", i))) for i in range(4)]
+        plain = RoutedGenerator(gen.lm, gen.bank, plain=True)  # in the plan's form, as the other batch test
+        want = [r.tokens for _, r in sorted(plain.generate_many(enumerate(prompts), params, b.plan))]
+        assert [r.tokens for r in b.generate(prompts, params)] == want
+        ids = prompt_ids("llama", 0)
+        with pytest.raises(ValueError, match=f"{len(ids)} tokens of prompt and 40 of completion, more than the "
+                                             "server's --max-model-len of 40 tokens"):
+            b.submit_ids(ids, False, GenerateParams(max_new_tokens=40))
+        assert b.queued == 0
+    finally:
+        b.close()

@@ -234,11 +234,16 @@ def until_gauge(s: Server, name: str, value: float, within_s: float = 60) -> Non
 def test_one_slot_server_frees_disconnects_refuses_a_full_queue_and_times_out(registered, tmp_path):  # noqa: F811
     """One slot, a queue of one, 8 s per request: a stream closed by its client leaves the slot at once;
     a third request while one runs and one waits gets 503 with Retry-After; a request past its time is
-    cancelled with 504; SIGTERM with a stream in flight ends the server with status 0, leaving nothing."""
+    cancelled with 504; SIGTERM with a stream in flight ends the server with status 0, leaving nothing.
+    And ``--max-model-len``: a request over it gets 400, and the model card says it."""
     s = Server(registered["uri"], tmp_path, "--batch-size", "1", "--max-queue", "1", "--request-timeout", "8",
-               "--grace-s", "2")
+               "--grace-s", "2", "--max-model-len", "7000")
     try:
         c = s.client
+        assert c.models.retrieve(MODEL).model_extra["max_model_len"] == 7000
+        code, answer, _ = s.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 7000})
+        assert code == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+        assert "more than the server's --max-model-len of 7000 tokens" in answer["error"]["message"], answer
         stream = c.completions.create(model=MODEL, prompt=COUNTING, max_tokens=2000, temperature=0, stream=True)
         next(iter(stream))
         stream.close()  # the client goes away
@@ -296,6 +301,9 @@ def test_serve_refuses_what_cannot_work_in_one_line(registered, tmp_path):  # no
              ([*uri, "--request-timeout", "nan"], "--request-timeout must be a number of seconds > 0"),
              (["serve", "--model-uri", f"models:/{MODEL}@nosuch"], "nosuch"),
              ([*uri, "--dtype", "float16"], "invalid choice: 'float16'"),
-             ([*uri, "--batch-size", "100000"], "--batch-size")]
+             ([*uri, "--batch-size", "100000"], "--batch-size"),
+             ([*uri, "--max-model-len", "1"], "--max-model-len must be an integer from 2 to 8192 (the model's "
+                                                "context of 8192 tokens), got 1"),
+             ([*uri, "--max-model-len", "9000"], "--max-model-len must be an integer from 2 to 8192")]
     for (args, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
         assert res.code == 2 and len(res.stderr) == 1 and message in res.stderr[0], (args, res)

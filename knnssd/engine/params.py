@@ -84,15 +84,19 @@ class Limits:
     context: int | None
     kv_bytes: int
     memory: int = KV_MEMORY
+    cap: int | None = None  # a server's own bound (``knnssd serve --max-model-len``)
 
     @property
     def positions(self) -> int:
         """The most positions (prompt and new tokens) one sequence may take."""
         by_memory = self.memory // max(1, self.kv_bytes)
-        return by_memory if self.context is None else min(self.context, by_memory)
+        most = by_memory if self.context is None else min(self.context, by_memory)
+        return most if self.cap is None else min(most, self.cap)
 
     def bound(self) -> str:
         """What ``positions`` is set by, in words."""
+        if self.positions == self.cap:
+            return f"the server's --max-model-len of {self.cap} tokens"
         if self.positions == self.context:
             return f"the model's context of {self.context} tokens"
         return f"the {self.memory / 2**30:g} GiB KV-cache budget of one sequence ({self.positions} positions)"

@@ -15,6 +15,7 @@ stops letting idle workers spin, which slowed every step of the batch's thread (
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from knnssd.engine.batch_plan import BatchPlan
 from knnssd.engine.batched import JobQueue, Scheduler
 from knnssd.engine.decode import Prefill, Run, prefill
-from knnssd.engine.params import GenerateParams
+from knnssd.engine.params import GenerateParams, Limits
 from knnssd.routing.bank import Bank
 from knnssd.serving.routed import Result, RoutedGenerator, RoutedJob
 
@@ -71,12 +72,14 @@ class Batcher:
     generator cannot batch, or one slot was asked for; the thread then ends, and neither ``generate``
     nor ``submit`` is used). The constructor returns once it has, raising what it raised.
     ``max_queue``: how many requests may wait for a slot (None: any number). ``observer``: told of
-    each step (``ServerMetrics``)."""
+    each step (``ServerMetrics``). ``max_len``: the most positions (prompt and new tokens) a request may
+    take (None: the model's ``Limits``); ``submit`` refuses more."""
 
     def __init__(self, load: Callable[[], tuple[RoutedGenerator, BatchPlan | None]], max_queue: int | None = None,
-                 observer=None):
+                 observer=None, max_len: int | None = None):
         self.gen: RoutedGenerator | None = None
         self.plan: BatchPlan | None = None
+        self.max_len = max_len
         self.version: str | None = None  # the bank version served, where the caller names it (``swap``)
         self.max_queue, self.observer = max_queue, observer
         self._queue = JobQueue()
@@ -102,32 +105,27 @@ class Batcher:
 
     @classmethod
     def routed(cls, bank_dir, model: str | None, dtype: str, device: str, slots: int | None, option: str,
-               plain: bool = False, always: bool = False, **kw) -> "Batcher":
+               plain: bool = False, always: bool = False, max_len: int | None = None, **kw) -> "Batcher":
         """The batch over a bank folder's generator (``slots``: None for as many as fit, ``option``: the
         setting that named them, for its error), loaded on the batch's thread; ``always``: a batch of
-        one slot too (else one slot means no batch: the caller generates one at a time)."""
-        from knnssd.engine.batch_plan import auto_slots, check_slots
+        one slot too (else one slot means no batch: the caller generates one at a time); ``max_len``: the
+        most positions a request may take (``serving_plan``)."""
 
         def load():
             gen = RoutedGenerator.from_bank_dir(bank_dir, model=model, dtype=dtype, device=device)
             gen.plain = plain
-            if not gen.can_batch:
-                return gen, None
-            d = GenerateParams()
-            positions = min(d.max_prompt_tokens + d.max_new_tokens, gen.lm.limits.positions)
-            n = slots
-            if n is None:
-                n = auto_slots(gen.decoder, positions, 1 << 10, record=gen.lm.batch_record)
-            else:
-                check_slots(gen.decoder, n, positions, option)
-            # requests may reserve more than these defaults' positions: the running batch's slots must grow
-            return gen, gen.plan(n, positions, bound=False) if n > 1 or always else None
+            return gen, serving_plan(gen, slots, option, always, max_len)
 
-        return cls(load, **kw)
+        return cls(load, max_len=max_len, **kw)
 
     @property
     def batching(self) -> bool:
         return self.plan is not None
+
+    @property
+    def limits(self) -> Limits:
+        """What one request may hold here: the model's ``Limits``, within ``max_len``."""
+        return dataclasses.replace(self.gen.lm.limits, cap=self.max_len)
 
     @property
     def alive(self) -> bool:
@@ -156,6 +154,9 @@ class Batcher:
                    on_tokens: Callable[[list[int]], None] | None = None,
                    on_done: Callable[[Result | BaseException], None] | None = None) -> StreamJob:
         """``submit`` for a prompt already tokenized by ``gen.tokenize`` with ``params``."""
+        if self.max_len is not None and len(ids) + params.max_new_tokens > self.max_len:  # static slots do not grow
+            raise ValueError(f"this request needs {len(ids)} tokens of prompt and {params.max_new_tokens} of "
+                             f"completion, more than {self.limits.bound()}")
         job = StreamJob(self.gen, ids, truncated, params, on_tokens=on_tokens, on_done=on_done,
                         current=self._current, t_submit=time.perf_counter())
         with self._lock:
@@ -238,3 +239,23 @@ class Batcher:
             self._waiting.discard(job)
         if job.on_done is not None:
             job.on_done(outcome)
+
+
+def serving_plan(gen: RoutedGenerator, slots: int | None, option: str, always: bool = False,
+                 max_len: int | None = None) -> BatchPlan | None:
+    """The running batch's plan over ``gen`` (``Batcher.routed``'s arguments), or None where it does not
+    batch. With ``max_len`` no request reserves more positions, so the plan may put the batch on static
+    slots (``RoutedGenerator.plan``: CUDA graphs on a GPU); without it, a request may reserve more than
+    the default settings' positions, and the slots must be able to grow."""
+    from knnssd.engine.batch_plan import auto_slots, check_slots
+
+    if not gen.can_batch:
+        return None
+    d = GenerateParams()
+    positions = max_len or min(d.max_prompt_tokens + d.max_new_tokens, gen.lm.limits.positions)
+    n = slots
+    if n is None:
+        n = auto_slots(gen.decoder, positions, 1 << 10, record=gen.lm.batch_record)
+    else:
+        check_slots(gen.decoder, n, positions, option)
+    return gen.plan(n, positions, bound=max_len is not None) if n > 1 or always else None

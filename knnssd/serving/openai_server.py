@@ -147,7 +147,9 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
         return {"id": served, "object": "model", "created": 0, "owned_by": "knnssd",
                 "knnssd": {"bank_version": batcher.version, "source": source, "base_model": batcher.gen.bank.model,
                            "clusters": [c.label for c in batcher.gen.bank.clusters], "slots": batcher.slots,
-                           "exact": bool(batcher.plan and batcher.plan.exact)}}
+                           "exact": bool(batcher.plan and batcher.plan.exact),
+                           "static_slots": bool(batcher.plan and batcher.plan.runs_on is not None)},
+                "max_model_len": batcher.limits.positions}
 
     def check_served(model: str) -> None:
         if model != served:
@@ -184,7 +186,7 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
             def submit():  # tokenizing a long prompt takes a while: off the event loop, which serves the others
                 # as OpenAI's API: the whole prompt, or a 400 (the CLI's policy of keeping a long prompt's last
                 # tokens would drop a chat's system and user turns unseen)
-                ids, fitted = whole_prompt_ids(tokenizer, prompt, params, batcher.gen.lm.limits,
+                ids, fitted = whole_prompt_ids(tokenizer, prompt, params, batcher.limits,
                                                fit=body.max_tokens is None, where="messages" if chat else "prompt")
                 return fitted, batcher.submit_ids(ids, False, fitted, lambda t: follow.put("tokens", t),
                                                   lambda r: follow.put("done", r))
