@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -87,13 +88,26 @@ def test_calibration_stopped_mid_search_is_resumed_by_its_deployment(isolated, d
     for p in inputs:
         args += ["--input", p]
     env = {**os.environ, **prefect_api}
+    deployed = {**env, "KNNSSD_HOME": str(ROOT), "MLFLOW_TRACKING_URI": uri}
+    run = lambda *a, **kw: subprocess.run([PREFECT, *a], env=deployed, cwd=ROOT, capture_output=True,  # noqa: E731
+                                          text=True, timeout=kw.get("timeout", 120))
+    params = {"params": {"model": "smollm2", "dtype": "float32", "inputs": inputs, "storage": storage, **settings}}
+
+    def schedule() -> list:  # the deployment and its run, while the CLI searches: no worker takes the run yet
+        return [run("work-pool", "create", "knnssd-process", "--type", "process", "--overwrite"),
+                run("--no-prompt", "deploy", "-n", "calibrate-smollm2"),
+                run("deployment", "run", "calibrate/calibrate-smollm2", "--params", json.dumps(params))]
+
     log = tmp / "calibrate.log"  # a file, not a pipe nobody reads: a full pipe would block the run's shutdown
     with log.open("w") as out:
         proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    scheduling = ThreadPoolExecutor(1)
+    scheduled = scheduling.submit(schedule)
+    scheduling.shutdown(wait=False)
     deadline = time.time() + 400
     before = 0
     while time.time() < deadline and proc.poll() is None:
-        time.sleep(2)
+        time.sleep(0.5)
         if Path(storage).exists():
             before = _journal_trials(storage)
             if before >= 3:
@@ -111,16 +125,8 @@ def test_calibration_stopped_mid_search_is_resumed_by_its_deployment(isolated, d
     assert tracking.versions("smollm2", uri) == []  # nothing registered by the stopped run
     before = _journal_trials(storage)
 
-    deployed = {**env, "KNNSSD_HOME": str(ROOT), "MLFLOW_TRACKING_URI": uri}
-    run = lambda *a, **kw: subprocess.run([PREFECT, *a], env=deployed, cwd=ROOT, capture_output=True,  # noqa: E731
-                                          text=True, timeout=kw.get("timeout", 120))
-    out = run("work-pool", "create", "knnssd-process", "--type", "process", "--overwrite")
-    assert out.returncode == 0, out.stdout + out.stderr
-    out = run("--no-prompt", "deploy", "-n", "calibrate-smollm2")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    params = {"params": {"model": "smollm2", "dtype": "float32", "inputs": inputs, "storage": storage, **settings}}
-    out = run("deployment", "run", "calibrate/calibrate-smollm2", "--params", json.dumps(params))
-    assert out.returncode == 0, out.stdout + out.stderr
+    for out in scheduled.result(timeout=400):
+        assert out.returncode == 0, out.args[1:3] + [out.stdout[-3000:] + out.stderr[-3000:]]
     out = run("worker", "start", "--pool", "knnssd-process", "--run-once", timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert _journal_trials(storage) >= before + 1  # resumed: the studies' trials so far, and more

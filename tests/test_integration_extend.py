@@ -2,6 +2,7 @@
 and process worker, two search workers sharing one study, a real `mlflow server`."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -83,40 +84,18 @@ def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank,
                                      "tolerance": 0.99}}}  # timed beside a server that streams: only a 100x loss refuses
     out = run("deployment", "run", "watch-drop-folder/watch-drop-folder-smollm2", "--params", json.dumps(params))
     assert out.returncode == 0, out.stdout + out.stderr
-    # `knnssd serve` on the champion (version 1), streaming requests all through add-domain and promote
-    server = KnnssdServer(uri, tmp_path, "--dtype", "float32", "--reload-s", "1", env={"OMP_WAIT_POLICY": "PASSIVE"})
-    served, stop = [], threading.Event()
-
-    def clients():
-        sql_prompt = json.loads(sql.read_text().splitlines()[-1])["prompt"]
-        while not stop.is_set():
-            for p in (sql_prompt, "Translate German to English:\nGuten Morgen."):
-                text, finish, extra = "", None, None
-                for ch in server.client.completions.create(model="knnssd-smollm2", prompt=p, max_tokens=24,
-                                                           temperature=0, stream=True):
-                    text += ch.choices[0].text
-                    finish, extra = ch.choices[0].finish_reason, ch.choices[0].model_extra.get("knnssd", extra)
-                served.append((p == sql_prompt, finish, extra))
-                stop.wait(0.5)  # a client at a time's pace, leaving the search most of the machine
-
-    pool = ThreadPoolExecutor(1)
-    streaming = pool.submit(clients)
+    # the worker starts beside the server: its flow run imports and loads for seconds before add-domain, and
+    # promote moves the alias tens of seconds after that
+    worker_log = tmp_path / "worker.log"
+    with worker_log.open("w") as log:
+        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "knnssd-process", "--run-once"], env=env,
+                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        out = run("worker", "start", "--pool", "knnssd-process", "--run-once", timeout=900)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        assert len(tracking.versions("smollm2", uri)) == 2, out.stdout[-3000:] + out.stderr[-3000:]
-        deadline = time.time() + 60  # the server sees the alias move within a second, and swaps between two steps
-        while time.time() < deadline and not any(x[2]["bank_version"] == "2" for x in served if x[2]):
-            time.sleep(0.5)
-        n = len(served)
-        while time.time() < deadline and len(served) < n + 2:
-            time.sleep(0.2)
-        assert server.info()["knnssd"]["bank_version"] == "2", (  # a string: pytest shortens a tuple's repr
-            f"{promotions(uri)}\n{server.log_path.read_text()[-4000:]}")
+        served = _serve_through_the_swap(uri, tmp_path, sql, worker, worker_log)
     finally:
-        stop.set()
-        streaming.result(timeout=120)  # a request that failed raises here
-        assert server.stop() == 0
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
     versions = [extra["bank_version"] for _, _, extra in served]
     assert versions == sorted(versions) and versions[0] == "1" and versions[-1] == "2", versions  # no request failed
     assert all(finish in ("length", "stop") for _, finish, _ in served)
@@ -159,6 +138,47 @@ def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank,
     assert again == {"added": [], "skipped": [str(twin)], "promotion": None}
     assert len(tracking.versions("smollm2", uri)) == 2
     assert promote(PromoteParams(candidate="candidate", inputs=inputs, per_file=1, tracking_uri=uri))["promote"] is False
+
+
+def _serve_through_the_swap(uri: str, tmp_path: Path, sql: Path, worker: subprocess.Popen, worker_log: Path) -> list:
+    """`knnssd serve` on the champion (version 1), streaming requests all through the running ``worker``'s
+    add-domain and promote, until it serves version 2: each request's (is the SQL prompt, finish reason,
+    ``knnssd`` figures)."""
+    server = KnnssdServer(uri, tmp_path, "--dtype", "float32", "--reload-s", "1", env={"OMP_WAIT_POLICY": "PASSIVE"})
+    served, stop = [], threading.Event()
+
+    def clients():
+        sql_prompt = json.loads(sql.read_text().splitlines()[-1])["prompt"]
+        while not stop.is_set():
+            for p in (sql_prompt, "Translate German to English:\nGuten Morgen."):
+                text, finish, extra = "", None, None
+                for ch in server.client.completions.create(model="knnssd-smollm2", prompt=p, max_tokens=24,
+                                                           temperature=0, stream=True):
+                    text += ch.choices[0].text
+                    finish, extra = ch.choices[0].finish_reason, ch.choices[0].model_extra.get("knnssd", extra)
+                served.append((p == sql_prompt, finish, extra))
+                stop.wait(0.5)  # a client at a time's pace, leaving the search most of the machine
+
+    pool = ThreadPoolExecutor(1)
+    streaming = pool.submit(clients)
+    try:
+        worker.wait(900)
+        out = worker_log.read_text()
+        assert worker.returncode == 0, out[-6000:]
+        assert len(tracking.versions("smollm2", uri)) == 2, out[-6000:]
+        deadline = time.time() + 60  # the server sees the alias move within a second, and swaps between two steps
+        while time.time() < deadline and not any(x[2]["bank_version"] == "2" for x in served if x[2]):
+            time.sleep(0.5)
+        n = len(served)
+        while time.time() < deadline and len(served) < n + 2:
+            time.sleep(0.2)
+        assert server.info()["knnssd"]["bank_version"] == "2", (  # a string: pytest shortens a tuple's repr
+            f"{promotions(uri)}\n{server.log_path.read_text()[-4000:]}")
+    finally:
+        stop.set()
+        streaming.result(timeout=120)  # a request that failed raises here
+        assert server.stop() == 0
+    return served
 
 
 def test_two_workers_share_one_study_then_one_version(data_dir, prefect_api, prefect_harness, tmp_path):
