@@ -359,11 +359,13 @@ def cmd_demo(a) -> int:
 
 
 def cmd_generate(a) -> int:
+    import dataclasses
+
     from knnssd.flows.generate import generate
 
     from knnssd import models
     from knnssd.engine.params import GenerateParams, batch_size
-    from knnssd.serving.batch import check_output, check_paths, output_path, run_settings, writing
+    from knnssd.serving.batch import already_complete, check_output, check_paths, output_path, run_settings, writing
     from knnssd.serving.request import GenerateRequest
 
     # every check a retry cannot change runs here, in seconds, before any server starts or model loads; the
@@ -383,8 +385,13 @@ def cmd_generate(a) -> int:
         if request.batch_size is not None:  # each sequence takes its new tokens at least (prompts count after the load)
             limits.check_slots(min(request.batch_size, len(rows)), params.max_new_tokens + 1, "--batch-size")
         dtype = models.precision_name(request.dtype, request.device)
-        check_output(output, request.overwrite, run_settings(params, dtype, bank))  # a resume asks the same as before
-        summary = _flow(generate, request)
+        done = check_output(output, request.overwrite, run_settings(params, dtype, bank))  # a resume: the same settings
+        complete = None if request.overwrite else already_complete(output, rows, done)
+        if complete is not None:  # nothing to do: no Prefect server, no model load, no MLflow run
+            print(f"knnssd: every prompt of {request.input} is in {output} already", file=sys.stderr)
+            summary = {**dataclasses.asdict(complete), "mlflow_run_id": None}
+        else:
+            summary = _flow(generate, request)
     print(json.dumps(summary))
     return 0
 

@@ -240,6 +240,10 @@ def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registere
     assert res.code == 2 and len(res.stderr) == 1, res
     assert "max_new_tokens 4 (this run: 24)" in res.stderr[0] and "--overwrite" in res.stderr[0], res
     assert res.seconds < 15 and out.read_bytes() == before
+    # the same command again, with nothing left to generate: said at once, with no server, model load or write
+    res, = run_cli([argv + ["--max-new-tokens", "4"]], cli_env(registered, {**os.environ, **prefect_api}))
+    assert res.code == 0 and res.stderr == [f"knnssd: every prompt of {inp} is in {out} already"], res
+    assert res.seconds < 15 and out.read_bytes() == before
 
     other = tmp_path / "other-bank"
     shutil.copytree(tracking.download_bank("models:/knnssd-smollm2@champion", uri=registered["uri"]), other)

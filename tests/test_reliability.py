@@ -269,6 +269,26 @@ def test_resume_refuses_other_settings_and_names_them(tmp_path):
         batch.check_output(out, False, settings=made)
 
 
+def test_a_complete_output_is_known_before_any_work(tmp_path):
+    """Rerunning a finished `generate` loaded the model and started a flow to generate nothing: the
+    output's rows are checked first. A prompt missing or changed under its id, or a killed run's journal
+    still to be folded into the output, leaves work to do."""
+    from knnssd.prompts import Prompt
+
+    out = tmp_path / "o.parquet"
+    made = _settings(max_new_tokens=8)
+    rows = [Prompt("a", "pa"), Prompt("b", "pb")]
+    assert batch.already_complete(out, rows, batch.check_output(out, False, made)) is None  # no output yet
+    batch.write_parquet([_row("b", "pb", made), _row("a", "pa", made)], out)
+    done = batch.check_output(out, False, made)
+    summary = batch.already_complete(out, rows, done)
+    assert summary.rows == 2 and summary.generated == 0 and summary.new_tokens == 4 and summary.output == str(out)
+    assert batch.already_complete(out, [*rows, Prompt("c", "pc")], done) is None
+    assert batch.already_complete(out, [Prompt("a", "pa"), Prompt("b", "changed")], done) is None
+    batch.progress_path(out).write_text(json.dumps(_row("a", "pa", made)) + "\n")
+    assert batch.already_complete(out, rows, batch.check_output(out, False, made)) is None
+
+
 def test_an_output_that_is_the_input_is_refused_even_with_overwrite(tmp_path):
     """Defect 2: ``--input x.parquet --output x.parquet --overwrite`` replaced the prompts with the answers.
     The same path, a symbolic link and a hard link are all refused, as are the output's journal and lock."""

@@ -359,6 +359,20 @@ def run(gen: RoutedGenerator, rows: list[Prompt], output: str | os.PathLike, par
         return _run(gen, rows, output, done, params, _settings_text(settings), flush_every, unmatched_dir, batch_size)
 
 
+def to_generate(rows: list[Prompt], done: dict[str, dict]) -> list[Prompt]:
+    """The rows a resumed run generates: those not ``done``, and those whose id now holds another prompt."""
+    return [r for r in rows if r.id not in done or done[r.id]["prompt_hash"] != prompt_hash(r.prompt)]
+
+
+def already_complete(output: Path, rows: list[Prompt], done: dict[str, dict]) -> Summary | None:
+    """The summary of a run over ``rows`` with nothing left to generate in ``output`` (``done``: its
+    ``check_output``), or None where there is something, or a killed run's progress journal still waits
+    to be written into the output."""
+    if to_generate(rows, done) or progress_path(output).exists() or not output.exists():
+        return None
+    return summarize(in_order(list(done.values()), rows), 0, output, None)
+
+
 def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, batch_size: int | None,
              stats: BatchStats) -> Iterator[tuple[Prompt, Result]]:
     """(prompt, result) as each finishes: batched when the decoder can run slots and the batch size
@@ -388,13 +402,13 @@ def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, done: dict[str,
          settings: str, flush_every: int, unmatched_dir: Path | None, batch_size: int | None) -> Summary:
     from tqdm import tqdm
 
-    changed = {r.id for r in rows if r.id in done and done[r.id]["prompt_hash"] != prompt_hash(r.prompt)}
+    todo = to_generate(rows, done)
+    changed = {r.id for r in todo if r.id in done}
     if changed:
         log.warning("%s: %d row(s) hold the answer to another prompt under the same id (the input changed); they are "
                     "generated again", output, len(changed))
     wanted = {r.id for r in rows}
     finished = [done[r.id] for r in rows if r.id in done and r.id not in changed]
-    todo = [r for r in rows if r.id not in done or r.id in changed]
     if done.keys() - wanted:
         log.warning("%s holds %d ids that are not in this input; they are kept", output, len(done.keys() - wanted))
         finished += [row for i, row in done.items() if i not in wanted]
