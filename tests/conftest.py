@@ -1,4 +1,5 @@
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -145,6 +146,25 @@ def pytest_runtest_setup(item):
         except (AttributeError, OSError):  # not Linux, or not allowed here: nice alone
             pass
         os.nice(19 - os.nice(0))  # also lowers the I/O priority, which SCHED_IDLE leaves
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The machine beside the suite's time (the next line): the suite is bounded on every machine kind, and
+    each run of it, CI's included, then measures the kind it ran on."""
+    terminalreporter.write_line(f"machine: {_machine()}")
+
+
+def _machine() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()}, {os.cpu_count()} cores"
+    info = dict(line.split(":", 1) for line in lines if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = set(info.get("flags", "").split())
+    bf16 = " ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "no avx512_bf16"
+    return (f"{info.get('model name', platform.processor() or platform.machine())}, family {info.get('cpu family', '?')} "
+            f"model {info.get('model', '?')}, {os.cpu_count()} cores, {bf16}")
 
 
 def pytest_sessionfinish(session, exitstatus):
