@@ -637,7 +637,8 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--batch-size", default="auto", metavar="auto|N", help="sequences decoded together (default auto)")
     v.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="the most tokens of prompt and completion a request may take; more get 400 (default: the "
-                        "model's context). Bounded, batches may run on the static step's slots (CUDA graphs on a GPU)")
+                        "model's context, and prompts of 4096 tokens at most). Bounded, batches may run on the static "
+                        "step's slots (CUDA graphs on a GPU)")
     v.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 503")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled")
     v.add_argument("--reload-s", type=float, default=30.0,

@@ -181,8 +181,8 @@ def whole_prompt_ids(tokenizer, prompt: str, params: GenerateParams, limits: Lim
     """The OpenAI server's prompt policy (OpenAI's): token ids of the whole ``prompt`` and the params to run it
     with, never a prompt's tail. ``fit``: the request set no ``max_tokens``, so ``params.max_new_tokens`` (the
     default) is lowered to what the context leaves. ``ContextTooLong`` where the prompt is over
-    ``max_prompt_tokens`` (the slots are planned for that many, ``batcher.Batcher``) or it and the new tokens do
-    not fit ``limits``. ``where``: the request's name for the prompt."""
+    ``max_prompt_tokens`` (what the server's slots are planned for: ``Batcher.prompt_tokens``) or it and the
+    new tokens do not fit ``limits`` (``check_fits``). ``where``: the request's name for the prompt."""
     check_prompt(prompt)
     ids = tokenizer(prompt).input_ids
     n = len(ids)
@@ -191,12 +191,18 @@ def whole_prompt_ids(tokenizer, prompt: str, params: GenerateParams, limits: Lim
                              f"{params.max_prompt_tokens} a prompt may take here: shorten the {where}", where)
     if fit:
         params = dataclasses.replace(params, max_new_tokens=max(1, min(params.max_new_tokens, limits.positions - n)))
+    check_fits(n, params, limits, where, fit)
+    return ids, params
+
+
+def check_fits(n: int, params: GenerateParams, limits: Limits, where: str = "prompt", fit: bool = False) -> None:
+    """``ContextTooLong`` where a prompt of ``n`` tokens and ``params.max_new_tokens`` do not fit ``limits``
+    (``fit``: the new tokens were lowered to fit already, so the prompt is what to change)."""
     if n + params.max_new_tokens > limits.positions:
         raise ContextTooLong(f"this request needs {n} tokens of {where} and {params.max_new_tokens} of completion, "
                              f"more than {limits.bound()}: shorten the {where}" + ("" if fit else
                                                                                     " or ask for fewer tokens"),
                              where if fit else "max_tokens")
-    return ids, params
 
 
 def prompt_ids(tokenizer, prompt: str, params: GenerateParams, limits: Limits | None = None) -> tuple[list[int], bool]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from knnssd.engine.batch_plan import BatchPlan
 from knnssd.engine.batched import JobQueue, Scheduler
 from knnssd.engine.decode import Prefill, Run, prefill
-from knnssd.engine.params import GenerateParams, Limits
+from knnssd.engine.params import GenerateParams, Limits, check_fits
 from knnssd.routing.bank import Bank
 from knnssd.serving.routed import Result, RoutedGenerator, RoutedJob
 
@@ -128,6 +128,12 @@ class Batcher:
         return dataclasses.replace(self.gen.lm.limits, cap=self.max_len)
 
     @property
+    def prompt_tokens(self) -> int:
+        """The most prompt tokens a request may take: all but one of ``max_len``, else the default settings'
+        ``max_prompt_tokens``, what unbounded slots are planned for (``serving_plan``)."""
+        return self.max_len - 1 if self.max_len is not None else GenerateParams().max_prompt_tokens
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -154,9 +160,7 @@ class Batcher:
                    on_tokens: Callable[[list[int]], None] | None = None,
                    on_done: Callable[[Result | BaseException], None] | None = None) -> StreamJob:
         """``submit`` for a prompt already tokenized by ``gen.tokenize`` with ``params``."""
-        if self.max_len is not None and len(ids) + params.max_new_tokens > self.max_len:  # static slots do not grow
-            raise ValueError(f"this request needs {len(ids)} tokens of prompt and {params.max_new_tokens} of "
-                             f"completion, more than {self.limits.bound()}")
+        check_fits(len(ids), params, self.limits)  # the server checked already; static slots do not grow
         job = StreamJob(self.gen, ids, truncated, params, on_tokens=on_tokens, on_done=on_done,
                         current=self._current, t_submit=time.perf_counter())
         with self._lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -180,7 +181,8 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
     async def _generate(body, prompt: str, chat: bool, request: Request):
         check_served(body.model)
         try:
-            params = body.params(CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS)
+            params = dataclasses.replace(body.params(CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS),
+                                         max_prompt_tokens=batcher.prompt_tokens)
             follow = _Follow()
 
             def submit():  # tokenizing a long prompt takes a while: off the event loop, which serves the others
