@@ -40,7 +40,7 @@ def run_queue_delay() -> float:
 class Stopwatch:
     """Seconds since it started, less the time the calling thread waited for a CPU. A test's bound on
     how soon something answers uses it: beside the integration tests the units' worker runs under
-    SCHED_IDLE (tests/conftest.py), where one second of work can wait minutes for a core."""
+    SCHED_IDLE (tests/conftest.py), where its work waits for whatever CPU the other worker leaves."""
 
     def __init__(self):
         self.t0, self.d0 = time.monotonic(), run_queue_delay()
@@ -51,7 +51,7 @@ class Stopwatch:
 
 HELPER = r"""
 import atexit, contextlib, gc, io, json, os, sys, tempfile, threading, time, traceback
-from knnssd.cli import ENV_DEFAULTS, main  # first, as in a process of its own: it sets ENV_DEFAULTS
+from knnssd.cli import ENV_DEFAULTS, main  # before the libraries, as in a process of its own: it sets ENV_DEFAULTS
 import numpy, pandas, pyarrow.parquet, torch, transformers, mlflow  # noqa: F401 - imported once, for every child
 
 gc.freeze()  # the imports' objects stay out of the children's collections, and their pages shared

@@ -77,7 +77,11 @@ class KnnssdServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "knnssd.cli", "serve", "--model-uri", model_uri,
                                       "--port", str(self.port), *args], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        wait_http(f"{self.url}/health", 240, self.proc)
+        try:
+            wait_http(f"{self.url}/health", 240, self.proc)
+        except BaseException:
+            self.stop()
+            raise
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=300)
 
     @property

@@ -122,6 +122,7 @@ def test_a_server_bounded_by_max_len_batches_on_static_slots(monkeypatch, caplog
     try:
         assert "batches of 3 run on" in caplog.text and b.batching
         assert b.limits.positions == 40 and b.limits.bound() == "the server's --max-model-len of 40 tokens"
+        assert b.prompt_tokens == 39  # not the default settings' 4096: the slots hold 40
         params = GenerateParams(max_new_tokens=12)
         prompts = [" ".join(map(str, prompt_ids("llama", i))) for i in range(4)]
         plain = RoutedGenerator(gen.lm, gen.bank, plain=True)  # in the plan's form, as the other batch test

@@ -1,7 +1,9 @@
 """Calibration end to end on SmolLM2 (the CLI, stopped mid-search, then resumed by its Prefect deployment on
 a process worker), with a real MLflow (sqlite); and fixed banks for the other integration tests."""
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,12 +100,39 @@ def test_calibration_stopped_mid_search_is_resumed_by_its_deployment(isolated, d
                 run("--no-prompt", "deploy", "-n", "calibrate-smollm2"),
                 run("deployment", "run", "calibrate/calibrate-smollm2", "--params", json.dumps(params))]
 
-    log = tmp / "calibrate.log"  # a file, not a pipe nobody reads: a full pipe would block the run's shutdown
-    with log.open("w") as out:
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     scheduling = ThreadPoolExecutor(1)
     scheduled = scheduling.submit(schedule)
     scheduling.shutdown(wait=False)
+    taken = False
+    try:
+        before = _stopped_mid_search(args, env, tmp / "calibrate.log", storage, uri)
+        for out in scheduled.result(timeout=400):
+            assert out.returncode == 0, out.args[1:3] + [out.stdout[-3000:] + out.stderr[-3000:]]
+        out = run("worker", "start", "--pool", "knnssd-process", "--run-once", timeout=900)
+        taken = True
+    finally:
+        if not taken:  # a run left scheduled in the session's pool would be taken by another test's worker
+            with contextlib.suppress(Exception):  # the test's own failure is the one to report
+                flow_run = re.search(r"UUID: ([0-9a-f-]{36})", scheduled.result(timeout=400)[-1].stdout)
+                run("flow-run", "delete", flow_run[1])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert _journal_trials(storage) >= before + 1  # resumed: the studies' trials so far, and more
+    assert len(tracking.versions("smollm2", uri)) == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    for alias in ("candidate", "champion"):
+        assert str(tracking.resolve(f"models:/knnssd-smollm2@{alias}", uri).version) == "1"
+    folder = tracking.download_bank("models:/knnssd-smollm2@champion", tmp / "dl", uri)
+    bank = banks.load(folder)  # validates
+    assert {c.label for c in bank.clusters} == {"reasoning", "translation"}
+    assert len(bank.anchors) == 4 and bank.model == "smollm2" and bank.n_layers == 30
+    assert all(c.speedup >= 1.0 for c in bank.clusters)  # plain AR is always a candidate
+    assert {"skip_heatmap.png", "anchor_map.png"} <= {p.name for p in folder.iterdir()}
+
+
+def _stopped_mid_search(args: list[str], env: dict, log: Path, storage: str, uri: str) -> int:
+    """``knnssd calibrate`` (``args``) sent SIGTERM once its studies hold 3 trials: it must stop within
+    ``STOP_S``, unwound, with nothing registered. The trials its studies then hold."""
+    with log.open("w") as out:  # a file, not a pipe nobody reads: a full pipe would block the run's shutdown
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 400
     before = 0
     while time.time() < deadline and proc.poll() is None:
@@ -123,22 +152,7 @@ def test_calibration_stopped_mid_search_is_resumed_by_its_deployment(isolated, d
     assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-2000:]  # unwound (cli.Terminated), not killed
     assert "knnssd: terminated (SIGTERM)" in log.read_text().splitlines(), log.read_text()[-2000:]
     assert tracking.versions("smollm2", uri) == []  # nothing registered by the stopped run
-    before = _journal_trials(storage)
-
-    for out in scheduled.result(timeout=400):
-        assert out.returncode == 0, out.args[1:3] + [out.stdout[-3000:] + out.stderr[-3000:]]
-    out = run("worker", "start", "--pool", "knnssd-process", "--run-once", timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert _journal_trials(storage) >= before + 1  # resumed: the studies' trials so far, and more
-    assert len(tracking.versions("smollm2", uri)) == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    for alias in ("candidate", "champion"):
-        assert str(tracking.resolve(f"models:/knnssd-smollm2@{alias}", uri).version) == "1"
-    folder = tracking.download_bank("models:/knnssd-smollm2@champion", tmp / "dl", uri)
-    bank = banks.load(folder)  # validates
-    assert {c.label for c in bank.clusters} == {"reasoning", "translation"}
-    assert len(bank.anchors) == 4 and bank.model == "smollm2" and bank.n_layers == 30
-    assert all(c.speedup >= 1.0 for c in bank.clusters)  # plain AR is always a candidate
-    assert {"skip_heatmap.png", "anchor_map.png"} <= {p.name for p in folder.iterdir()}
+    return _journal_trials(storage)
 
 
 def test_a_workers_clusters_take_the_model_in_turn(smollm2, data_dir, tmp_path):

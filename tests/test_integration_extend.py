@@ -84,8 +84,8 @@ def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank,
                                      "tolerance": 0.99}}}  # timed beside a server that streams: only a 100x loss refuses
     out = run("deployment", "run", "watch-drop-folder/watch-drop-folder-smollm2", "--params", json.dumps(params))
     assert out.returncode == 0, out.stdout + out.stderr
-    # the worker starts beside the server: its flow run imports and loads for seconds before add-domain, and
-    # promote moves the alias tens of seconds after that
+    # the worker starts beside the server, which is up long before the worker's flow run has imported,
+    # loaded, searched and compared the two versions (checked below)
     worker_log = tmp_path / "worker.log"
     with worker_log.open("w") as log:
         worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "knnssd-process", "--run-once"], env=env,
@@ -145,6 +145,9 @@ def _serve_through_the_swap(uri: str, tmp_path: Path, sql: Path, worker: subproc
     add-domain and promote, until it serves version 2: each request's (is the SQL prompt, finish reason,
     ``knnssd`` figures)."""
     server = KnnssdServer(uri, tmp_path, "--dtype", "float32", "--reload-s", "1", env={"OMP_WAIT_POLICY": "PASSIVE"})
+    if server.info()["knnssd"]["bank_version"] != "1":
+        server.stop()
+        pytest.fail("the worker promoted version 2 before the server answered: the test's overlap is too tight here")
     served, stop = [], threading.Event()
 
     def clients():
@@ -176,8 +179,10 @@ def _serve_through_the_swap(uri: str, tmp_path: Path, sql: Path, worker: subproc
             f"{promotions(uri)}\n{server.log_path.read_text()[-4000:]}")
     finally:
         stop.set()
-        streaming.result(timeout=120)  # a request that failed raises here
-        assert server.stop() == 0
+        try:
+            streaming.result(timeout=120)  # a request that failed raises here
+        finally:
+            assert server.stop() == 0
     return served
 
 
