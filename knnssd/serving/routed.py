@@ -163,7 +163,11 @@ class RoutedGenerator:
         static slots runs there (``BatchPlan.runs_on``)."""
         plan = batch_plan.plan(self.decoder, slots, positions, record=self.lm.batch_record)
         self._int8_weights()  # again, where the plan gave the decoder other forms of its linears
-        if self.static is None or not (bound and positions) or slots > CAPTURE_ROWS:
+        if self.static is None or not (bound and positions):
+            return plan
+        if slots > CAPTURE_ROWS:
+            log.info("batches of %d run on the eager engine: static slots are captured for %d rows at most", slots,
+                     CAPTURE_ROWS)
             return plan
         try:
             fixed = static_slots.plan(self.lm.static_slots(slots, positions), slots)
