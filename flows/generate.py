@@ -1,7 +1,6 @@
 """generate: a prompt file -> routed speculative generation -> a parquet file, summary in MLflow."""
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow
@@ -19,4 +18,4 @@ def generate(request: GenerateRequest) -> dict:
     rows = read_prompts(request)
     summary = generate_batch(request, rows)
     run_id = log_summary(summary, request)
-    return {**asdict(summary), "mlflow_run_id": run_id}
+    return summary.report(run_id)

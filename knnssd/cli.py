@@ -359,8 +359,6 @@ def cmd_demo(a) -> int:
 
 
 def cmd_generate(a) -> int:
-    import dataclasses
-
     from knnssd.flows.generate import generate
 
     from knnssd import models
@@ -389,7 +387,7 @@ def cmd_generate(a) -> int:
         complete = None if request.overwrite else already_complete(output, rows, done)
         if complete is not None:  # nothing to do: no Prefect server, no model load, no MLflow run
             print(f"knnssd: every prompt of {request.input} is in {output} already", file=sys.stderr)
-            summary = {**dataclasses.asdict(complete), "mlflow_run_id": None}
+            summary = complete.report(None)
         else:
             summary = _flow(generate, request)
     print(json.dumps(summary))

@@ -2,9 +2,8 @@
 
 Each call's cases run as ``knnssd.cli.main(argv)`` in one child, one after another, each with its own
 stderr, and report their exit code, stderr lines and seconds (a ``Stopwatch``'s: less the time spent
-waiting for a CPU). Anything the child, or the helper it
-is forked from, writes to its own stderr outside a case (an import-time warning, a traceback), or a
-child that does not exit 0, fails the call.
+waiting for a CPU). Anything the child, or the helper it is forked from, writes to its own stderr
+outside a case (an import-time warning, a traceback), or a child that does not exit 0, fails the call.
 
 The children are forked from one helper process per session that has already imported what every
 command imports (torch, transformers, MLflow, pandas): a call then pays neither the interpreter's start

@@ -79,6 +79,10 @@ class Summary:
     def metrics(self) -> dict:
         return {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
+    def report(self, mlflow_run_id: str | None) -> dict:
+        """What `knnssd generate` prints: every field, and the MLflow run it was logged as (None: not logged)."""
+        return {**asdict(self), "mlflow_run_id": mlflow_run_id}
+
 
 def progress_path(output: Path) -> Path:
     return output.with_name(output.name + ".progress.jsonl")
