@@ -30,7 +30,7 @@ import torch
 from knnssd import models
 from knnssd.bench import streams
 from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.suffix import SequenceIndex
+from knnssd.engine.suffix import SequenceIndex, draft_tree
 from knnssd.engine.timing import pass_timer
 
 DEPTH = 8  # the longest draft, as the suffix drafter's ``max_len`` in the benchmarks
@@ -42,28 +42,8 @@ def tree(toks: list[int], budget: int) -> list[tuple[int, int]]:
     """The ``budget`` best nodes as (parent index, token), parents first (-1: the last token)."""
     index = SequenceIndex()
     index.extend(toks)
-    trie: dict[tuple[int, int], dict] = {}  # (parent, token) -> node
-    nodes: list[dict] = []
-    for q, m in index.matches().items():  # every earlier occurrence of the last token, and its match
-        parent = -1
-        for t in toks[q + 1 : q + 1 + DEPTH]:
-            node = trie.get((parent, t))
-            if node is None:
-                node = trie[(parent, t)] = dict(i=len(nodes), parent=parent, token=t, ms=[])
-                nodes.append(node)
-            node["ms"].append(m)
-            parent = node["i"]
-
-    def score(node: dict) -> tuple:
-        best = max(node["ms"])
-        return -best, -node["ms"].count(best), -len(node["ms"]), node["i"]
-
-    chosen = sorted(nodes, key=score)[:budget]
-    keep = {node["i"] for node in chosen}
-    if any(node["parent"] != -1 and node["parent"] not in keep for node in chosen):
-        raise AssertionError("a node ranked above its parent")
-    index = {node["i"]: j for j, node in enumerate(sorted(chosen, key=lambda x: x["i"]))}
-    return [(index.get(node["parent"], -1), node["token"]) for node in sorted(chosen, key=lambda x: x["i"])]
+    tokens, parents = draft_tree(index, budget, DEPTH)
+    return [(p - 1, t) for p, t in zip(parents, tokens)]
 
 
 def chain_accepted(draft: list[int], truth: list[int]) -> int:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from knnssd.engine import exactness
 from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import build
+from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.models import cpu_has_fast_bf16
 from test_exact_step import STRADDLE, _drafters, _packed_equals_own, exact_or_skip
 
@@ -52,6 +52,16 @@ def test_smollm2_bf16_step_is_row_invariant(smol_bf16):
 @given(data=st.data())
 def test_smollm2_bf16_speculative_greedy_equals_own_plain_decoding(smol_bf16, i, data):
     _speculative_equals_plain(*smol_bf16, i, data)
+
+
+@pytest.mark.parametrize("nodes", [4, 11])
+def test_smollm2_bf16_suffix_trees_give_own_plain_decoding(smol_bf16, nodes):
+    """Token trees of the suffix drafter, verified in one pass each (engine/tree.py), on every real prompt."""
+    dec, ids, cfg, ref = smol_bf16
+    exact_or_skip(dec, "bfloat16")
+    for x, want in zip(ids, ref):
+        drafter = build(DrafterConfig(kind="suffix", suffix_tree=nodes), dec.n_layers)
+        assert generate(dec, x, drafter, cfg)[0] == want
 
 
 def _rows_invariant(dec, dtype: str) -> None:

@@ -10,7 +10,8 @@
 Plain autoregressive decoding is the same loop with no drafter, so the two are measured by
 the same code. ``generate`` returns the new tokens and a ``DecodeStats``. One sequence's state is a
 ``Run`` (``propose`` the rows to verify, ``accept`` the logits for them), so the batched loop
-(``batched.py``) advances several with the same code.
+(``batched.py``) advances several with the same code. A greedy run alone verifies a drafter's token
+trees where it has them (``accept_tree``; ``tree.py``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from knnssd.engine import draft_policy
+from knnssd.engine import draft_policy, tree
 from knnssd.engine.attention import PREFILL_ROWS, reuse_unit
 from knnssd.engine.cache import KVCache
 from knnssd.engine.drafters import Draft, Drafter
@@ -210,6 +211,9 @@ class Run:
         self.stopper = _Stopper(config, tokenizer)
         self.max_draft = ex.max_t - 1 if ex else 1 << 30  # longer passes were not probed
         self.k = drafter.max_len if drafter is not None else 0  # draft length; the drafter's feedback adapts it
+        # token trees where this sequence decodes alone and greedily, on a decoder that verifies them (tree.py)
+        self.trees = (getattr(drafter, "tree", 0) > 0 and config.warp.greedy
+                      and hasattr(seq.decoder, "forward_tree"))
         warp = config.warp
         seq.last = (first_logits.argmax(-1) if warp.greedy else draw(probs(first_logits, warp), seq.generator)).view(1)
         first = int(seq.last)
@@ -228,11 +232,12 @@ class Run:
             return 0
         return draft_policy.cap(self.k, self.config.max_new_tokens - len(self.new), self.max_draft)
 
-    def propose(self, k: int | None = None) -> Call:
-        """Draft up to ``k`` tokens (default ``draft_cap()``) and return the rows to verify."""
+    def propose(self, k: int | None = None, as_tree: bool = False) -> Call:
+        """Draft up to ``k`` tokens (default ``draft_cap()``), as a token tree if ``tree``, and return the
+        rows to verify."""
         t0 = time.perf_counter()
         k = self.draft_cap() if k is None else min(k, self.draft_cap())
-        draft = self.drafter.propose(self.seq, k) if k > 0 else None
+        draft = None if k <= 0 else self.drafter.propose_tree(self.seq, k) if as_tree else self.drafter.propose(self.seq, k)
         self.stats.draft_calls += k > 0
         seq = self.seq
         ids = seq.last if draft is None else torch.cat((seq.last, draft.tokens))
@@ -312,11 +317,22 @@ class Run:
         if self.drafter is None and self.config.warp.greedy and getattr(dec, "runs_ahead", False):
             return self._complete_ahead(dec)
         while not self.done:
-            call = self.propose()
+            call = self.propose(as_tree=self.trees)
             t1 = time.perf_counter()
-            self.accept(call, dec.forward(call.ids, call.start, last=call.rows == 1).logits)
+            if call.draft is not None and call.draft.parents is not None:
+                self.accept_tree(call)
+            else:
+                self.accept(call, dec.forward(call.ids, call.start, last=call.rows == 1).logits)
             self.stats.verify_s += time.perf_counter() - t1
         return self.finish()
+
+    def accept_tree(self, call: Call) -> int:
+        """Verify a token tree in one pass, keep its accepted path's K/V and emit (greedy; ``tree.py``)."""
+        dec, parents = self.seq.decoder, call.draft.parents
+        out, kv = dec.forward_tree(call.ids, call.start, parents)
+        verdict = tree.accept_greedy(tuple(call.ids[1:].tolist()), parents, out.logits)
+        dec.settle(call.start, kv, verdict.path)
+        return self.apply(verdict)
 
 
 def decode(

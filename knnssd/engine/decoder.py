@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from knnssd.engine import native
+from knnssd.engine import native, tree
 from knnssd.engine.attention import NATIVE, PREFILL_ROWS, SDPA, Attention, PositionMask, allowed, prefill_form
 from knnssd.engine.cache import KVCache, SlotPool, Span
 from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf, native_layers
@@ -186,6 +186,53 @@ class Decoder:
                 tapped = h[0]
         hidden = s.norm(h)[0]
         return Output(_logits(s, hidden[-1:] if last else hidden), hidden, tapped, sizes)
+
+    @torch.inference_mode()
+    def forward_tree(self, ids: torch.Tensor, start: int, parents: tuple[int, ...]
+                     ) -> tuple[Output, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Verify a token tree (``tree.py``): ids (N + 1,) the root at position ``start`` and the drafted
+        nodes, each at ``start`` + its depth. Returns the logits of every node and each layer's K/V of the
+        nodes, (N + 1, KV, D) each, for ``settle``. The linears run on all the nodes; attention runs once
+        per leaf's segment, over its path's keys written at the path's positions (what a chain reads)."""
+        s, attn, T = self.stack, self.attention, ids.shape[0]
+        if T > PREFILL_ROWS:
+            raise ValueError(f"a tree of {T} nodes is more than a verify pass's {PREFILL_ROWS} rows")
+        tree.check(parents)
+        depth = tree.depths(parents)
+        self.cache.check(start + max(depth) + 1)
+        segs = [(torch.tensor(path, device=ids.device), j0, len(path)) for path, j0 in tree.segments(parents)]
+        order = torch.cat([path[j0:] for path, j0, _ in segs]).argsort()  # the segments' rows back in node order
+        pos = torch.tensor(depth, device=ids.device) + start
+        h = self._embed(s, ids)
+        rope = self._rope(pos, h)
+        masks: dict[tuple, tuple[SpanMask, ...]] = {}
+        kv = []
+        for i, layer in enumerate(s.layers):
+            q, k, v = _heads(s, layer, layer.qkv(layer.attn_norm(h))[0], rope[layer.rope])
+            kv.append((k, v))
+            pieces = []
+            for path, j0, n in segs:
+                kc, vc = self.cache.write(i, slice(start, start + n), k[path].transpose(0, 1)[None],
+                                          v[path].transpose(0, 1)[None])
+                key = (layer.window, j0, n)
+                if key not in masks:
+                    at = torch.arange(start + j0, start + n, device=ids.device)
+                    masks[key] = _span_masks(attn, at, self._spans(start + j0, n - j0, attn), layer.window)
+                rows = path[j0:]
+                pieces += [attn.attend(q[rows[sp.lo : sp.hi]], kc[:, :, : sp.keys], vc[:, :, : sp.keys], m, s.scale)
+                           for sp, m in masks[key]]
+            h = h + _attn_out(layer, torch.cat(pieces, dim=1)[:, order])
+            h = h + _mlp(layer, h)
+        hidden = s.norm(h)[0]
+        return Output(_logits(s, hidden), hidden), kv
+
+    @torch.inference_mode()
+    def settle(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]], path: tuple[int, ...]) -> None:
+        """Write the K/V of a tree's accepted ``path`` (root first; ``forward_tree``'s ``kv``) at positions
+        ``start..start + len(path) - 1``, where a chain of those tokens would have put them."""
+        at = torch.tensor(path, device=self.device)
+        for i, (k, v) in enumerate(kv):
+            self.cache.write(i, slice(start, start + len(path)), k[at].transpose(0, 1)[None], v[at].transpose(0, 1)[None])
 
     def _layers_call(self, s: Stack) -> native.Layers | None:
         if id(s) not in self._native:

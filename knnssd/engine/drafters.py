@@ -9,7 +9,8 @@ decoder with its KV cache); the full model then verifies them in one pass (``dec
                + generated text), trying the longest n first; costs no forward pass
     Hybrid     NGram when it finds a match, LayerSkip otherwise
     Suffix     SuffixDecoding: the most frequent continuation of the longest earlier match, in the
-               sequence or in a cache of earlier outputs shared by a bank's sequences (``suffix.py``)
+               sequence or in a cache of earlier outputs shared by a bank's sequences (``suffix.py``);
+               optionally a token tree of the sequence's own continuations (``tree.py``)
 
 ``DrafterConfig`` is the serialisable description (what the search tunes and banks store);
 ``build`` turns it into a drafter for a given decoder.
@@ -35,15 +36,16 @@ class Draft:
     tokens: torch.Tensor  # (k,) long, on the model's device
     q: torch.Tensor | None = None  # (k, V) draft distributions when sampling; None = point masses
     kept: torch.Tensor | None = None  # 0-d: verify only the first ``kept`` (a confidence cut on the device)
+    parents: tuple[int, ...] | None = None  # a token tree's (``tree.py``); None: a chain
 
     @classmethod
-    def of(cls, tokens: list[int], device: torch.device) -> "Draft":
+    def of(cls, tokens: list[int], device: torch.device, parents: tuple[int, ...] | None = None) -> "Draft":
         """From tokens on the host (n-gram lookup): on CUDA through pinned memory, a copy that does not wait
         for the drafts other sequences have queued."""
         t = torch.tensor(tokens, dtype=torch.long)
         if device.type == "cuda":
             t = t.pin_memory()
-        return cls(t.to(device, non_blocking=True))
+        return cls(t.to(device, non_blocking=True), parents=parents)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -160,19 +162,31 @@ class NGram(_Feedback):
 class Suffix(_Feedback):
     """SuffixDecoding's chain (``suffix.propose``) over an index of the sequence (its prompt and tokens so far,
     extended as it grows) and ``cache``, the earlier outputs of the sequences drafted with it, which ``finish``
-    adds this one's to."""
+    adds this one's to. With ``tree`` > 0, ``propose_tree`` drafts a token tree of at most that many nodes
+    from the sequence's own matches (``suffix.draft_tree``), and the chain where it has none."""
 
     def __init__(self, max_len: int = 8, min_prob: float = 0.1, factor: float = 4.0,
-                 cache: suffix.SuffixCache | None = None):
-        self.max_len, self.min_prob, self.factor, self.cache = max_len, min_prob, factor, cache
+                 cache: suffix.SuffixCache | None = None, tree: int = 0):
+        self.max_len, self.min_prob, self.factor, self.cache, self.tree = max_len, min_prob, factor, cache, tree
         self._seq_id: object = None
         self._index = suffix.SequenceIndex()
 
-    def propose(self, seq: "Sequence", k: int) -> Draft:
+    def _indexed(self, seq: "Sequence") -> suffix.SequenceIndex:
         if self._seq_id != seq.uid or len(self._index.tokens) > len(seq.tokens):
             self._seq_id, self._index = seq.uid, suffix.SequenceIndex()
         self._index.extend(seq.tokens[len(self._index.tokens) :])
-        return Draft.of(self.lookup(self._index, k), seq.device)
+        return self._index
+
+    def propose(self, seq: "Sequence", k: int) -> Draft:
+        return Draft.of(self.lookup(self._indexed(seq), k), seq.device)
+
+    def propose_tree(self, seq: "Sequence", k: int) -> Draft:
+        """A tree of at most ``min(tree, k)`` nodes, each at most ``max_len`` deep (a chain where the sequence
+        has no earlier match)."""
+        tokens, parents = suffix.draft_tree(self._indexed(seq), min(self.tree, k), self.max_len)
+        if not tokens:
+            return self.propose(seq, k)
+        return Draft.of(tokens, seq.device, parents)
 
     def lookup(self, index: suffix.SequenceIndex, k: int) -> list[int]:
         """Up to k tokens after the sequence ``index`` holds (the search's simulator calls this too)."""
@@ -209,6 +223,7 @@ class DrafterConfig:
     adaptive: bool = False  # adapt the draft length: +2 after a fully accepted draft, -1 after a rejection
     suffix_min_prob: float = 0.1  # a suffix draft stops before its first token less likely than this
     suffix_factor: float = 4.0  # a suffix draft is at most this times its match's length (docs/benchmarks.md)
+    suffix_tree: int = 0  # nodes of a suffix token tree, where one greedy sequence decodes (0: chains only)
 
     def __post_init__(self):
         """One-line ``ValueError``s: a draft length under 1 silently turned drafting off, and a NaN
@@ -232,6 +247,9 @@ class DrafterConfig:
             raise ValueError(f"suffix_min_prob must be a probability in [0, 1], got {p!r}")
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f < float("inf"):
             raise ValueError(f"suffix_factor must be a number > 0, got {f!r}")
+        n = self.suffix_tree
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"suffix_tree must be an integer >= 0 (0: chains only), got {n!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -258,6 +276,8 @@ class DrafterConfig:
             parts.append("n=" + ",".join(map(str, self.ngram_sizes)))
         if self.kind == "suffix":
             parts.append(f"p>={self.suffix_min_prob:g} x{self.suffix_factor:g}")
+            if self.suffix_tree:
+                parts.append(f"tree {self.suffix_tree}")
         if self.adaptive:
             parts.append("adaptive")
         return " ".join(parts)
@@ -280,7 +300,7 @@ def build(cfg: DrafterConfig, n_layers: int, can_skip: bool = True, cache: suffi
     if cfg.kind == "none":
         return None
     if cfg.kind == "suffix":
-        d = Suffix(cfg.max_len, cfg.suffix_min_prob, cfg.suffix_factor, cache)
+        d = Suffix(cfg.max_len, cfg.suffix_min_prob, cfg.suffix_factor, cache, cfg.suffix_tree)
         d.adaptive = cfg.adaptive
         return d
     ngram = NGram(tuple(cfg.ngram_sizes), cfg.ngram_max_len or cfg.max_len)

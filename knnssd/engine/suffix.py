@@ -200,6 +200,36 @@ class SequenceIndex:
         return out
 
 
+def draft_tree(own: SequenceIndex, budget: int, depth: int) -> tuple[list[int], tuple[int, ...]]:
+    """A token tree (``tree.py``) of at most ``budget`` nodes: below every earlier occurrence of the sequence's
+    last token, its continuation of at most ``depth`` tokens, merged where they agree. A node ranks by the
+    longest match among the occurrences through it, then by how many of those share that match
+    (SuffixDecoding's frequency), so it never ranks above its parent. Returns the nodes' tokens and parents
+    (0: the root), parents first; ([], ()) where the sequence has no earlier match."""
+    toks = own.tokens
+    trie: dict[tuple[int, int], int] = {}  # (parent node, token) -> node (nodes from 1; 0 is the root)
+    parent_of, token_of, ms = [0], [0], [[]]
+    for q, m in own.matches().items():
+        parent = 0
+        for t in toks[q + 1 : q + 1 + depth]:
+            node = trie.get((parent, t))
+            if node is None:
+                node = trie[(parent, t)] = len(token_of)
+                parent_of.append(parent)
+                token_of.append(t)
+                ms.append([])
+            ms[node].append(m)
+            parent = node
+
+    def rank(node: int) -> tuple:
+        best = max(ms[node])
+        return -best, -ms[node].count(best), -len(ms[node]), node
+
+    kept = sorted(sorted(range(1, len(token_of)), key=rank)[:budget])  # parents first: they were made first
+    new = {node: j for j, node in enumerate(kept, start=1)}
+    return [token_of[n] for n in kept], tuple(new[parent_of[n]] if parent_of[n] else 0 for n in kept)
+
+
 def propose(own: SequenceIndex, cache: SuffixCache | None, k: int, min_prob: float, factor: float) -> list[int]:
     """Up to ``k`` tokens: the chain after the sequence's own match, or where it has none, after the cache's.
     (SuffixDecoding takes the better-scored of the two; replayed on SmolLM2's outputs, the cache only as a

@@ -1,0 +1,170 @@
+"""Token trees (engine/tree.py): each node's row of a tree pass is bitwise the row its token gets in a
+chain, in fp32 and in bf16 where the probe says exact, on trees of several shapes; greedy decoding with
+trees gives plain decoding's tokens, whichever branch holds them; sampled runs verify chains."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from knnssd.engine import exactness, tree
+from knnssd.engine.decode import GenerationConfig, Run, generate, prefill
+from knnssd.engine.drafters import Draft, DrafterConfig, Suffix, build
+from knnssd.engine.sampling import Warp
+from knnssd.engine.suffix import SequenceIndex, draft_tree
+from test_exact_step import DTYPES, STRADDLE, decoder, exact_or_skip, plain
+from tiny import ARCHS, COMMON, prompt_ids
+
+SHAPES = {
+    "chain": (0, 1, 2, 3, 4),
+    "star": (0, 0, 0, 0, 0, 0),
+    "two chains": (0, 1, 2, 0, 4, 5),
+    "bushy": (0, 0, 1, 1, 2, 2, 3, 4, 8, 9, 10),  # 11 nodes: the longest pass the probe checks
+    "late fork": (0, 1, 2, 3, 3, 3, 5),
+}
+
+
+@st.composite
+def parents(draw, most: int = exactness.MAX_T - 1):
+    n = draw(st.integers(1, most))
+    return tuple(draw(st.integers(0, j - 1)) for j in range(1, n + 1))
+
+
+def test_depths_and_segments_cover_every_node_once():
+    p = SHAPES["bushy"]
+    assert tree.depths(p) == [0, 1, 1, 2, 2, 2, 2, 3, 3, 4, 5, 6]
+    segs = tree.segments(p)
+    assert sorted(n for path, j0 in segs for n in path[j0:]) == list(range(len(p) + 1))
+    for path, _ in segs:
+        assert path[0] == 0 and all(p[b - 1] == a for a, b in zip(path, path[1:]))
+    for bad in ((1,), (0, 2), (0, -1), (0, True)):
+        with pytest.raises(ValueError, match="parent must be an earlier node"):
+            tree.check(bad)
+
+
+def test_greedy_verdict_follows_the_models_choices_down_any_branch():
+    V = 10
+    tokens = (5, 6, 7, 8, 9)  # nodes 1..5: 1 and 2 under the root, 3 under 2, 4 under 3, 5 under 1
+    parents_ = (0, 0, 2, 3, 1)
+    logits = torch.zeros(6, V)
+    for node, best in ((0, 6), (2, 7), (3, 3)):  # root -> 6 (node 2) -> 7 (node 3) -> 3: no such child
+        logits[node, best] = 1
+    v = tree.accept_greedy(tokens, parents_, logits)
+    assert (v.path, v.accepted, v.next, v.emitted) == ((0, 2, 3), 2, 3, [6, 7, 3])
+    assert v.next_ids.tolist() == [3] and v.drafted == tokens
+
+
+def _tree_rows_equal_chain_rows(dec, prompt: list[int], parents_: tuple[int, ...], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(2, COMMON["vocab_size"], (len(parents_) + 1,), generator=g)
+    cfg = GenerationConfig(max_new_tokens=16)
+    start = len(prompt)
+    prefill(dec, prompt, cfg)
+    out, _ = dec.forward_tree(toks, start, parents_)
+    for path, _ in tree.segments(parents_):
+        prefill(dec, prompt, cfg)  # a fresh cache: the chain of this path alone
+        chain = dec.forward(toks[path], start).logits
+        for d, node in enumerate(path):
+            assert torch.equal(out.logits[node], chain[d]), (parents_, path, node)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_trees_rows_are_its_paths_chain_rows(arch, dtype):
+    """Every shape, at a context whose deeper nodes straddle a key-length boundary and at one that does not
+    (the sliding-window models' windows are shorter than both)."""
+    dec = decoder(arch, dtype)
+    exact_or_skip(dec, dtype)
+    for context in (exactness.CONTEXT, STRADDLE):
+        for i, p in enumerate(SHAPES.values()):
+            _tree_rows_equal_chain_rows(dec, prompt_ids(arch, i, context), p, seed=i)
+
+
+@settings(max_examples=20, deadline=None)
+@given(arch=st.sampled_from(sorted(ARCHS)), p=parents(), context=st.integers(20, 70), seed=st.integers(0, 99))
+def test_drawn_trees_rows_are_their_paths_chain_rows(arch, p, context, seed):
+    _tree_rows_equal_chain_rows(decoder(arch, "float32"), prompt_ids(arch, seed, context), p, seed)
+
+
+class Oracle:
+    """A tree drafter that knows plain decoding's tokens: their next few sit on a drawn branch of a drawn tree,
+    every other node a random token, so steps accept down any branch and leave the rest behind."""
+
+    max_len, adaptive, tree = 11, False, 11
+
+    def __init__(self, truth: list[int], n_prompt: int, data):
+        self.truth, self.n_prompt, self.data = truth, n_prompt, data
+
+    def propose(self, seq, k):
+        return Draft.of([], seq.device)
+
+    def propose_tree(self, seq, k):
+        p = self.data.draw(parents(k))
+        leaf = self.data.draw(st.integers(1, len(p)))
+        path = [leaf]
+        while path[-1]:
+            path.append(p[path[-1] - 1])
+        done = len(seq.tokens) - self.n_prompt  # plain tokens so far: the node at depth d should be truth[done + d - 1]
+        keep = self.data.draw(st.integers(0, len(path) - 1))  # the branch holds the next ``keep`` tokens, then misses
+        depth = tree.depths(p)
+        toks = [self.truth[done + depth[n] - 1] if n in path and depth[n] <= keep and done + depth[n] <= len(self.truth)
+                else self.data.draw(st.integers(2, COMMON["vocab_size"] - 1)) for n in range(1, len(p) + 1)]
+        return Draft.of(toks, seq.device, p)
+
+    def next_len(self, k, drafted, accepted):
+        return k
+
+    def finish(self, seq):
+        pass
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@settings(max_examples=12, deadline=None)
+@given(arch=st.sampled_from(sorted(ARCHS)), prompt=st.integers(0, 3), data=st.data())
+def test_greedy_decoding_with_trees_gives_plain_decodings_tokens(dtype, arch, prompt, data):
+    dec = decoder(arch, dtype)
+    exact_or_skip(dec, dtype)
+    ref = list(plain(arch, dtype, prompt))
+    ids = prompt_ids(arch, prompt)
+    out, _ = generate(dec, ids, Oracle(ref, len(ids), data), GenerationConfig(max_new_tokens=len(ref)))
+    assert out == ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_suffix_trees_give_plain_decodings_tokens(arch):
+    dec = decoder(arch, "float32")
+    for prompt in range(4):
+        ids = prompt_ids(arch, prompt)
+        ref = list(plain(arch, "float32", prompt))
+        for nodes in (2, 6, 11):
+            cfg = DrafterConfig(kind="suffix", suffix_tree=nodes)
+            assert generate(dec, ids, build(cfg, dec.n_layers), GenerationConfig(max_new_tokens=len(ref)))[0] == ref
+
+
+def test_sampled_runs_and_undrafted_ones_verify_chains():
+    dec = decoder("llama", "float32")
+    ids = prompt_ids("llama", 1)
+    for warp, drafter, trees in ((Warp(), Suffix(tree=4), True), (Warp(temperature=0.7), Suffix(tree=4), False),
+                                 (Warp(), Suffix(), False), (Warp(), None, False)):
+        config = GenerationConfig(max_new_tokens=4, warp=warp, seed=1)
+        seq, logits, _ = prefill(dec, ids, config)
+        assert Run(seq, logits, drafter, config).trees is trees
+
+
+def test_a_suffix_tree_holds_the_chain_and_the_other_continuations():
+    index = SequenceIndex()
+    index.extend([1, 2, 3, 9, 1, 2, 4, 1, 2, 3, 7, 1, 2])  # after "1 2": "3 9", "4 1", "3 7"
+    tokens, parents_ = draft_tree(index, 5, 2)
+    tree.check(parents_)
+    branches = {tuple(tokens[n - 1] for n in path[1:]) for path, _ in tree.segments(parents_)}
+    assert branches == {(3, 9), (3, 7), (4, 1)}
+    assert draft_tree(index, 1, 2) == ([3], (0,))  # the most frequent first
+    empty = SequenceIndex()
+    empty.extend([1, 2, 3])
+    assert draft_tree(empty, 4, 8) == ([], ())
+
+
+def test_tree_settings_are_checked_and_described():
+    assert "tree 8" in DrafterConfig(kind="suffix", suffix_tree=8).describe()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="suffix_tree must be an integer >= 0"):
+            DrafterConfig(kind="suffix", suffix_tree=bad)
