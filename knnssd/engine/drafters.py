@@ -186,7 +186,8 @@ class Suffix(_Feedback):
         tokens, parents = suffix.draft_tree(self._indexed(seq), min(self.tree, k), self.max_len)
         if not tokens:
             return self.propose(seq, k)
-        return Draft.of(tokens, seq.device, parents)
+        chain = parents == tuple(range(len(parents)))  # one leaf: verified as a chain, by the faster chain pass
+        return Draft.of(tokens, seq.device, None if chain else parents)
 
     def lookup(self, index: suffix.SequenceIndex, k: int) -> list[int]:
         """Up to k tokens after the sequence ``index`` holds (the search's simulator calls this too)."""
