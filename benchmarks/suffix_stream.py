@@ -11,15 +11,18 @@ flow runs it). Each prompt runs every method, the order rotating prompt by promp
     ngram          prompt lookup, n = 3, 2, 1, up to 8 tokens, adaptive (bench-engine's)
     suffix         the suffix drafter over the prompt and its own tokens only
     suffix+cache   the same with one cache of the stream's earlier outputs (its own runs' only)
+    suffix-tree    the suffix drafter's token trees of ``--tree`` nodes (8), verified in one pass each
+    suffix-tree+cache  the same, with a cache of its own (the chain after a cache match where a tree has none)
     routed         the registered bank (``--model-uri``) as ``knnssd generate`` runs it
 
-Prints tokens/s (prefill included) against plain, mean accepted length (tokens a full-model pass) and
-agreement with plain's tokens, per stream, as JSON and as a Markdown table.
+Prints tokens/s (prefill included) against plain and against routed, mean accepted length (tokens a
+full-model pass) and agreement with plain's tokens, per stream, as JSON and as a Markdown table.
 
 ``--batched N`` also decodes the repetitive stream as one batch run of N slots (``generate_many``), with
 the bank as it is and with every cluster's drafter replaced by plain decoding, n-gram lookup or the
-suffix drafter; the suffix bank's cache is shared by the run's sequences, as in a batch flow. Tokens/s
-is the run's tokens over its wall time, best of two runs in rotating order.
+suffix drafter; the suffix bank's cache is shared by the run's sequences, as in a batch flow. (A batch
+verifies chains, so the tree methods have no row there.) Tokens/s is the run's tokens over its wall time,
+best of two runs in rotating order.
 """
 from __future__ import annotations
 
@@ -38,15 +41,17 @@ from knnssd.engine.params import GenerateParams
 from knnssd.engine.suffix import SuffixCache
 from knnssd.serving.routed import RoutedGenerator
 
-METHODS = ("plain", "ngram", "suffix", "suffix+cache", "routed")
+METHODS = ("plain", "ngram", "suffix", "suffix+cache", "suffix-tree", "suffix-tree+cache", "routed")
 DRAFTERS = {kind: untuned(kind) for kind in ("ngram", "suffix")}
+CHAINS = ("plain", "ngram", "suffix")  # the batched run's banks
 
 
-def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:
+def stream(gen: RoutedGenerator, texts: list[str], max_new: int, tree: int) -> dict:
     lm = gen.lm
     params = GenerateParams(max_new_tokens=max_new)
     config = GenerationConfig(max_new_tokens=max_new, eos_ids=gen.eos)
-    cache = SuffixCache()
+    drafters = {**DRAFTERS, "suffix-tree": replace(DRAFTERS["suffix"], suffix_tree=tree)}
+    caches = {m: SuffixCache() for m in METHODS if m.endswith("+cache")}
     totals = {m: dict(tokens=0, seconds=0.0, accepted=0, steps=0, equal=0) for m in METHODS}
     for i, text in enumerate(texts):
         ids, _ = gen.tokenize(text, params)
@@ -59,8 +64,8 @@ def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:
                 r = gen.generate(text, params)
                 new, st = r.tokens, r.stats
             else:
-                drafter = None if m == "plain" else build(DRAFTERS[m.split("+")[0]], dec.n_layers, dec.can_skip,
-                                                          cache if m == "suffix+cache" else None)
+                drafter = None if m == "plain" else build(drafters[m.split("+")[0]], dec.n_layers, dec.can_skip,
+                                                          caches.get(m))
                 with lm.busy:
                     new, st = generate(dec, ids, drafter, config)
             t = totals[m]
@@ -72,8 +77,8 @@ def stream(gen: RoutedGenerator, texts: list[str], max_new: int) -> dict:
         for m in METHODS:
             totals[m]["equal"] += outs[m] == outs["plain"]
         print(f"  {i + 1}/{len(texts)}", file=sys.stderr)
-    plain = totals["plain"]["tokens"] / totals["plain"]["seconds"]
-    return {m: dict(tok_s=t["tokens"] / t["seconds"], vs_plain=t["tokens"] / t["seconds"] / plain,
+    rate = {m: t["tokens"] / t["seconds"] for m, t in totals.items()}
+    return {m: dict(tok_s=rate[m], vs_plain=rate[m] / rate["plain"], vs_routed=rate[m] / rate["routed"],
                     mean_accepted=mean_accepted(t["accepted"], t["steps"]), agreement=t["equal"] / len(texts),
                     tokens=t["tokens"]) for m, t in totals.items()}
 
@@ -83,7 +88,7 @@ def batched(gen: RoutedGenerator, texts: list[str], max_new: int, slots: int) ->
     params = GenerateParams(max_new_tokens=max_new)
     positions = max(len(gen.tokenize(t, params)[0]) for t in texts) + max_new
     plan = gen.plan(slots, positions)
-    configs = {"plain": DrafterConfig(), **DRAFTERS}
+    configs = {"plain": DrafterConfig(), **{m: DRAFTERS[m] for m in CHAINS[1:]}}
     gens = {m: RoutedGenerator(gen.lm, replace(gen.bank, clusters=[replace(c, config=cfg.to_dict())
                                                                     for c in gen.bank.clusters]))
             for m, cfg in configs.items()}
@@ -116,17 +121,20 @@ def main() -> None:
     ap.add_argument("--tracking-uri", default=None)
     streams.add_arguments(ap, mixed=20)
     ap.add_argument("--batched", type=int, default=0, metavar="N", help="also the repetitive stream in N slots")
+    ap.add_argument("--tree", type=int, default=8, metavar="N", help="nodes of the suffix-tree methods' trees")
     a = ap.parse_args()
     texts, repeated = streams.from_arguments(ap, a)
     if a.batched < 0 or a.batched == 1:
         ap.error("--batched must be 0 (none) or at least 2 slots")
+    if not 1 <= a.tree <= 11:
+        ap.error("--tree must be 1 to 11 nodes (the longest pass the exactness probe checks has 12 rows)")
     gen = RoutedGenerator.from_model_uri(a.model_uri, dtype=a.dtype, tracking_uri=a.tracking_uri)
-    stream(gen, texts["mixed"][:1], 16)  # warm-up: every method once
+    stream(gen, texts["mixed"][:1], 16, a.tree)  # warm-up: every method once
     report = dict(model=gen.lm.name, dtype=gen.lm.dtype_name, threads=torch.get_num_threads(),
-                  max_new_tokens=a.max_new_tokens, bank=a.model_uri)
+                  max_new_tokens=a.max_new_tokens, bank=a.model_uri, tree=a.tree)
     for name, stream_texts in texts.items():
         print(f"{name}: {len(stream_texts)} prompts", file=sys.stderr)
-        report[name] = stream(gen, stream_texts, a.max_new_tokens)
+        report[name] = stream(gen, stream_texts, a.max_new_tokens, a.tree)
     if a.batched:
         print(f"{repeated}, batched: {a.batched} slots", file=sys.stderr)
         report[f"{repeated}, batched"] = batched(gen, texts[repeated], a.max_new_tokens, a.batched)
@@ -138,7 +146,8 @@ def main() -> None:
         print(streams.table(f"{repeated}, one batch run of {b['slots']} slots", "bank's drafters", b["methods"],
                             [*columns[:2], ("x routed", "vs_routed", ".2f"), *columns[2:]]))
     for name in texts:
-        print(streams.table(name, "method", report[name], columns))
+        print(streams.table(name, "method", report[name], [*columns[:2], ("x routed", "vs_routed", ".2f"),
+                                                           *columns[2:]]))
 
 
 if __name__ == "__main__":
