@@ -2,17 +2,22 @@
 the drafts the loop makes: n-gram drafting, and layer-skip drafts with no sub-layer skipped."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import build
 from knnssd.engine.decoder import make_decoder
+from knnssd.engine import suffix
 from knnssd.engine.skip import SkipMask
+from knnssd.engine.suffix import SequenceIndex
 from knnssd.search import proxy, study
 from knnssd.search.costs import Costs, measure_costs
 from tiny import prompt_ids, tiny
 
 
 COSTS = Costs(verify=[1.0 + 0.05 * t for t in range(12)], draft={"full": (1.0, 0.0, 0.0)})
+TREE_COSTS = Costs(COSTS.verify, COSTS.draft, tree=[1.5 + 0.1 * t for t in range(11)])
 
 
 def _simulated_as_run(dec, i: int, n: int, policy: proxy.Policy, traced: bool) -> None:
@@ -23,7 +28,8 @@ def _simulated_as_run(dec, i: int, n: int, policy: proxy.Policy, traced: bool) -
     s = proxy.Sample(ids, cont)
     traces = proxy.trace(dec, [s], SkipMask.none(4), False, 64) if traced else None
     props = [proxy.suffix_proposals(s, 10) if policy.kind == "suffix" else proxy.ngram_proposals(s, policy.ngram_sizes, 10)]
-    _, acc, mean = proxy.simulate([s], traces, policy, COSTS, 1.0, props)
+    trees = proxy.SuffixTrees([s], 10) if policy.tree else None
+    _, acc, mean = proxy.simulate([s], traces, policy, TREE_COSTS, 1.0, props, trees)
     cfg = proxy.to_config(policy, SkipMask.none(4) if traced else None, False)
     out, st = generate(dec, ids, build(cfg, 4), GenerationConfig(max_new_tokens=n))
     assert out == cont
@@ -42,6 +48,38 @@ def test_simulated_suffix_counts_equal_real_loop(adaptive):
     dec = make_decoder(tiny("llama"))
     for i in (1, 3):
         _simulated_as_run(dec, i, 40, proxy.Policy("suffix", 6, adaptive=adaptive), traced=False)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("nodes", [4, 11])
+def test_simulated_suffix_tree_counts_equal_real_loop(adaptive, nodes):
+    """Trees where the sequence has earlier matches, a one-leaf tree as a chain, the suffix chain where it has
+    none: the simulator drafts and accepts what the real loop does."""
+    dec = make_decoder(tiny("llama"))
+    for i in (1, 3):
+        _simulated_as_run(dec, i, 40, proxy.Policy("suffix", 6, adaptive=adaptive, tree=nodes), traced=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(toks=st.lists(st.integers(0, 3), min_size=2, max_size=60), budget=st.integers(1, 11), depth=st.integers(1, 10))
+def test_a_tree_selected_from_a_deeper_ranking_is_the_drafters(toks, budget, depth):
+    index = SequenceIndex()
+    index.extend(toks)
+    assert suffix.select(suffix.ranked(index, 10), budget, depth) == suffix.draft_tree(index, budget, depth)
+
+
+def test_trees_are_searched_where_their_pass_was_measured():
+    """Two continuations of "5 6" alternate: a chain drafts the more frequent one, a tree both."""
+    a, b = [5, 6, 7, 8], [5, 6, 9, 10]
+    samples = [proxy.Sample(a + b + a, (b + a) * 5), proxy.Sample(b + a + b, (a + b) * 5)]
+    props = {"suffix": [proxy.suffix_proposals(s, 10) for s in samples], proxy.TREE_KEY: proxy.SuffixTrees(samples, 10)}
+    assert proxy.best_policy(samples, None, COSTS, 0.0, props, ("suffix",))[0].tree == 0  # no tree pass measured
+    cheap = Costs(COSTS.verify, COSTS.draft, tree=[0.01] * 11)
+    pol = proxy.best_policy(samples, None, cheap, 0.0, props, ("suffix",))[0]
+    assert pol.tree in proxy.TREES and pol.tree > 0
+    assert proxy.to_config(pol, None, False).suffix_tree == pol.tree
+    costs = measure_costs(make_decoder(tiny("llama")), max_t=6, context=40)
+    assert len(costs.tree) == 5 and all(ms > 0 for ms in costs.tree) and costs.tree_ms(9) == costs.tree[-1]
 
 
 def test_a_search_may_take_suffix_and_picks_its_best_pure_policy():

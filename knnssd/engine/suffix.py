@@ -23,6 +23,7 @@ build, next to its vLLM plugin.
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 DEPTH = 24  # the trie's depth: a match and the draft below it (SuffixDecoding's default max_tree_depth is 24)
 MATCH = 12  # the longest context matched, leaving room below it for a draft of DEPTH - MATCH tokens
@@ -200,15 +201,24 @@ class SequenceIndex:
         return out
 
 
-def draft_tree(own: SequenceIndex, budget: int, depth: int) -> tuple[list[int], tuple[int, ...]]:
-    """A token tree (``tree.py``) of at most ``budget`` nodes: below every earlier occurrence of the sequence's
-    last token, its continuation of at most ``depth`` tokens, merged where they agree. A node ranks by the
-    longest match among the occurrences through it, then by how many of those share that match
-    (SuffixDecoding's frequency), so it never ranks above its parent. Returns the nodes' tokens and parents
-    (0: the root), parents first; ([], ()) where the sequence has no earlier match."""
+class Ranked(NamedTuple):
+    """The nodes of a token tree's candidates, best first (``ranked``): node ids count from 1 in the order
+    they were made, so a parent's id is below its children's."""
+
+    node: list[int]
+    parent: list[int]  # 0: the root
+    token: list[int]
+    depth: list[int]
+
+
+def ranked(own: SequenceIndex, depth: int) -> Ranked:
+    """Below every earlier occurrence of the sequence's last token, its continuation of at most ``depth``
+    tokens, merged where they agree, best first: a node ranks by the longest match among the occurrences
+    through it, then by how many of those share that match (SuffixDecoding's frequency), then by how many
+    pass through it, so it never ranks below a child. A node's rank does not depend on ``depth``."""
     toks = own.tokens
-    trie: dict[tuple[int, int], int] = {}  # (parent node, token) -> node (nodes from 1; 0 is the root)
-    parent_of, token_of, ms = [0], [0], [[]]
+    trie: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    parent_of, token_of, depth_of, ms = [0], [0], [0], [[]]
     for q, m in own.matches().items():
         parent = 0
         for t in toks[q + 1 : q + 1 + depth]:
@@ -217,6 +227,7 @@ def draft_tree(own: SequenceIndex, budget: int, depth: int) -> tuple[list[int], 
                 node = trie[(parent, t)] = len(token_of)
                 parent_of.append(parent)
                 token_of.append(t)
+                depth_of.append(depth_of[parent] + 1)
                 ms.append([])
             ms[node].append(m)
             parent = node
@@ -225,9 +236,24 @@ def draft_tree(own: SequenceIndex, budget: int, depth: int) -> tuple[list[int], 
         best = max(ms[node])
         return -best, -ms[node].count(best), -len(ms[node]), node
 
-    kept = sorted(sorted(range(1, len(token_of)), key=rank)[:budget])  # parents first: they were made first
-    new = {node: j for j, node in enumerate(kept, start=1)}
-    return [token_of[n] for n in kept], tuple(new[parent_of[n]] if parent_of[n] else 0 for n in kept)
+    order = sorted(range(1, len(token_of)), key=rank)
+    return Ranked(order, [parent_of[n] for n in order], [token_of[n] for n in order], [depth_of[n] for n in order])
+
+
+def select(r: Ranked, budget: int, depth: int) -> tuple[list[int], tuple[int, ...]]:
+    """The ``budget`` best nodes at most ``depth`` deep, as a tree (``tree.py``): their tokens and parents
+    (0: the root), parents first. What ``ranked(own, depth)`` would give, from a ranking to any greater
+    depth (the search's simulator ranks once per position)."""
+    kept = [(n, p, t) for n, p, t, d in zip(r.node, r.parent, r.token, r.depth) if d <= depth][:budget]
+    kept.sort()
+    new = {n: j for j, (n, _, _) in enumerate(kept, start=1)}
+    return [t for _, _, t in kept], tuple(new[p] if p else 0 for _, p, _ in kept)
+
+
+def draft_tree(own: SequenceIndex, budget: int, depth: int) -> tuple[list[int], tuple[int, ...]]:
+    """A token tree of at most ``budget`` nodes, each at most ``depth`` deep, of the sequence's own earlier
+    continuations (``ranked``, ``select``); ([], ()) where the sequence has no earlier match."""
+    return select(ranked(own, depth), budget, depth)
 
 
 def propose(own: SequenceIndex, cache: SuffixCache | None, k: int, min_prob: float, factor: float) -> list[int]:

@@ -18,6 +18,7 @@ so sampled runs verify the chain (``decode.Run``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,17 +82,30 @@ class TreeVerdict:
         return [*(self.drafted[j - 1] for j in self.path[1:]), self.next]
 
 
-def accept_greedy(tokens: tuple[int, ...], parents: tuple[int, ...], logits: torch.Tensor) -> TreeVerdict:
-    """Greedy verification of a tree: from the root, follow the child whose token is the full model's argmax
-    after the path so far. tokens (N,) the drafted nodes' tokens; logits (N + 1, V), one row per node.
-    One host read (the argmaxes)."""
-    best_dev = logits.argmax(-1)
-    best = best_dev.tolist()
+def walk(tokens: tuple[int, ...] | list[int], parents: tuple[int, ...], choose: Callable[[int, int], int | None]
+         ) -> list[int]:
+    """The accepted path, root (0) first: from the root, follow the child whose token is ``choose(node,
+    depth)``, the token the full model gives after the path so far (a repeated sibling token: the first)."""
     children: dict[tuple[int, int], int] = {}
     for j, (p, t) in enumerate(zip(parents, tokens), start=1):
-        children.setdefault((p, t), j)  # a repeated sibling token: the first is the one kept
+        children.setdefault((p, t), j)
     path = [0]
-    while (path[-1], best[path[-1]]) in children:
-        path.append(children[(path[-1], best[path[-1]])])
+    while (path[-1], choose(path[-1], len(path) - 1)) in children:
+        path.append(children[(path[-1], choose(path[-1], len(path) - 1))])
+    return path
+
+
+def accepted(tokens: list[int], parents: tuple[int, ...], truth: list[int]) -> int:
+    """How many drafted nodes greedy verification accepts where the full model's tokens are ``truth`` (the
+    search's simulator, on plain decoding's continuation)."""
+    return len(walk(tokens, parents, lambda node, d: truth[d] if d < len(truth) else None)) - 1
+
+
+def accept_greedy(tokens: tuple[int, ...], parents: tuple[int, ...], logits: torch.Tensor) -> TreeVerdict:
+    """Greedy verification of a tree: tokens (N,) the drafted nodes' tokens; logits (N + 1, V), one row per
+    node. One host read (the argmaxes)."""
+    best_dev = logits.argmax(-1)
+    best = best_dev.tolist()
+    path = walk(tokens, parents, lambda node, d: best[node])
     last = path[-1]
     return TreeVerdict(len(path) - 1, tuple(tokens), best[last], best_dev[last : last + 1], tuple(path))

@@ -1,18 +1,20 @@
 """Measured step costs the proxy stage scores drafting policies with.
 
 Terms: ``v(T)`` the measured time of one full-model pass over T tokens; ``c`` the measured time
-of one draft step for a mask and precision, linear in the kept sub-layers.
+of one draft step for a mask and precision, linear in the kept sub-layers; ``w(T)`` the measured time
+of one token tree's pass over T nodes (``Decoder.forward_tree``: two branches, so two attention calls
+a layer).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from knnssd.engine.decoder import Decoder
 
 from knnssd.engine.skip import SkipMask
-from knnssd.engine.timing import pass_timer
+from knnssd.engine.timing import median_ms, pass_timer
 
 
 @dataclass
@@ -21,6 +23,7 @@ class Costs:
 
     verify: list[float]  # verify[T-1]: one full pass over T tokens; verify[0] is a plain AR step
     draft: dict[str, tuple[float, float, float]]  # precision -> (base, per attention, per MLP)
+    tree: list[float] = field(default_factory=list)  # tree[T-2]: a tree pass over T >= 2 nodes; [] where none runs
 
     def draft_ms(self, mask: SkipMask, int8: bool) -> float:
         base, attn, mlp = self.draft["int8" if int8 else "full"]
@@ -33,6 +36,16 @@ class Costs:
 
     def verify_ms(self, t: int) -> float:
         return self.verify[min(t, len(self.verify)) - 1]
+
+    def tree_ms(self, t: int) -> float:
+        """A tree pass over ``t`` nodes; infinite where none was measured (trees are then never chosen)."""
+        return self.tree[min(t, len(self.tree) + 1) - 2] if self.tree else float("inf")
+
+
+def two_branches(nodes: int) -> tuple[int, ...]:
+    """The parents of a tree of ``nodes`` drafted nodes in two branches from the root (the timed shape)."""
+    half = (nodes + 1) // 2
+    return tuple(range(half)) + tuple(0 if j == half else j for j in range(half, nodes))
 
 
 @torch.inference_mode()
@@ -52,4 +65,9 @@ def measure_costs(dec: Decoder, max_t: int = 11, context: int = 128) -> Costs:
         attn = max(0.0, (t["none"] - t["attn"] + t["mlp"] - t["all"]) / (2 * n))
         mlp = max(0.0, (t["none"] - t["mlp"] + t["attn"] - t["all"]) / (2 * n))
         draft[name] = (t["all"], attn, mlp)
-    return Costs(verify, draft)
+    tree = []
+    if hasattr(dec, "forward_tree"):
+        ids = torch.zeros(max_t, dtype=torch.long, device=dec.device)
+        tree = [median_ms(lambda t=t: dec.forward_tree(ids[:t], context, two_branches(t - 1)), dec.device, 5)
+                for t in range(2, max_t + 1)]
+    return Costs(verify, draft, tree)

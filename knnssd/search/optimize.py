@@ -35,8 +35,8 @@ from knnssd.routing.bank import ClusterResult
 from knnssd.search import cancel, objective
 from knnssd.search.budget import Budget
 from knnssd.search.costs import Costs
-from knnssd.search.proxy import (LOOKUPS, MAX_LENS, NGRAM_SIZES, Policy, Sample, best_policy, influence,
-                                 influence_masks, ngram_proposals, proposals_for, simulate, suffix_proposals,
+from knnssd.search.proxy import (LOOKUPS, MAX_LENS, NGRAM_SIZES, TREE_KEY, Policy, Sample, SuffixTrees, best_policy,
+                                 influence, influence_masks, ngram_proposals, proposals_for, simulate, suffix_proposals,
                                  teacher_samples, to_config)
 from knnssd.search.study import finished, open_study, search_space, trial_mask, trial_params
 
@@ -90,6 +90,7 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     proposals = {sizes: [ngram_proposals(s, sizes, max(MAX_LENS)) for s in samples] for sizes in NGRAM_SIZES}
     if "suffix" in budget.kinds:
         proposals["suffix"] = [suffix_proposals(s, max(MAX_LENS)) for s in samples]
+        proposals[TREE_KEY] = SuffixTrees(samples, max(MAX_LENS))
     n = dec.n_layers
     kinds = tuple(k for k in SKIPPING if k in budget.kinds) if dec.can_skip else ()
     proxy = job.study("proxy", budget.seed)
@@ -97,7 +98,7 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     # searches the precisions it began with (studies from before the int8 rule searched budget.int8's)
     stored = proxy.user_attrs.get("costs")
     if stored:
-        costs = Costs(stored["verify"], {k: tuple(v) for k, v in stored["draft"].items()})
+        costs = Costs(stored["verify"], {k: tuple(v) for k, v in stored["draft"].items()}, stored.get("tree", []))
         search_int8 = budget.int8 and bool(proxy.user_attrs.get("int8", True))
     else:
         costs = m.measure_costs()
@@ -168,7 +169,8 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
             break
         mask = trial_mask(t.params, n)
         p = t.user_attrs["policy"]
-        cfg = to_config(Policy(p["kind"], p["max_len"], p["threshold"], p["adaptive"], tuple(p["ngram_sizes"])),
+        cfg = to_config(Policy(p["kind"], p["max_len"], p["threshold"], p["adaptive"], tuple(p["ngram_sizes"]),
+                               p.get("tree", 0)),
                         mask, t.params["int8"])
         key = json.dumps(cfg.to_dict(), sort_keys=True)
         if key not in seen:

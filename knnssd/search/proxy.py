@@ -4,10 +4,11 @@ One teacher-forced pass of a draft (a skip mask and precision) over prompts and 
 continuations gives, per position, whether the draft's top token matches and how confident it
 was (``Trace``). ``simulate`` replays the speculative loop on those traces with measured step
 costs (``costs.Costs``) and predicts the speedup of a drafting policy (kind, confidence threshold,
-max draft length, adaptive length, n-gram sizes); ``best_policy`` tries them all. The first masks
-tried skip the least influential sub-layers (``influence``).
+max draft length, adaptive length, n-gram sizes, a suffix drafter's tree size); ``best_policy`` tries
+them all. The first masks tried skip the least influential sub-layers (``influence``).
 
-Terms: a policy's ``k`` is its max draft length.
+Terms: a policy's ``k`` is its max draft length; its ``tree`` the nodes of a suffix drafter's token
+trees (0: chains), each tree pass priced by its measured cost (``Costs.tree_ms``).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
-from knnssd.engine import draft_policy
+from knnssd.engine import draft_policy, suffix, tree
 from knnssd.engine.exactness import MAX_T
 from knnssd.engine.drafters import DrafterConfig, NGram, Suffix
 from knnssd.engine.suffix import SequenceIndex
@@ -30,6 +31,7 @@ from knnssd.search.costs import Costs
 THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.9)
 PROBED = MAX_T - 1  # the longest draft the exactness probe covers (less the step's own row), as ``decode.Run``
 MAX_LENS = (2, 3, 4, 6, 8, 10)
+TREES = (0, 4, 8, 11)  # a suffix drafter's tree sizes tried (0: chains; 11: the longest pass the probe checks)
 NGRAM_SIZES = ((3, 2, 1), (3, 2), (4, 3, 2))
 
 
@@ -79,6 +81,7 @@ class Policy:
     threshold: float = 0.0
     adaptive: bool = False
     ngram_sizes: tuple[int, ...] = (3, 2, 1)
+    tree: int = 0  # suffix only: nodes of its token trees (0: chains)
 
 
 def ngram_proposals(sample: Sample, sizes: tuple[int, ...], max_len: int) -> list[list[int]]:
@@ -100,14 +103,40 @@ def suffix_proposals(sample: Sample, max_len: int) -> list[list[int]]:
     return out
 
 
+class SuffixTrees:
+    """The suffix drafter's token trees at every position of every sample: ranked once to ``depth`` after
+    prompt + cont[:j] (``suffix.ranked``), a tree of any budget and shallower depth selected on demand
+    (``suffix.select``, memoized: the policies revisit the same positions)."""
+
+    def __init__(self, samples: list[Sample], depth: int):
+        self.ranked = []
+        for sample in samples:
+            index = SequenceIndex()
+            index.extend(sample.prompt)
+            at = [suffix.Ranked([], [], [], [])]
+            for j in range(1, len(sample.cont)):
+                index.extend(sample.cont[j - 1 : j])
+                at.append(suffix.ranked(index, depth))
+            self.ranked.append(at)
+        self._memo: dict[tuple[int, int, int, int], tuple[list[int], tuple[int, ...]]] = {}
+
+    def at(self, si: int, j: int, budget: int, depth: int) -> tuple[list[int], tuple[int, ...]]:
+        key = (si, j, budget, depth)
+        if key not in self._memo:
+            self._memo[key] = suffix.select(self.ranked[si][j], budget, depth)
+        return self._memo[key]
+
+
+TREE_KEY = "suffix trees"  # the proposals' entry that holds the ``SuffixTrees``
 PROPOSING = ("ngram", "hybrid", "suffix")  # the kinds whose drafts come from ``proposals`` (no forward pass)
 LOOKUPS = ("ngram", "suffix")  # those that draft by lookup alone
 
 
 def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, costs: Costs, draft_ms: float,
-             proposals: list[list[list[int]]] | None) -> tuple[float, float, float]:
+             proposals: list[list[list[int]]] | None, trees: SuffixTrees | None = None) -> tuple[float, float, float]:
     """Replay the speculative loop on teacher-forced traces, with ``draft_policy``'s rules as ``decode.Run``
-    and the drafters apply them: (predicted decode speedup, acceptance, mean accepted)."""
+    and the drafters apply them: (predicted decode speedup, acceptance, mean accepted). ``trees``: the
+    suffix drafter's, for a policy with ``tree`` > 0 (where the sequence has no earlier match, its chain)."""
     spec_t = ar_t = 0.0
     drafted = accepted = steps = 0
     for si, s in enumerate(samples):
@@ -118,6 +147,17 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
             cost = 0.0
             prop = proposals[si][j] if proposals is not None and policy.kind in PROPOSING else []
             kk = draft_policy.cap(k, n - j, PROBED)
+            nodes, parents = trees.at(si, j, min(policy.tree, kk), policy.max_len) if policy.tree and kk > 0 else ([], ())
+            if nodes and parents == tuple(range(len(parents))):
+                prop, nodes = nodes, []  # a one-leaf tree is verified as a chain
+            if nodes:
+                a = tree.accepted(nodes, parents, s.cont[j:])
+                spec_t += costs.tree_ms(len(nodes) + 1)
+                drafted, accepted, steps = drafted + len(nodes), accepted + a, steps + 1
+                ar_t += min(a + 1, n - j) * costs.verify_ms(1)
+                k = draft_policy.next_len(k, policy.max_len, policy.adaptive, len(nodes), a)
+                j += a + 1
+                continue
             if kk > 0 and draft_policy.hybrid_uses_ngram(prop):
                 prop = prop[:kk]
                 d_tokens = [prop[i] == s.cont[j + i] for i in range(len(prop))]
@@ -152,9 +192,11 @@ def best_policy(samples, traces, costs, draft_ms, proposals_by_sizes, kinds) -> 
     for kind in kinds:
         sizes_opts = NGRAM_SIZES if kind in ("ngram", "hybrid") else (NGRAM_SIZES[0],)
         thr_opts = THRESHOLDS if kind not in LOOKUPS else (0.0,)
-        for sizes, thr, k, adaptive in itertools.product(sizes_opts, thr_opts, MAX_LENS, (False, True)):
-            pol = Policy(kind, k, thr, adaptive, sizes)
-            res = simulate(samples, traces, pol, costs, draft_ms, proposals_for(pol, proposals_by_sizes))
+        trees = proposals_by_sizes.get(TREE_KEY) if kind == "suffix" and costs.tree else None
+        tree_opts = TREES if trees is not None else (0,)
+        for sizes, thr, k, adaptive, nodes in itertools.product(sizes_opts, thr_opts, MAX_LENS, (False, True), tree_opts):
+            pol = Policy(kind, k, thr, adaptive, sizes, nodes)
+            res = simulate(samples, traces, pol, costs, draft_ms, proposals_for(pol, proposals_by_sizes), trees)
             if res[0] > best_res[0]:
                 best, best_res = pol, res
     return best, best_res
@@ -165,7 +207,7 @@ def to_config(policy: Policy, mask: SkipMask | None, int8: bool) -> DrafterConfi
         return DrafterConfig(kind="ngram", max_len=policy.max_len, adaptive=policy.adaptive,
                              ngram_sizes=list(policy.ngram_sizes))
     if policy.kind == "suffix":
-        return DrafterConfig(kind="suffix", max_len=policy.max_len, adaptive=policy.adaptive)
+        return DrafterConfig(kind="suffix", max_len=policy.max_len, adaptive=policy.adaptive, suffix_tree=policy.tree)
     return DrafterConfig(kind=policy.kind, mask=mask.to_dict(), max_len=policy.max_len, threshold=policy.threshold,
                          int8=int8, ngram_sizes=list(policy.ngram_sizes), adaptive=policy.adaptive)
 
