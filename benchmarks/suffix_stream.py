@@ -50,7 +50,7 @@ def stream(gen: RoutedGenerator, texts: list[str], max_new: int, tree: int) -> d
     lm = gen.lm
     params = GenerateParams(max_new_tokens=max_new)
     config = GenerationConfig(max_new_tokens=max_new, eos_ids=gen.eos)
-    drafters = {**DRAFTERS, "suffix-tree": replace(DRAFTERS["suffix"], suffix_tree=tree)}
+    drafters = {**DRAFTERS, "suffix-tree": replace(DRAFTERS["suffix"], tree=tree)}
     caches = {m: SuffixCache() for m in METHODS if m.endswith("+cache")}
     totals = {m: dict(tokens=0, seconds=0.0, accepted=0, steps=0, equal=0) for m in METHODS}
     for i, text in enumerate(texts):

@@ -60,7 +60,7 @@ def test_smollm2_bf16_suffix_trees_give_own_plain_decoding(smol_bf16, nodes):
     dec, ids, cfg, ref = smol_bf16
     exact_or_skip(dec, "bfloat16")
     for x, want in zip(ids, ref):
-        drafter = build(DrafterConfig(kind="suffix", suffix_tree=nodes), dec.n_layers)
+        drafter = build(DrafterConfig(kind="suffix", tree=nodes), dec.n_layers)
         assert generate(dec, x, drafter, cfg)[0] == want
 
 

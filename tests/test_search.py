@@ -28,7 +28,7 @@ def _simulated_as_run(dec, i: int, n: int, policy: proxy.Policy, traced: bool) -
     s = proxy.Sample(ids, cont)
     traces = proxy.trace(dec, [s], SkipMask.none(4), False, 64) if traced else None
     props = [proxy.suffix_proposals(s, 10) if policy.kind == "suffix" else proxy.ngram_proposals(s, policy.ngram_sizes, 10)]
-    trees = proxy.SuffixTrees([s], 10) if policy.tree else None
+    trees = proxy.Trees([s], 10, None if policy.kind == "suffix" else policy.ngram_sizes) if policy.tree else None
     _, acc, mean = proxy.simulate([s], traces, policy, TREE_COSTS, 1.0, props, trees)
     cfg = proxy.to_config(policy, SkipMask.none(4) if traced else None, False)
     out, st = generate(dec, ids, build(cfg, 4), GenerationConfig(max_new_tokens=n))
@@ -52,12 +52,14 @@ def test_simulated_suffix_counts_equal_real_loop(adaptive):
 
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("nodes", [4, 11])
-def test_simulated_suffix_tree_counts_equal_real_loop(adaptive, nodes):
+def test_simulated_tree_counts_equal_real_loop(adaptive, nodes):
     """Trees where the sequence has earlier matches, a one-leaf tree as a chain, the suffix chain where it has
-    none: the simulator drafts and accepts what the real loop does."""
+    none: the simulator drafts and accepts what the real loop does, for suffix and n-gram trees."""
     dec = make_decoder(tiny("llama"))
     for i in (1, 3):
         _simulated_as_run(dec, i, 40, proxy.Policy("suffix", 6, adaptive=adaptive, tree=nodes), traced=False)
+        _simulated_as_run(dec, i, 40, proxy.Policy("ngram", 6, adaptive=adaptive, ngram_sizes=(2, 1), tree=nodes),
+                          traced=False)
 
 
 @settings(max_examples=60, deadline=None)
@@ -72,12 +74,16 @@ def test_trees_are_searched_where_their_pass_was_measured():
     """Two continuations of "5 6" alternate: a chain drafts the more frequent one, a tree both."""
     a, b = [5, 6, 7, 8], [5, 6, 9, 10]
     samples = [proxy.Sample(a + b + a, (b + a) * 5), proxy.Sample(b + a + b, (a + b) * 5)]
-    props = {"suffix": [proxy.suffix_proposals(s, 10) for s in samples], proxy.TREE_KEY: proxy.SuffixTrees(samples, 10)}
-    assert proxy.best_policy(samples, None, COSTS, 0.0, props, ("suffix",))[0].tree == 0  # no tree pass measured
+    props = {"suffix": [proxy.suffix_proposals(s, 10) for s in samples], (proxy.TREE_KEY, "suffix"): proxy.Trees(samples, 10)}
+    for sizes in proxy.NGRAM_SIZES:
+        props[sizes] = [proxy.ngram_proposals(s, sizes, 10) for s in samples]
+        props[(proxy.TREE_KEY, sizes)] = proxy.Trees(samples, 10, sizes)
     cheap = Costs(COSTS.verify, COSTS.draft, tree=[0.01] * 11)
-    pol = proxy.best_policy(samples, None, cheap, 0.0, props, ("suffix",))[0]
-    assert pol.tree in proxy.TREES and pol.tree > 0
-    assert proxy.to_config(pol, None, False).suffix_tree == pol.tree
+    for kind in ("suffix", "ngram"):
+        assert proxy.best_policy(samples, None, COSTS, 0.0, props, (kind,))[0].tree == 0  # no tree pass measured
+        pol = proxy.best_policy(samples, None, cheap, 0.0, props, (kind,))[0]
+        assert pol.tree in proxy.TREES and pol.tree > 0
+        assert proxy.to_config(pol, None, False).tree == pol.tree
     costs = measure_costs(make_decoder(tiny("llama")), max_t=6, context=40)
     assert len(costs.tree) == 5 and all(ms > 0 for ms in costs.tree) and costs.tree_ms(9) == costs.tree[-1]
 

@@ -129,15 +129,29 @@ def test_greedy_decoding_with_trees_gives_plain_decodings_tokens(dtype, arch, pr
     assert out == ref
 
 
+@pytest.mark.parametrize("kind", ["suffix", "ngram"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_suffix_trees_give_plain_decodings_tokens(arch):
+def test_lookup_trees_give_plain_decodings_tokens(arch, kind):
     dec = decoder(arch, "float32")
     for prompt in range(4):
         ids = prompt_ids(arch, prompt)
         ref = list(plain(arch, "float32", prompt))
         for nodes in (2, 6, 11):
-            cfg = DrafterConfig(kind="suffix", suffix_tree=nodes)
+            cfg = DrafterConfig(kind=kind, tree=nodes, ngram_sizes=[2, 1])
             assert generate(dec, ids, build(cfg, dec.n_layers), GenerationConfig(max_new_tokens=len(ref)))[0] == ref
+
+
+def test_an_ngram_tree_merges_the_continuations_of_its_latest_occurrences():
+    from knnssd.engine import suffix
+    from knnssd.engine.drafters import NGram
+
+    toks = [1, 2, 3, 9, 1, 2, 4, 1, 2, 3, 7, 1, 2]  # after "1 2": "3 9", "4 1", "3 7"; the latest is "3 7"
+    ng = NGram((2, 1), max_len=2)
+    assert ng.lookup("s", toks, 2) == [3, 7]
+    tokens, parents_ = suffix.select(ng.ranked("s", toks, 2), 5, 2)
+    branches = {tuple(tokens[n - 1] for n in path[1:]) for path, _ in tree.segments(parents_)}
+    assert branches == {(3, 9), (3, 7), (4, 1)}
+    assert suffix.select(ng.ranked("s", toks, 2), 2, 2) == ([3, 7], (0, 1))  # "3" twice, then the latest after it
 
 
 def test_sampled_runs_and_undrafted_ones_verify_chains():
@@ -164,7 +178,7 @@ def test_a_suffix_tree_holds_the_chain_and_the_other_continuations():
 
 
 def test_tree_settings_are_checked_and_described():
-    assert "tree 8" in DrafterConfig(kind="suffix", suffix_tree=8).describe()
+    assert "tree 8" in DrafterConfig(kind="suffix", tree=8).describe()
     for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="suffix_tree must be an integer >= 0"):
-            DrafterConfig(kind="suffix", suffix_tree=bad)
+        with pytest.raises(ValueError, match="tree must be an integer >= 0"):
+            DrafterConfig(kind="suffix", tree=bad)

@@ -6,7 +6,8 @@ decoder with its KV cache); the full model then verifies them in one pass (``dec
     LayerSkip  the model itself with some sub-layers skipped (a ``SkipMask``), optionally on
                int8 copies of its weights; stops early when its confidence drops below a threshold
     NGram      prompt lookup: continue the latest earlier occurrence of the last n tokens (prompt
-               + generated text), trying the longest n first; costs no forward pass
+               + generated text), trying the longest n first; costs no forward pass; optionally a
+               token tree of the continuations of its latest occurrences (``tree.py``)
     Hybrid     NGram when it finds a match, LayerSkip otherwise
     Suffix     SuffixDecoding: the most frequent continuation of the longest earlier match, in the
                sequence or in a cache of earlier outputs shared by a bank's sequences (``suffix.py``);
@@ -124,39 +125,61 @@ class LayerSkip(_Feedback):
 
 
 class NGram(_Feedback):
-    """Prompt lookup with an incremental index: n-gram -> position after its latest occurrence."""
+    """Prompt lookup with an incremental index: n-gram -> the positions after its occurrences. A chain
+    continues the latest; with ``tree`` > 0, ``propose_tree`` merges the continuations of the ``OCCURRENCES``
+    latest into a token tree of at most that many nodes, the most frequent first (``suffix.ranked_from``)."""
 
-    def __init__(self, sizes: tuple[int, ...] = (3, 2, 1), max_len: int = 8):
+    OCCURRENCES = 16
+
+    def __init__(self, sizes: tuple[int, ...] = (3, 2, 1), max_len: int = 8, tree: int = 0):
         self.sizes = tuple(sorted(set(sizes), reverse=True))
         if not self.sizes or self.sizes[-1] < 1:
             raise ValueError(f"n-gram sizes must be positive integers, got {sizes}")
-        self.max_len = max_len
+        self.max_len, self.tree = max_len, tree
         self._seq_id: object = None
-        self._index: dict[tuple[int, ...], int] = {}
+        self._index: dict[tuple[int, ...], list[int]] = {}
         self._done = 0  # n-grams ending before this position are indexed
 
     def propose(self, seq: "Sequence", k: int) -> Draft:
         return Draft.of(self.lookup(seq.uid, seq.tokens, k), seq.device)
+
+    def propose_tree(self, seq: "Sequence", k: int) -> Draft:
+        """A tree of at most ``min(tree, k)`` nodes, each at most ``max_len`` deep; a one-leaf tree as a chain."""
+        tokens, parents = suffix.select(self.ranked(seq.uid, seq.tokens, self.max_len), min(self.tree, k), self.max_len)
+        chain = parents == tuple(range(len(parents)))  # verified as a chain, by the faster chain pass
+        return Draft.of(tokens, seq.device, None if chain else parents)
 
     def lookup(self, key: object, toks: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix.
 
         ``key`` names the sequence: the index is extended incrementally while it stays the same.
         """
+        n, at = self._occurrences(key, toks)
+        return toks[at[-1] : at[-1] + k] if at else []
+
+    def ranked(self, key: object, toks: list[int], depth: int) -> suffix.Ranked:
+        """The continuations of the ``OCCURRENCES`` latest earlier occurrences of the longest matching suffix,
+        ranked (``suffix.ranked_from``; the latest first among equals)."""
+        n, at = self._occurrences(key, toks)
+        return suffix.ranked_from(toks, {p - 1: n for p in reversed(at[-self.OCCURRENCES :])}, depth)
+
+    def _occurrences(self, key: object, toks: list[int]) -> tuple[int, list[int]]:
+        """The longest n of ``sizes`` whose last n tokens occurred earlier, and the positions after those
+        occurrences, oldest first ((0, []) if none)."""
         if self._seq_id != key or self._done > len(toks):
             self._seq_id, self._index, self._done = key, {}, 0
         # index n-grams that end at positions < len(toks) - 1, so the suffix never matches itself
         for end in range(self._done, len(toks) - 1):
             for n in self.sizes:
                 if end + 1 >= n:
-                    self._index[tuple(toks[end + 1 - n : end + 1])] = end + 1
+                    self._index.setdefault(tuple(toks[end + 1 - n : end + 1]), []).append(end + 1)
         self._done = max(self._done, len(toks) - 1)
         for n in self.sizes:
             if len(toks) >= n:
-                j = self._index.get(tuple(toks[-n:]))
-                if j is not None:
-                    return toks[j : j + k]
-        return []
+                at = self._index.get(tuple(toks[-n:]))
+                if at:
+                    return n, at
+        return 0, []
 
 
 class Suffix(_Feedback):
@@ -224,7 +247,7 @@ class DrafterConfig:
     adaptive: bool = False  # adapt the draft length: +2 after a fully accepted draft, -1 after a rejection
     suffix_min_prob: float = 0.1  # a suffix draft stops before its first token less likely than this
     suffix_factor: float = 4.0  # a suffix draft is at most this times its match's length (docs/benchmarks.md)
-    suffix_tree: int = 0  # nodes of a suffix token tree, where one greedy sequence decodes (0: chains only)
+    tree: int = 0  # ngram, suffix: nodes of a token tree where one greedy sequence decodes (0: chains only)
 
     def __post_init__(self):
         """One-line ``ValueError``s: a draft length under 1 silently turned drafting off, and a NaN
@@ -248,9 +271,9 @@ class DrafterConfig:
             raise ValueError(f"suffix_min_prob must be a probability in [0, 1], got {p!r}")
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f < float("inf"):
             raise ValueError(f"suffix_factor must be a number > 0, got {f!r}")
-        n = self.suffix_tree
+        n = self.tree
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"suffix_tree must be an integer >= 0 (0: chains only), got {n!r}")
+            raise ValueError(f"tree must be an integer >= 0 (0: chains only), got {n!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -277,8 +300,8 @@ class DrafterConfig:
             parts.append("n=" + ",".join(map(str, self.ngram_sizes)))
         if self.kind == "suffix":
             parts.append(f"p>={self.suffix_min_prob:g} x{self.suffix_factor:g}")
-            if self.suffix_tree:
-                parts.append(f"tree {self.suffix_tree}")
+        if self.tree and self.kind in ("ngram", "suffix"):
+            parts.append(f"tree {self.tree}")
         if self.adaptive:
             parts.append("adaptive")
         return " ".join(parts)
@@ -301,12 +324,12 @@ def build(cfg: DrafterConfig, n_layers: int, can_skip: bool = True, cache: suffi
     if cfg.kind == "none":
         return None
     if cfg.kind == "suffix":
-        d = Suffix(cfg.max_len, cfg.suffix_min_prob, cfg.suffix_factor, cache, cfg.suffix_tree)
+        d = Suffix(cfg.max_len, cfg.suffix_min_prob, cfg.suffix_factor, cache, cfg.tree)
         d.adaptive = cfg.adaptive
         return d
     ngram = NGram(tuple(cfg.ngram_sizes), cfg.ngram_max_len or cfg.max_len)
     if cfg.kind == "ngram":
-        ngram.adaptive = cfg.adaptive
+        ngram.adaptive, ngram.tree = cfg.adaptive, cfg.tree
         return ngram
     mask = SkipMask.from_dict(cfg.mask) if cfg.mask is not None else SkipMask.none(n_layers)
     mask.validate(n_layers, can_skip)

@@ -213,13 +213,19 @@ class Ranked(NamedTuple):
 
 def ranked(own: SequenceIndex, depth: int) -> Ranked:
     """Below every earlier occurrence of the sequence's last token, its continuation of at most ``depth``
-    tokens, merged where they agree, best first: a node ranks by the longest match among the occurrences
-    through it, then by how many of those share that match (SuffixDecoding's frequency), then by how many
-    pass through it, so it never ranks below a child. A node's rank does not depend on ``depth``."""
-    toks = own.tokens
+    tokens, merged where they agree, best first (``ranked_from``)."""
+    return ranked_from(own.tokens, own.matches(), depth)
+
+
+def ranked_from(toks: list[int], matches: dict[int, int], depth: int) -> Ranked:
+    """The continuations of ``toks`` after each position q of ``matches`` (q -> the length of its match),
+    at most ``depth`` tokens each, merged where they agree, best first: a node ranks by the longest match
+    among the occurrences through it, then by how many of those share that match (SuffixDecoding's
+    frequency), then by how many pass through it, then by the order ``matches`` gives the occurrences, so it
+    never ranks below a child. A node's rank does not depend on ``depth``."""
     trie: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     parent_of, token_of, depth_of, ms = [0], [0], [0], [[]]
-    for q, m in own.matches().items():
+    for q, m in matches.items():
         parent = 0
         for t in toks[q + 1 : q + 1 + depth]:
             node = trie.get((parent, t))

@@ -35,7 +35,7 @@ from knnssd.routing.bank import ClusterResult
 from knnssd.search import cancel, objective
 from knnssd.search.budget import Budget
 from knnssd.search.costs import Costs
-from knnssd.search.proxy import (LOOKUPS, MAX_LENS, NGRAM_SIZES, TREE_KEY, Policy, Sample, SuffixTrees, best_policy,
+from knnssd.search.proxy import (LOOKUPS, MAX_LENS, NGRAM_SIZES, TREE_KEY, Policy, Sample, Trees, best_policy,
                                  influence, influence_masks, ngram_proposals, proposals_for, simulate, suffix_proposals,
                                  teacher_samples, to_config)
 from knnssd.search.study import finished, open_study, search_space, trial_mask, trial_params
@@ -87,10 +87,11 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     dec = m.dec
     samples = teacher_samples(dec, m.tokenizer, job.texts[: budget.proxy_prompts], budget.max_new_tokens, m.eos)
-    proposals = {sizes: [ngram_proposals(s, sizes, max(MAX_LENS)) for s in samples] for sizes in NGRAM_SIZES}
+    proposals: dict = {sizes: [ngram_proposals(s, sizes, max(MAX_LENS)) for s in samples] for sizes in NGRAM_SIZES}
+    proposals.update({(TREE_KEY, sizes): Trees(samples, max(MAX_LENS), sizes) for sizes in NGRAM_SIZES})
     if "suffix" in budget.kinds:
         proposals["suffix"] = [suffix_proposals(s, max(MAX_LENS)) for s in samples]
-        proposals[TREE_KEY] = SuffixTrees(samples, max(MAX_LENS))
+        proposals[(TREE_KEY, "suffix")] = Trees(samples, max(MAX_LENS))
     n = dec.n_layers
     kinds = tuple(k for k in SKIPPING if k in budget.kinds) if dec.can_skip else ()
     proxy = job.study("proxy", budget.seed)

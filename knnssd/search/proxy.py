@@ -81,7 +81,7 @@ class Policy:
     threshold: float = 0.0
     adaptive: bool = False
     ngram_sizes: tuple[int, ...] = (3, 2, 1)
-    tree: int = 0  # suffix only: nodes of its token trees (0: chains)
+    tree: int = 0  # ngram, suffix: nodes of their token trees (0: chains)
 
 
 def ngram_proposals(sample: Sample, sizes: tuple[int, ...], max_len: int) -> list[list[int]]:
@@ -103,40 +103,52 @@ def suffix_proposals(sample: Sample, max_len: int) -> list[list[int]]:
     return out
 
 
-class SuffixTrees:
-    """The suffix drafter's token trees at every position of every sample: ranked once to ``depth`` after
-    prompt + cont[:j] (``suffix.ranked``), a tree of any budget and shallower depth selected on demand
-    (``suffix.select``, memoized: the policies revisit the same positions)."""
+class Trees:
+    """A lookup drafter's token trees at every position of every sample, as the drafter makes them after
+    prompt + cont[:j]: the continuations ranked once to ``depth`` (``suffix.ranked``, ``NGram.ranked``; on
+    demand, as the policies visit few positions), a tree of any budget and shallower depth selected from
+    them (``suffix.select``); both memoized, as the policies revisit the same positions."""
 
-    def __init__(self, samples: list[Sample], depth: int):
-        self.ranked = []
-        for sample in samples:
-            index = SequenceIndex()
-            index.extend(sample.prompt)
-            at = [suffix.Ranked([], [], [], [])]
-            for j in range(1, len(sample.cont)):
-                index.extend(sample.cont[j - 1 : j])
-                at.append(suffix.ranked(index, depth))
-            self.ranked.append(at)
+    def __init__(self, samples: list[Sample], depth: int, ngram_sizes: tuple[int, ...] | None = None):
+        self.samples, self.depth = samples, depth
+        self._ngram = [NGram(ngram_sizes, depth) for _ in samples] if ngram_sizes is not None else None
+        self._ranked: dict[tuple[int, int], suffix.Ranked] = {}
         self._memo: dict[tuple[int, int, int, int], tuple[list[int], tuple[int, ...]]] = {}
+
+    def _ranked_at(self, si: int, j: int) -> suffix.Ranked:
+        if (si, j) not in self._ranked:
+            s = self.samples[si]
+            toks = s.prompt + s.cont[:j]
+            if self._ngram is not None:
+                self._ranked[(si, j)] = self._ngram[si].ranked(si, toks, self.depth)
+            else:
+                index = SequenceIndex()
+                index.extend(toks)
+                self._ranked[(si, j)] = suffix.ranked(index, self.depth)
+        return self._ranked[(si, j)]
 
     def at(self, si: int, j: int, budget: int, depth: int) -> tuple[list[int], tuple[int, ...]]:
         key = (si, j, budget, depth)
         if key not in self._memo:
-            self._memo[key] = suffix.select(self.ranked[si][j], budget, depth)
+            self._memo[key] = suffix.select(self._ranked_at(si, j), budget, depth)
         return self._memo[key]
 
 
-TREE_KEY = "suffix trees"  # the proposals' entry that holds the ``SuffixTrees``
+def trees_for(policy: Policy, proposals_by_sizes: dict) -> Trees | None:
+    """The trees ``policy`` drafts (None where they were not made)."""
+    return proposals_by_sizes.get((TREE_KEY, "suffix" if policy.kind == "suffix" else policy.ngram_sizes))
+
+
+TREE_KEY = "trees"  # (TREE_KEY, "suffix" or n-gram sizes): the proposals' entries that hold ``Trees``
 PROPOSING = ("ngram", "hybrid", "suffix")  # the kinds whose drafts come from ``proposals`` (no forward pass)
 LOOKUPS = ("ngram", "suffix")  # those that draft by lookup alone
 
 
 def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, costs: Costs, draft_ms: float,
-             proposals: list[list[list[int]]] | None, trees: SuffixTrees | None = None) -> tuple[float, float, float]:
+             proposals: list[list[list[int]]] | None, trees: Trees | None = None) -> tuple[float, float, float]:
     """Replay the speculative loop on teacher-forced traces, with ``draft_policy``'s rules as ``decode.Run``
     and the drafters apply them: (predicted decode speedup, acceptance, mean accepted). ``trees``: the
-    suffix drafter's, for a policy with ``tree`` > 0 (where the sequence has no earlier match, its chain)."""
+    lookup drafter's, for a policy with ``tree`` > 0 (the suffix drafter's chain where it has none)."""
     spec_t = ar_t = 0.0
     drafted = accepted = steps = 0
     for si, s in enumerate(samples):
@@ -192,10 +204,11 @@ def best_policy(samples, traces, costs, draft_ms, proposals_by_sizes, kinds) -> 
     for kind in kinds:
         sizes_opts = NGRAM_SIZES if kind in ("ngram", "hybrid") else (NGRAM_SIZES[0],)
         thr_opts = THRESHOLDS if kind not in LOOKUPS else (0.0,)
-        trees = proposals_by_sizes.get(TREE_KEY) if kind == "suffix" and costs.tree else None
-        tree_opts = TREES if trees is not None else (0,)
-        for sizes, thr, k, adaptive, nodes in itertools.product(sizes_opts, thr_opts, MAX_LENS, (False, True), tree_opts):
+        for sizes, thr, k, adaptive, nodes in itertools.product(sizes_opts, thr_opts, MAX_LENS, (False, True), TREES):
             pol = Policy(kind, k, thr, adaptive, sizes, nodes)
+            trees = trees_for(pol, proposals_by_sizes)
+            if nodes and (kind not in LOOKUPS or trees is None or not costs.tree):
+                continue  # trees are the lookups', where their pass was measured
             res = simulate(samples, traces, pol, costs, draft_ms, proposals_for(pol, proposals_by_sizes), trees)
             if res[0] > best_res[0]:
                 best, best_res = pol, res
@@ -205,9 +218,9 @@ def best_policy(samples, traces, costs, draft_ms, proposals_by_sizes, kinds) -> 
 def to_config(policy: Policy, mask: SkipMask | None, int8: bool) -> DrafterConfig:
     if policy.kind == "ngram":
         return DrafterConfig(kind="ngram", max_len=policy.max_len, adaptive=policy.adaptive,
-                             ngram_sizes=list(policy.ngram_sizes))
+                             ngram_sizes=list(policy.ngram_sizes), tree=policy.tree)
     if policy.kind == "suffix":
-        return DrafterConfig(kind="suffix", max_len=policy.max_len, adaptive=policy.adaptive, suffix_tree=policy.tree)
+        return DrafterConfig(kind="suffix", max_len=policy.max_len, adaptive=policy.adaptive, tree=policy.tree)
     return DrafterConfig(kind=policy.kind, mask=mask.to_dict(), max_len=policy.max_len, threshold=policy.threshold,
                          int8=int8, ngram_sizes=list(policy.ngram_sizes), adaptive=policy.adaptive)
 
