@@ -9,9 +9,10 @@ flow runs it). Each prompt runs every method, the order rotating prompt by promp
 
     plain          own plain decoding, the reference
     ngram          prompt lookup, n = 3, 2, 1, up to 8 tokens, adaptive (bench-engine's)
+    ngram-tree     the same drafter's token trees of ``--tree`` nodes (8), verified in one pass each
     suffix         the suffix drafter over the prompt and its own tokens only
     suffix+cache   the same with one cache of the stream's earlier outputs (its own runs' only)
-    suffix-tree    the suffix drafter's token trees of ``--tree`` nodes (8), verified in one pass each
+    suffix-tree    the suffix drafter's token trees, as ngram-tree's
     suffix-tree+cache  the same, with a cache of its own (the chain after a cache match where a tree has none)
     routed         the registered bank (``--model-uri``) as ``knnssd generate`` runs it
 
@@ -41,7 +42,7 @@ from knnssd.engine.params import GenerateParams
 from knnssd.engine.suffix import SuffixCache
 from knnssd.serving.routed import RoutedGenerator
 
-METHODS = ("plain", "ngram", "suffix", "suffix+cache", "suffix-tree", "suffix-tree+cache", "routed")
+METHODS = ("plain", "ngram", "ngram-tree", "suffix", "suffix+cache", "suffix-tree", "suffix-tree+cache", "routed")
 DRAFTERS = {kind: untuned(kind) for kind in ("ngram", "suffix")}
 CHAINS = ("plain", "ngram", "suffix")  # the batched run's banks
 
@@ -50,7 +51,7 @@ def stream(gen: RoutedGenerator, texts: list[str], max_new: int, tree: int) -> d
     lm = gen.lm
     params = GenerateParams(max_new_tokens=max_new)
     config = GenerationConfig(max_new_tokens=max_new, eos_ids=gen.eos)
-    drafters = {**DRAFTERS, "suffix-tree": replace(DRAFTERS["suffix"], tree=tree)}
+    drafters = {**DRAFTERS, **{f"{kind}-tree": replace(DRAFTERS[kind], tree=tree) for kind in ("ngram", "suffix")}}
     caches = {m: SuffixCache() for m in METHODS if m.endswith("+cache")}
     totals = {m: dict(tokens=0, seconds=0.0, accepted=0, steps=0, equal=0) for m in METHODS}
     for i, text in enumerate(texts):
