@@ -140,9 +140,11 @@ def exact_joint(model, prompt: list[int], warp: Warp, length: int = 3) -> dict:
     ("layer_skip", Warp(0.8, top_k=4)),  # drafted with no host read, cut at the threshold on the device
     ("ngram", Warp(1.0, top_k=3)),
     ("suffix", Warp(1.0, top_k=3)),  # a chain of point masses, as n-gram's
+    ("suffix tree", Warp(1.0, top_k=3)),  # a drafter of token trees: sampled runs verify its chains
     ("hybrid", Warp(1.2, top_k=5, top_p=0.9)),
 ])
 def test_speculative_sampling_distribution(kind, warp):
+    kind, tree = kind.split()[0], 8 if kind.endswith(" tree") else 0
     model = tiny("llama")
     dec = make_decoder(model)
     prompt = prompt_ids("llama", 1)
@@ -150,7 +152,7 @@ def test_speculative_sampling_distribution(kind, warp):
         prompt = list(range(2, model.config.vocab_size)) + prompt
     expected = exact_joint(model, prompt, warp)
     cfg = DrafterConfig(kind=kind, mask=SkipMask.from_layers(4, attn=[2], mlp=[1]).to_dict(), max_len=3,
-                        ngram_sizes=[2, 1], threshold=0.4)
+                        ngram_sizes=[2, 1], threshold=0.4, tree=tree)
     drafter = build(cfg, dec.n_layers)
     if kind == "layer_skip":  # hybrid's layer-skip part stops early, at the threshold, as on a CPU
         drafter.early_stop = False
