@@ -246,9 +246,10 @@ def made(s: Server) -> float:
 
 
 def left_early(s: Server, was: float, gone: int) -> None:
-    """The sequence whose client went away left its slot at once. Counted, not timed: a wall-time bound
-    (6 s) failed on a loaded machine, where the server's steps were slow, not its slot late. Run to its
-    end or its timeout, the sequence would be counted 200 or 504, not 499, and make hundreds of tokens."""
+    """The sequence whose client went away left its slot at once. Counted, not timed: a bound on the next
+    request's wall time failed on a loaded machine, where the server's steps were slow, not its slot late.
+    Run to its end or its timeout, the sequence would be counted 200 or 504, not 499, and make hundreds
+    of tokens."""
     assert metric(s, 'knnssd_requests_total{status="499"}') == gone
     assert made(s) - was < 500
 
@@ -280,7 +281,8 @@ def test_one_slot_server_frees_disconnects_refuses_a_full_queue_and_times_out(re
             running = pool.submit(s.post, "/v1/completions", body)  # holds the slot
             until_gauge(s, "knnssd_active_slots", 1)
             # The timeout counts from arrival, queue included: sent at once, the waiting request had only the
-            # gauge's poll to spare when the slot came free (CI at 5ae938e: 504). Half the timeout is room.
+            # gauge's poll to spare when the slot came free, and on a loaded machine it timed out too. Half the
+            # timeout is room.
             time.sleep(max(0.0, t0 + 4 - time.monotonic()))
             waiting = pool.submit(s.post, "/v1/completions", {**body, "max_tokens": 4})
             until_gauge(s, "knnssd_queue_depth", 1)
