@@ -10,10 +10,10 @@ more token. Nothing is verified by the model, so the replay says what a tree cou
 costs to check; the cost side is the full pass timed at each row count on this machine.
 
     chain      the suffix drafter's chain (``SequenceIndex.draft``: 8 tokens at most, floor 0.1, 4x the match)
-    tree B     the B best nodes below every earlier occurrence of the sequence's last token, each occurrence
-               a path of its continuation (8 tokens at most); a node ranks by the longest match among the
-               occurrences through it, then by how many of those share that match (SuffixDecoding's
-               frequency), so a node never ranks above its parent
+    tree B     the suffix drafter's tree of B nodes (``suffix.draft_tree``): below the earlier occurrences of
+               the sequence's last token with the longest matches, each a path of its continuation (8 tokens
+               at most); a node ranks by the longest match among the occurrences through it, then by how
+               many of those share that match (SuffixDecoding's frequency), so it never ranks above its parent
 
 Prints, per stream, mean accepted length (tokens a pass) and rows verified a pass, and an estimate of
 tokens/s against the chain: each step's tokens over the pass cost of its rows (the timed table), draft

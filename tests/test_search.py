@@ -85,7 +85,8 @@ def test_trees_are_searched_where_their_pass_was_measured():
         assert pol.tree in proxy.TREES and pol.tree > 0
         assert proxy.to_config(pol, None, False).tree == pol.tree
     costs = measure_costs(make_decoder(tiny("llama")), max_t=6, context=40)
-    assert len(costs.tree) == 5 and all(ms > 0 for ms in costs.tree) and costs.tree_ms(9) == costs.tree[-1]
+    assert len(costs.tree) == 5 and all(ms > 0 for ms in costs.tree) and costs.tree_ms(9, 2) == costs.tree[-1]
+    assert costs.tree_leaf >= 0 and costs.tree_ms(5, 4) == costs.tree[3] + 2 * costs.tree_leaf
 
 
 def test_a_search_may_take_suffix_and_picks_its_best_pure_policy():

@@ -233,11 +233,16 @@ class Run:
         return draft_policy.cap(self.k, self.config.max_new_tokens - len(self.new), self.max_draft)
 
     def propose(self, k: int | None = None, as_tree: bool = False) -> Call:
-        """Draft up to ``k`` tokens (default ``draft_cap()``), as a token tree if ``tree``, and return the
-        rows to verify."""
+        """Draft up to ``k`` tokens (default ``draft_cap()``) and return the rows to verify; with ``as_tree``,
+        a token tree up to ``k`` deep, of as many nodes as the probe covered."""
         t0 = time.perf_counter()
         k = self.draft_cap() if k is None else min(k, self.draft_cap())
-        draft = None if k <= 0 else self.drafter.propose_tree(self.seq, k) if as_tree else self.drafter.propose(self.seq, k)
+        if k <= 0:
+            draft = None
+        elif as_tree:
+            draft = self.drafter.propose_tree(self.seq, k, min(self.max_draft, PREFILL_ROWS - 1))
+        else:
+            draft = self.drafter.propose(self.seq, k)
         self.stats.draft_calls += k > 0
         seq = self.seq
         ids = seq.last if draft is None else torch.cat((seq.last, draft.tokens))
@@ -269,7 +274,7 @@ class Run:
         add_at(stats.drafted_at, [1] * len(verdict.drafted))
         add_at(stats.accepted_at, [1] * n)
         if self.drafter is not None:
-            self.k = self.drafter.next_len(self.k, len(verdict.drafted), n)
+            self.k = self.drafter.next_len(self.k, verdict.heard, n)
         before = len(self.new)
         for tok in verdict.emitted:
             self.new.append(tok)
@@ -330,7 +335,7 @@ class Run:
         """Verify a token tree in one pass, keep its accepted path's K/V and emit (greedy; ``tree.py``)."""
         dec, parents = self.seq.decoder, call.draft.parents
         out, kv = dec.forward_tree(call.ids, call.start, parents)
-        verdict = tree.accept_greedy(tuple(call.ids[1:].tolist()), parents, out.logits)
+        verdict = tree.accept_greedy(call.draft.host, parents, out.logits)
         dec.settle(call.start, kv, verdict.path)
         return self.apply(verdict)
 

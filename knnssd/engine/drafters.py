@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from knnssd.engine import draft_policy, suffix
+from knnssd.engine import draft_policy, suffix, tree
 from knnssd.engine.sampling import draw, probs
 from knnssd.engine.sequence import Sequence
 from knnssd.engine.skip import MaskError, SkipMask
@@ -38,21 +38,29 @@ class Draft:
     q: torch.Tensor | None = None  # (k, V) draft distributions when sampling; None = point masses
     kept: torch.Tensor | None = None  # 0-d: verify only the first ``kept`` (a confidence cut on the device)
     parents: tuple[int, ...] | None = None  # a token tree's (``tree.py``); None: a chain
+    host: tuple[int, ...] | None = None  # a tree's tokens on the host, for its verdict's walk
 
     @classmethod
     def of(cls, tokens: list[int], device: torch.device, parents: tuple[int, ...] | None = None) -> "Draft":
         """From tokens on the host (n-gram lookup): on CUDA through pinned memory, a copy that does not wait
-        for the drafts other sequences have queued."""
+        for the drafts other sequences have queued. With ``parents``, a token tree (a chain where it has
+        one leaf: ``tree.is_chain``)."""
         t = torch.tensor(tokens, dtype=torch.long)
         if device.type == "cuda":
             t = t.pin_memory()
-        return cls(t.to(device, non_blocking=True), parents=parents)
+        if parents is not None and tree.is_chain(parents):
+            parents = None  # verified as a chain, by the faster chain pass
+        return cls(t.to(device, non_blocking=True), parents=parents,
+                   host=tuple(tokens) if parents is not None else None)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
 
 class Drafter(Protocol):
+    """What the decode loop asks of a drafter. One that drafts token trees (``NGram``, ``Suffix``) also has
+    ``tree`` (its node budget; 0: chains) and ``propose_tree(seq, depth, nodes)``."""
+
     max_len: int  # most tokens per draft
     adaptive: bool  # shorten/lengthen drafts after rejections/full acceptances
 
@@ -126,10 +134,9 @@ class LayerSkip(_Feedback):
 
 class NGram(_Feedback):
     """Prompt lookup with an incremental index: n-gram -> the positions after its occurrences. A chain
-    continues the latest; with ``tree`` > 0, ``propose_tree`` merges the continuations of the ``OCCURRENCES``
-    latest into a token tree of at most that many nodes, the most frequent first (``suffix.ranked_from``)."""
-
-    OCCURRENCES = 16
+    continues the latest; with ``tree`` > 0, ``propose_tree`` merges the continuations of the latest
+    ``suffix.OCCURRENCES`` into a token tree of at most ``tree`` nodes, the most frequent first
+    (``suffix.ranked_from``)."""
 
     def __init__(self, sizes: tuple[int, ...] = (3, 2, 1), max_len: int = 8, tree: int = 0):
         self.sizes = tuple(sorted(set(sizes), reverse=True))
@@ -143,11 +150,10 @@ class NGram(_Feedback):
     def propose(self, seq: "Sequence", k: int) -> Draft:
         return Draft.of(self.lookup(seq.uid, seq.tokens, k), seq.device)
 
-    def propose_tree(self, seq: "Sequence", k: int) -> Draft:
-        """A tree of at most ``min(tree, k)`` nodes, each at most ``max_len`` deep; a one-leaf tree as a chain."""
-        tokens, parents = suffix.select(self.ranked(seq.uid, seq.tokens, self.max_len), min(self.tree, k), self.max_len)
-        chain = parents == tuple(range(len(parents)))  # verified as a chain, by the faster chain pass
-        return Draft.of(tokens, seq.device, None if chain else parents)
+    def propose_tree(self, seq: "Sequence", depth: int, nodes: int) -> Draft:
+        """A tree of at most ``min(tree, nodes)`` nodes, each at most ``depth`` deep."""
+        tokens, parents = suffix.select(self.ranked(seq.uid, seq.tokens, self.max_len), min(self.tree, nodes), depth)
+        return Draft.of(tokens, seq.device, parents)
 
     def lookup(self, key: object, toks: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix.
@@ -161,7 +167,7 @@ class NGram(_Feedback):
         """The continuations of the ``OCCURRENCES`` latest earlier occurrences of the longest matching suffix,
         ranked (``suffix.ranked_from``; the latest first among equals)."""
         n, at = self._occurrences(key, toks)
-        return suffix.ranked_from(toks, {p - 1: n for p in reversed(at[-self.OCCURRENCES :])}, depth)
+        return suffix.ranked_from(toks, {p - 1: n for p in reversed(at[-suffix.OCCURRENCES :])}, depth)
 
     def _occurrences(self, key: object, toks: list[int]) -> tuple[int, list[int]]:
         """The longest n of ``sizes`` whose last n tokens occurred earlier, and the positions after those
@@ -203,14 +209,11 @@ class Suffix(_Feedback):
     def propose(self, seq: "Sequence", k: int) -> Draft:
         return Draft.of(self.lookup(self._indexed(seq), k), seq.device)
 
-    def propose_tree(self, seq: "Sequence", k: int) -> Draft:
-        """A tree of at most ``min(tree, k)`` nodes, each at most ``max_len`` deep (a chain where the sequence
-        has no earlier match)."""
-        tokens, parents = suffix.draft_tree(self._indexed(seq), min(self.tree, k), self.max_len)
-        if not tokens:
-            return self.propose(seq, k)
-        chain = parents == tuple(range(len(parents)))  # one leaf: verified as a chain, by the faster chain pass
-        return Draft.of(tokens, seq.device, None if chain else parents)
+    def propose_tree(self, seq: "Sequence", depth: int, nodes: int) -> Draft:
+        """A tree of at most ``min(tree, nodes)`` nodes, each at most ``depth`` deep (the chain where the
+        sequence has no earlier match)."""
+        tokens, parents = suffix.draft_tree(self._indexed(seq), min(self.tree, nodes), depth)
+        return Draft.of(tokens, seq.device, parents) if tokens else self.propose(seq, depth)
 
     def lookup(self, index: suffix.SequenceIndex, k: int) -> list[int]:
         """Up to k tokens after the sequence ``index`` holds (the search's simulator calls this too)."""
@@ -274,6 +277,8 @@ class DrafterConfig:
         n = self.tree
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"tree must be an integer >= 0 (0: chains only), got {n!r}")
+        if n and self.kind not in ("ngram", "suffix"):
+            raise ValueError(f"tree is for the ngram and suffix drafters, not {self.kind}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -139,6 +139,11 @@ class Verdict:
     def emitted(self) -> list[int]:
         return [*self.drafted[: self.accepted], self.next]
 
+    @property
+    def heard(self) -> int:
+        """The draft length the adaptive rule hears (``draft_policy.next_len``): every verified token."""
+        return len(self.drafted)
+
 
 def _verified(drafted: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
     """m, 0-d: how many drafted tokens are verified (``kept``, or all k)."""

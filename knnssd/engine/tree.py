@@ -31,6 +31,11 @@ def check(parents: tuple[int, ...]) -> None:
             raise ValueError(f"tree node {j}'s parent must be an earlier node (0..{j - 1}), got {p!r}")
 
 
+def is_chain(parents: tuple[int, ...]) -> bool:
+    """One leaf: the tree is a chain, verified as one by the faster chain pass."""
+    return parents == tuple(range(len(parents)))
+
+
 def depths(parents: tuple[int, ...]) -> list[int]:
     """(N + 1,): each node's depth, the root's 0."""
     out = [0]
@@ -76,10 +81,18 @@ class TreeVerdict:
     next: int  # y: the full model's token after the accepted path
     next_ids: torch.Tensor  # (1,): y on the device
     path: tuple[int, ...]  # the accepted nodes, root (0) first
+    heard: int  # the draft length the adaptive rule hears (``heard``)
 
     @property
     def emitted(self) -> list[int]:
         return [*(self.drafted[j - 1] for j in self.path[1:]), self.next]
+
+
+def heard(parents: tuple[int, ...], path: list[int] | tuple[int, ...]) -> int:
+    """The draft length a tree step reports to the adaptive rule (``draft_policy.next_len``): the accepted
+    path's where it ends at a leaf (its whole branch accepted: lengthen), else one more (a rejection). Every
+    node counted instead, a tree with two leaves would read as a rejection at every step."""
+    return len(path) - 1 + (path[-1] in parents)
 
 
 def walk(tokens: tuple[int, ...] | list[int], parents: tuple[int, ...], choose: Callable[[int, int], int | None]
@@ -95,10 +108,10 @@ def walk(tokens: tuple[int, ...] | list[int], parents: tuple[int, ...], choose: 
     return path
 
 
-def accepted(tokens: list[int], parents: tuple[int, ...], truth: list[int]) -> int:
-    """How many drafted nodes greedy verification accepts where the full model's tokens are ``truth`` (the
-    search's simulator, on plain decoding's continuation)."""
-    return len(walk(tokens, parents, lambda node, d: truth[d] if d < len(truth) else None)) - 1
+def accepted_path(tokens: list[int], parents: tuple[int, ...], truth: list[int]) -> list[int]:
+    """The path greedy verification accepts where the full model's tokens are ``truth`` (the search's
+    simulator, on plain decoding's continuation)."""
+    return walk(tokens, parents, lambda node, d: truth[d] if d < len(truth) else None)
 
 
 def accept_greedy(tokens: tuple[int, ...], parents: tuple[int, ...], logits: torch.Tensor) -> TreeVerdict:
@@ -108,4 +121,5 @@ def accept_greedy(tokens: tuple[int, ...], parents: tuple[int, ...], logits: tor
     best = best_dev.tolist()
     path = walk(tokens, parents, lambda node, d: best[node])
     last = path[-1]
-    return TreeVerdict(len(path) - 1, tuple(tokens), best[last], best_dev[last : last + 1], tuple(path))
+    return TreeVerdict(len(path) - 1, tuple(tokens), best[last], best_dev[last : last + 1], tuple(path),
+                       heard(parents, path))

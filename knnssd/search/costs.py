@@ -2,8 +2,8 @@
 
 Terms: ``v(T)`` the measured time of one full-model pass over T tokens; ``c`` the measured time
 of one draft step for a mask and precision, linear in the kept sub-layers; ``w(T)`` the measured time
-of one token tree's pass over T nodes (``Decoder.forward_tree``: two branches, so two attention calls
-a layer).
+of one token tree's pass over T nodes in two branches (``Decoder.forward_tree``: one attention call
+a layer per leaf), and ``s`` what each further leaf adds.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ class Costs:
 
     verify: list[float]  # verify[T-1]: one full pass over T tokens; verify[0] is a plain AR step
     draft: dict[str, tuple[float, float, float]]  # precision -> (base, per attention, per MLP)
-    tree: list[float] = field(default_factory=list)  # tree[T-2]: a tree pass over T >= 2 nodes; [] where none runs
+    tree: list[float] = field(default_factory=list)  # tree[T-2]: a two-leaf tree's pass over T >= 2 nodes; [] where none runs
+    tree_leaf: float = 0.0  # each leaf past two adds this to a tree pass
 
     def draft_ms(self, mask: SkipMask, int8: bool) -> float:
         base, attn, mlp = self.draft["int8" if int8 else "full"]
@@ -37,9 +38,12 @@ class Costs:
     def verify_ms(self, t: int) -> float:
         return self.verify[min(t, len(self.verify)) - 1]
 
-    def tree_ms(self, t: int) -> float:
-        """A tree pass over ``t`` nodes; infinite where none was measured (trees are then never chosen)."""
-        return self.tree[min(t, len(self.tree) + 1) - 2] if self.tree else float("inf")
+    def tree_ms(self, t: int, leaves: int) -> float:
+        """A tree pass over ``t`` nodes with ``leaves`` leaves; infinite where none was measured (trees are
+        then never chosen)."""
+        if not self.tree:
+            return float("inf")
+        return self.tree[min(t, len(self.tree) + 1) - 2] + max(0, leaves - 2) * self.tree_leaf
 
 
 def two_branches(nodes: int) -> tuple[int, ...]:
@@ -65,9 +69,12 @@ def measure_costs(dec: Decoder, max_t: int = 11, context: int = 128) -> Costs:
         attn = max(0.0, (t["none"] - t["attn"] + t["mlp"] - t["all"]) / (2 * n))
         mlp = max(0.0, (t["none"] - t["mlp"] + t["attn"] - t["all"]) / (2 * n))
         draft[name] = (t["all"], attn, mlp)
-    tree = []
+    tree, leaf = [], 0.0
     if hasattr(dec, "forward_tree"):
         ids = torch.zeros(max_t, dtype=torch.long, device=dec.device)
         tree = [median_ms(lambda t=t: dec.forward_tree(ids[:t], context, two_branches(t - 1)), dec.device, 5)
                 for t in range(2, max_t + 1)]
-    return Costs(verify, draft, tree)
+        if max_t > 3:  # a star of max_t - 1 leaves against two branches of as many nodes
+            star = median_ms(lambda: dec.forward_tree(ids, context, (0,) * (max_t - 1)), dec.device, 5)
+            leaf = max(0.0, (star - tree[-1]) / (max_t - 3))
+    return Costs(verify, draft, tree, leaf)

@@ -99,7 +99,8 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     # searches the precisions it began with (studies from before the int8 rule searched budget.int8's)
     stored = proxy.user_attrs.get("costs")
     if stored:
-        costs = Costs(stored["verify"], {k: tuple(v) for k, v in stored["draft"].items()}, stored.get("tree", []))
+        costs = Costs(stored["verify"], {k: tuple(v) for k, v in stored["draft"].items()}, stored.get("tree", []),
+                      stored.get("tree_leaf", 0.0))
         search_int8 = budget.int8 and bool(proxy.user_attrs.get("int8", True))
     else:
         costs = m.measure_costs()

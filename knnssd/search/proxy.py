@@ -4,11 +4,11 @@ One teacher-forced pass of a draft (a skip mask and precision) over prompts and 
 continuations gives, per position, whether the draft's top token matches and how confident it
 was (``Trace``). ``simulate`` replays the speculative loop on those traces with measured step
 costs (``costs.Costs``) and predicts the speedup of a drafting policy (kind, confidence threshold,
-max draft length, adaptive length, n-gram sizes, a suffix drafter's tree size); ``best_policy`` tries
+max draft length, adaptive length, n-gram sizes, a lookup drafter's tree size); ``best_policy`` tries
 them all. The first masks tried skip the least influential sub-layers (``influence``).
 
-Terms: a policy's ``k`` is its max draft length; its ``tree`` the nodes of a suffix drafter's token
-trees (0: chains), each tree pass priced by its measured cost (``Costs.tree_ms``).
+Terms: a policy's ``k`` is its max draft length (a tree's depth); its ``tree`` the nodes of a lookup
+drafter's token trees (0: chains), each tree pass priced by its measured cost (``Costs.tree_ms``).
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from knnssd.search.costs import Costs
 THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.9)
 PROBED = MAX_T - 1  # the longest draft the exactness probe covers (less the step's own row), as ``decode.Run``
 MAX_LENS = (2, 3, 4, 6, 8, 10)
-TREES = (0, 4, 8, 11)  # a suffix drafter's tree sizes tried (0: chains; 11: the longest pass the probe checks)
+TREES = (0, 4, 8, 11)  # a lookup drafter's tree sizes tried (0: chains; 11: the longest pass the probe checks)
+TREE_KEY = "trees"  # (TREE_KEY, "suffix" or n-gram sizes): the proposals' entries that hold ``Trees``
 NGRAM_SIZES = ((3, 2, 1), (3, 2), (4, 3, 2))
 
 
@@ -139,7 +140,6 @@ def trees_for(policy: Policy, proposals_by_sizes: dict) -> Trees | None:
     return proposals_by_sizes.get((TREE_KEY, "suffix" if policy.kind == "suffix" else policy.ngram_sizes))
 
 
-TREE_KEY = "trees"  # (TREE_KEY, "suffix" or n-gram sizes): the proposals' entries that hold ``Trees``
 PROPOSING = ("ngram", "hybrid", "suffix")  # the kinds whose drafts come from ``proposals`` (no forward pass)
 LOOKUPS = ("ngram", "suffix")  # those that draft by lookup alone
 
@@ -159,15 +159,16 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
             cost = 0.0
             prop = proposals[si][j] if proposals is not None and policy.kind in PROPOSING else []
             kk = draft_policy.cap(k, n - j, PROBED)
-            nodes, parents = trees.at(si, j, min(policy.tree, kk), policy.max_len) if policy.tree and kk > 0 else ([], ())
-            if nodes and parents == tuple(range(len(parents))):
-                prop, nodes = nodes, []  # a one-leaf tree is verified as a chain
+            nodes, parents = trees.at(si, j, min(policy.tree, PROBED), kk) if policy.tree and kk > 0 else ([], ())
+            if nodes and tree.is_chain(parents):
+                prop, nodes = nodes, []  # verified as a chain (``drafters.Draft.of``)
             if nodes:
-                a = tree.accepted(nodes, parents, s.cont[j:])
-                spec_t += costs.tree_ms(len(nodes) + 1)
+                path = tree.accepted_path(nodes, parents, s.cont[j:])
+                a = len(path) - 1
+                spec_t += costs.tree_ms(len(nodes) + 1, len(tree.segments(parents)))
                 drafted, accepted, steps = drafted + len(nodes), accepted + a, steps + 1
                 ar_t += min(a + 1, n - j) * costs.verify_ms(1)
-                k = draft_policy.next_len(k, policy.max_len, policy.adaptive, len(nodes), a)
+                k = draft_policy.next_len(k, policy.max_len, policy.adaptive, tree.heard(parents, path), a)
                 j += a + 1
                 continue
             if kk > 0 and draft_policy.hybrid_uses_ngram(prop):
