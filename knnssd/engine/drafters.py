@@ -164,8 +164,8 @@ class NGram(_Feedback):
         return toks[at[-1] : at[-1] + k] if at else []
 
     def ranked(self, key: object, toks: list[int], depth: int) -> suffix.Ranked:
-        """The continuations of the ``OCCURRENCES`` latest earlier occurrences of the longest matching suffix,
-        ranked (``suffix.ranked_from``; the latest first among equals)."""
+        """The continuations of the latest ``suffix.OCCURRENCES`` earlier occurrences of the longest matching
+        suffix, ranked (``suffix.ranked_from``; the latest first among equals)."""
         n, at = self._occurrences(key, toks)
         return suffix.ranked_from(toks, {p - 1: n for p in reversed(at[-suffix.OCCURRENCES :])}, depth)
 
