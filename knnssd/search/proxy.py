@@ -155,40 +155,37 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
         n = len(s.cont)
         j, k = 1, policy.max_len  # cont[0] comes from the prefill in both AR and speculative decoding
         while j < n:
-            d_tokens: list[bool] = []
-            cost = 0.0
             prop = proposals[si][j] if proposals is not None and policy.kind in PROPOSING else []
             kk = draft_policy.cap(k, n - j, PROBED)
             nodes, parents = trees.at(si, j, min(policy.tree, PROBED), kk) if policy.tree and kk > 0 else ([], ())
             if nodes and tree.is_chain(parents):
                 prop, nodes = nodes, []  # verified as a chain (``drafters.Draft.of``)
-            if nodes:
+            if nodes:  # a tree step: what the step drafted, accepted, cost, and told the adaptive rule
                 path = tree.accepted_path(nodes, parents, s.cont[j:])
-                a = len(path) - 1
-                spec_t += costs.tree_ms(len(nodes) + 1, len(tree.segments(parents)))
-                drafted, accepted, steps = drafted + len(nodes), accepted + a, steps + 1
-                ar_t += min(a + 1, n - j) * costs.verify_ms(1)
-                k = draft_policy.next_len(k, policy.max_len, policy.adaptive, tree.heard(parents, path), a)
-                j += a + 1
-                continue
-            if kk > 0 and draft_policy.hybrid_uses_ngram(prop):
-                prop = prop[:kk]
-                d_tokens = [prop[i] == s.cont[j + i] for i in range(len(prop))]
-            elif policy.kind not in LOOKUPS and kk > 0:
-                tr = traces[si]
-                kept = draft_policy.confident(tr.conf[j : j + kk], policy.threshold)
-                d_tokens = [bool(x) for x in tr.match[j : j + kept]]
-                cost = draft_ms * len(d_tokens)
-            a = 0
-            while a < len(d_tokens) and d_tokens[a]:
-                a += 1
-            spec_t += cost + costs.verify_ms(len(d_tokens) + 1)
-            emitted = min(a + 1, n - j)
-            ar_t += emitted * costs.verify_ms(1)
-            drafted += len(d_tokens)
+                a, n_drafted, heard = len(path) - 1, len(nodes), tree.heard(parents, path)
+                step_ms = costs.tree_ms(len(nodes) + 1, len(tree.segments(parents)))
+            else:
+                d_tokens: list[bool] = []
+                cost = 0.0
+                if kk > 0 and draft_policy.hybrid_uses_ngram(prop):
+                    prop = prop[:kk]
+                    d_tokens = [prop[i] == s.cont[j + i] for i in range(len(prop))]
+                elif policy.kind not in LOOKUPS and kk > 0:
+                    tr = traces[si]
+                    kept = draft_policy.confident(tr.conf[j : j + kk], policy.threshold)
+                    d_tokens = [bool(x) for x in tr.match[j : j + kept]]
+                    cost = draft_ms * len(d_tokens)
+                a = 0
+                while a < len(d_tokens) and d_tokens[a]:
+                    a += 1
+                n_drafted = heard = len(d_tokens)  # as ``sampling.Verdict.heard``
+                step_ms = cost + costs.verify_ms(len(d_tokens) + 1)
+            spec_t += step_ms
+            ar_t += min(a + 1, n - j) * costs.verify_ms(1)
+            drafted += n_drafted
             accepted += a
             steps += 1
-            k = draft_policy.next_len(k, policy.max_len, policy.adaptive, len(d_tokens), a)
+            k = draft_policy.next_len(k, policy.max_len, policy.adaptive, heard, a)
             j += a + 1
     speedup = ar_t / spec_t if spec_t else 1.0
     return speedup, acceptance_rate(accepted, drafted), mean_accepted(accepted, steps)
