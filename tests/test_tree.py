@@ -1,15 +1,21 @@
 """Token trees (engine/tree.py): each node's row of a tree pass is bitwise the row its token gets in a
 chain, in fp32 and in bf16 where the probe says exact, on trees of several shapes; greedy decoding with
 trees gives plain decoding's tokens, whichever branch holds them; sampled runs verify chains."""
+import functools
+
 import pytest
 import torch
+import transformers as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knnssd.engine import exactness, tree
+from knnssd.engine.attention import NATIVE
+from knnssd.engine.decoder import Decoder
 from knnssd.engine.decode import GenerationConfig, Run, generate, prefill
 from knnssd.engine.drafters import Draft, DrafterConfig, Suffix, build
 from knnssd.engine.sampling import Warp
+from knnssd.engine.stack import from_hf
 from knnssd.engine.suffix import SequenceIndex, draft_tree
 from test_exact_step import DTYPES, STRADDLE, decoder, exact_or_skip, plain
 from tiny import ARCHS, COMMON, prompt_ids
@@ -91,6 +97,53 @@ def test_drawn_trees_rows_are_their_paths_chain_rows(arch, p, context, seed):
     _tree_rows_equal_chain_rows(decoder(arch, "float32"), prompt_ids(arch, seed, context), p, seed)
 
 
+WIDE = {  # head_dim 32: the native step's form, whose tree rows read their paths' keys through a map
+    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON, head_dim=32, attention_bias=True)),
+    "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**COMMON, head_dim=32, sliding_window=12)),
+}
+
+
+@functools.cache
+def _wide(arch: str) -> Decoder:
+    torch.manual_seed(0)
+    dec = Decoder(from_hf(WIDE[arch]().to(torch.bfloat16).eval()))
+    dec.set_attention(NATIVE)
+    return dec
+
+
+def wide(arch: str) -> Decoder:
+    dec = _wide(arch)
+    if dec._layers_call(dec.stack) is None:
+        pytest.skip("no one-call layers here (no C compiler, no avx512_bf16, or AMX)")
+    return dec
+
+
+@pytest.mark.parametrize("arch", sorted(WIDE))
+def test_a_trees_rows_in_one_native_call_are_its_paths_chain_rows(arch):
+    """One native call for the whole tree (``native.TreeMap``), at contexts that put the root at several
+    places in a 16-key block, across the sliding window: every node's row is its chain row, bit for bit, and
+    ``settle`` leaves the cache a chain of the accepted path would."""
+    dec = wide(arch)
+    cfg = GenerationConfig(max_new_tokens=16)
+    for context in (20, 31, 32, 33, 47):
+        prompt = prompt_ids(arch, context, context)
+        for i, p in enumerate(SHAPES.values()):
+            toks = torch.randint(2, COMMON["vocab_size"], (len(p) + 1,), generator=torch.Generator().manual_seed(i))
+            prefill(dec, prompt, cfg)
+            out, kv = dec.forward_tree(toks, context, p)
+            assert kv is None  # the native call ran
+            segs = tree.segments(p)
+            dec.settle(context, None, tuple(segs[-1][0]))
+            settled = [c[:, :, context : context + len(segs[-1][0])].clone() for c in dec.cache.k + dec.cache.v]
+            for path, _ in segs:
+                prefill(dec, prompt, cfg)
+                chain = dec.forward(toks[path], context).logits
+                for d, node in enumerate(path):
+                    assert torch.equal(out.logits[node], chain[d]), (context, p, path, node)
+            assert all(torch.equal(a, c[:, :, context : context + len(path)]) for a, c in
+                       zip(settled, dec.cache.k + dec.cache.v)), (context, p)
+
+
 class Oracle:
     """A tree drafter that knows plain decoding's tokens: their next few sit on a drawn branch of a drawn tree,
     every other node a random token, so steps accept down any branch and leave the rest behind."""
@@ -133,6 +186,16 @@ def test_greedy_decoding_with_trees_gives_plain_decodings_tokens(dtype, arch, pr
     ids = prompt_ids(arch, prompt)
     out, _ = generate(dec, ids, Oracle(ref, len(ids), data), GenerationConfig(max_new_tokens=len(ref)))
     assert out == ref
+
+
+@settings(max_examples=8, deadline=None)
+@given(arch=st.sampled_from(sorted(WIDE)), prompt=st.integers(0, 3), data=st.data())
+def test_greedy_decoding_with_trees_in_one_native_call_gives_plain_decodings_tokens(arch, prompt, data):
+    dec = wide(arch)
+    ids = prompt_ids(arch, prompt, 30)
+    config = GenerationConfig(max_new_tokens=24)
+    ref = generate(dec, ids, None, config)[0]
+    assert generate(dec, ids, Oracle(ref, len(ids), data), config)[0] == ref
 
 
 @pytest.mark.parametrize("kind", ["suffix", "ngram"])

@@ -191,8 +191,9 @@ class Decoder:
     def forward_tree(self, ids: torch.Tensor, start: int, parents: tuple[int, ...]
                      ) -> tuple[Output, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Verify a token tree (``tree.py``): ids (N + 1,) the root at position ``start`` and the drafted
-        nodes, each at ``start`` + its depth. Returns the logits of every node and each layer's K/V of the
-        nodes, (N + 1, KV, D) each, for ``settle``. The linears run on all the nodes; attention runs once
+        nodes, each at ``start`` + its depth. Returns the logits of every node and, for ``settle``, each
+        layer's K/V of the nodes, (N + 1, KV, D) each, or None where the pass ran as one native call (which
+        wrote node j's K/V at place ``start + j``). The linears run on all the nodes; attention runs once
         per leaf's segment, over its path's keys written at the path's positions (what a chain reads)."""
         s, attn, T = self.stack, self.attention, ids.shape[0]
         if T > PREFILL_ROWS:
@@ -200,10 +201,13 @@ class Decoder:
         tree.check(parents)
         depth = tree.depths(parents)
         self.cache.check(start + max(depth) + 1)
+        h = self._embed(s, ids)
+        if self._tree_call(s, attn, h, start, parents, depth):
+            hidden = s.norm(h)[0]
+            return Output(_logits(s, hidden), hidden), None
         segs = [(torch.tensor(path, device=ids.device), j0, len(path)) for path, j0 in tree.segments(parents)]
         order = torch.cat([path[j0:] for path, j0, _ in segs]).argsort()  # the segments' rows back in node order
         pos = torch.tensor(depth, device=ids.device) + start
-        h = self._embed(s, ids)
         rope = self._rope(pos, h)
         masks: dict[tuple, tuple[SpanMask, ...]] = {}
         kv = []
@@ -227,9 +231,18 @@ class Decoder:
         return Output(_logits(s, hidden), hidden), kv
 
     @torch.inference_mode()
-    def settle(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]], path: tuple[int, ...]) -> None:
+    def settle(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]] | None, path: tuple[int, ...]) -> None:
         """Write the K/V of a tree's accepted ``path`` (root first; ``forward_tree``'s ``kv``) at positions
-        ``start..start + len(path) - 1``, where a chain of those tokens would have put them."""
+        ``start..start + len(path) - 1``, where a chain of those tokens would have put them. ``kv`` None: move
+        them there from the places ``start + node`` where the native call wrote them."""
+        if kv is None:
+            moved = [(d, node) for d, node in enumerate(path) if node != d]  # node >= d: no source is overwritten
+            if moved:
+                dst = torch.tensor([start + d for d, _ in moved], device=self.device)
+                src = torch.tensor([start + node for _, node in moved], device=self.device)
+                for c in self.cache.k + self.cache.v:
+                    c.index_copy_(2, dst, c.index_select(2, src))
+            return
         at = torch.tensor(path, device=self.device)
         for i, (k, v) in enumerate(kv):
             self.cache.write(i, slice(start, start + len(path)), k[at].transpose(0, 1)[None], v[at].transpose(0, 1)[None])
@@ -251,6 +264,25 @@ class Decoder:
         cos, sin = self.tables()[s.rope_keys[0]]
         skip = None if mask is None else (mask.attn, mask.mlp)
         return layers(h[0], self._zeros(h.shape[1]), pos, cos, sin, self.cache.k, self.cache.v, skip, s.scale)
+
+    def _tree_call(self, s: Stack, attn: Attention, h: torch.Tensor, start: int, parents: tuple[int, ...],
+                   depth: list[int]) -> bool:
+        """A tree's layers as one native call (``native.TreeMap``), where ``_one_call`` would run a chain's and
+        the reservation holds a place per node: node j writes its K/V at place ``start + j`` and reads its
+        path's from theirs. h (1, N + 1, E) is updated in place; False where the call does not apply."""
+        T = h.shape[1]
+        if attn.name != NATIVE.name or not s.rope_static or start + T > self.cache.length:
+            return False
+        layers = self._layers_call(s)
+        if layers is None:
+            return False
+        paths = tree.paths(parents)
+        width = max(depth) + 1
+        kmap = torch.tensor([[start + j for j in p] + [start] * (width - len(p)) for p in paths])
+        where = native.TreeMap(torch.arange(start, start + T), torch.full((T,), start), kmap)
+        cos, sin = self.tables()[s.rope_keys[0]]
+        return layers(h[0], self._zeros(T), torch.tensor(depth) + start, cos, sin, self.cache.k, self.cache.v, None,
+                      s.scale, tree=where)
 
     @staticmethod
     @functools.cache

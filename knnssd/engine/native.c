@@ -116,6 +116,8 @@ static inline float sum_lanes(float *acc) {
         const int64_t *slots, *pos;                                                                \
         int64_t q_stride, slot_stride, L, head_stride, H, KV, D, window;                           \
         float scale;                                                                               \
+        const int64_t *kstart, *kmap; /* a token tree's key map (``attention_mapped``), or NULL */ \
+        int64_t kmap_w;                                                                            \
     }
 typedef uint16_t bf16_t; /* the element types, by the kernels' suffixes */
 typedef float f32_t;
@@ -353,23 +355,53 @@ ATTENTION_SIMD(attention_simd_f32, f32, vload_f32, SAME)
    ops) with ``per`` floats of ``scratch`` each (``attention_scratch``). The cache holds ``slots_n``
    slots of L positions; a row outside them returns -1 before anything is computed. */
 #define ATTENTION_ENTRY(NAME)                                                                      \
+    static int64_t attention_run_##NAME(const NAME##_t *q, int64_t q_stride, const NAME##_t *k, const NAME##_t *v, \
+                             int64_t slots_n, int64_t slot_stride, int64_t L, int64_t head_stride,  \
+                             const int64_t *slots, const int64_t *pos, NAME##_t *out, int64_t rows, \
+                             int64_t H, int64_t KV, int64_t D, int64_t window, float scale,         \
+                             float *scratch, int64_t per, int64_t threads, const int64_t *kstart,   \
+                             const int64_t *kmap, int64_t kmap_w) {                                 \
+        if (KV <= 0 || H % KV || threads < 1) return -1;                                           \
+        for (int64_t r = 0; r < rows; r++)                                                         \
+            if (pos[r] < 0 || pos[r] >= L || slots[r] < 0 || slots[r] >= slots_n) return -1;        \
+        if (rows <= 0) return 0;                                                                   \
+        args_##NAME a = {q, k, v, out, slots, pos, q_stride, slot_stride, L, head_stride, H, KV, D, window, scale, \
+                         kstart, kmap, kmap_w};                                                    \
+        void (*item)(const args_##NAME *, int64_t, int64_t, float *) = attention_any_##NAME;       \
+        int mapped = 0; /* whether the item reads a key map */                                     \
+        FAST_##NAME                                                                                \
+        if (kmap && (!mapped || !key_map_fits(kstart, kmap, kmap_w, pos, rows, L))) return -1;     \
+        int64_t items = rows * KV;                                                                 \
+        PARALLEL_FOR(threads, items)                                                               \
+        for (int64_t i = 0; i < items; i++) item(&a, i / KV, i % KV, scratch + per * THREAD);      \
+        return 0;                                                                                  \
+    }                                                                                              \
     int64_t attention_##NAME(const NAME##_t *q, int64_t q_stride, const NAME##_t *k, const NAME##_t *v, \
                              int64_t slots_n, int64_t slot_stride, int64_t L, int64_t head_stride,  \
                              const int64_t *slots, const int64_t *pos, NAME##_t *out, int64_t rows, \
                              int64_t H, int64_t KV, int64_t D, int64_t window, float scale,         \
                              float *scratch, int64_t per, int64_t threads) {                        \
-        if (KV <= 0 || H % KV || threads < 1) return -1;                                           \
-        for (int64_t r = 0; r < rows; r++)                                                         \
-            if (pos[r] < 0 || pos[r] >= L || slots[r] < 0 || slots[r] >= slots_n) return -1;        \
-        if (rows <= 0) return 0;                                                                   \
-        args_##NAME a = {q, k, v, out, slots, pos, q_stride, slot_stride, L, head_stride, H, KV, D, window, scale}; \
-        void (*item)(const args_##NAME *, int64_t, int64_t, float *) = attention_any_##NAME;       \
-        FAST_##NAME                                                                                \
-        int64_t items = rows * KV;                                                                 \
-        PARALLEL_FOR(threads, items)                                                               \
-        for (int64_t i = 0; i < items; i++) item(&a, i / KV, i % KV, scratch + per * THREAD);      \
-        return 0;                                                                                  \
+        return attention_run_##NAME(q, q_stride, k, v, slots_n, slot_stride, L, head_stride, slots, pos, out, rows, \
+                                    H, KV, D, window, scale, scratch, per, threads, NULL, NULL, 0); \
     }
+
+/* A token tree's key map (``layers_bf16``): row r reads the key of position p >= kstart[r] at cache place
+   kmap[r kmap_w + p - kstart[r]] of its slot, and the keys below kstart[r] where they are; kstart[r] > pos[r]
+   maps nothing. At most TREE_KEYS mapped keys a row, each place inside the slot. */
+#define TREE_KEYS 16
+static int key_map_fits(const int64_t *kstart, const int64_t *kmap, int64_t kmap_w, const int64_t *pos, int64_t rows,
+                        int64_t L) {
+    if (kmap_w < 1 || kmap_w > TREE_KEYS) return 0;
+    for (int64_t r = 0; r < rows; r++) {
+        if (kstart[r] < 0) return 0;
+        for (int64_t p = kstart[r]; p <= pos[r]; p++) {
+            if (p - kstart[r] >= kmap_w) return 0;
+            int64_t at = kmap[r * kmap_w + p - kstart[r]];
+            if (at < 0 || at >= L) return 0;
+        }
+    }
+    return 1;
+}
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -808,13 +840,20 @@ static void causal_item(const uint16_t *q, int64_t q_stride, const uint16_t *kp,
    (``native.causal``), a step row is a prefill row.
    Heads in groups of up to STEP_HG, values in groups of 64 (STEP_NB blocks of 16), so the sums stay in
    registers. The keys STEP_AHEAD ahead, and a block's values while its scores run, are prefetched (a
-   few percent from memory). Needs D % 32 == 0. ``scratch``: ``step_scratch`` floats. */
+   few percent from memory). Needs D % 32 == 0. ``scratch``: ``step_scratch`` floats.
+
+   A token tree's row (``kmap``: ``attention_mapped``) reads the keys of its own path, which the pass wrote
+   at the nodes' places, not at their positions: its keys from the 16-key block that holds the first
+   mapped one are copied in order into the scratch (at most TREE_GATHER), and the products run over the
+   cache's blocks, then over the copy's. Blocks of 16 keys and pairs of values fall as they fall for a
+   chain, so the row's bits are its chain row's. */
 #define HAVE_STEP 1
 #define STEP_HG 4
 #define STEP_NB 4
 #define STEP_AHEAD 64 /* keys */
-static int64_t step_scratch(int64_t G, int64_t L) { /* the scores (fp32) and probabilities (bf16) */
-    return G * (L + 16) + (G * (L + 16) + 1) / 2;
+#define TREE_GATHER 32 /* keys: up to 15 before the first mapped one, and up to TREE_KEYS mapped */
+static int64_t step_scratch(int64_t G, int64_t D, int64_t L) { /* scores (fp32), probabilities (bf16), a copy */
+    return G * (L + 16) + (G * (L + 16) + 1) / 2 + TREE_GATHER * D;
 }
 
 static inline __attribute__((always_inline)) void step_scores(const uint16_t *k, const uint16_t *v, int64_t n,
@@ -842,13 +881,14 @@ static inline __attribute__((always_inline)) void step_scores(const uint16_t *k,
     }
 }
 
-static inline __attribute__((always_inline)) void step_values(const uint16_t *v, int64_t n, int64_t D,
-        const uint16_t *pb, int64_t sl, uint16_t *out, int gh, int nb) {
+static inline __attribute__((always_inline)) void step_values(const uint16_t *v, const uint16_t *v2, int64_t split,
+        int64_t n, int64_t D, const uint16_t *pb, int64_t sl, uint16_t *out, int gh, int nb) {
+    /* values 0..split-1 at v, the rest at v2 (split even: no pair straddles) */
     __m512 acc[STEP_HG][STEP_NB];
     for (int h = 0; h < gh; h++)
         for (int b = 0; b < nb; b++) acc[h][b] = _mm512_setzero_ps();
     for (int64_t p = 0; 2 * p < n; p++) {
-        const uint16_t *v0 = v + 2 * p * D, *v1 = v0 + D;
+        const uint16_t *v0 = 2 * p < split ? v + 2 * p * D : v2 + (2 * p - split) * D, *v1 = v0 + D;
         __m512i w[STEP_NB];
         for (int b = 0; b < nb; b += 2) {
             __m512i a = _mm512_loadu_si512(v0 + 16 * b);
@@ -873,17 +913,33 @@ static void attention_step_bf16(const args_bf16 *a, int64_t r, int64_t g, float 
     int64_t sl = (n + 15) / 16 * 16;
     float *sc = scratch;
     uint16_t *pb = (uint16_t *)(sc + G * (L + 16));
-    const uint16_t *k = a->k + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;
-    const uint16_t *v = a->v + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;
+    const uint16_t *kb = a->k + a->slots[r] * a->slot_stride + g * a->head_stride;
+    const uint16_t *vb = a->v + a->slots[r] * a->slot_stride + g * a->head_stride;
+    const uint16_t *k = kb + lo * D, *v = vb + lo * D, *k2 = k, *v2 = v;
+    int64_t split = n; /* keys 0..split-1 read where they are, the rest from k2, v2 */
+    if (a->kmap && a->kstart[r] < end) {
+        int64_t ks = a->kstart[r];
+        uint16_t *kt = (uint16_t *)(sc + G * (L + 16) + (G * (L + 16) + 1) / 2), *vt = kt + TREE_GATHER * D;
+        split = (ks > lo ? ks - lo : 0) / 16 * 16;
+        for (int64_t j = split; j < n; j++) {
+            int64_t p = lo + j, at = p < ks ? p : a->kmap[r * a->kmap_w + p - ks];
+            memcpy(kt + (j - split) * D, kb + at * D, D * sizeof *kt);
+            memcpy(vt + (j - split) * D, vb + at * D, D * sizeof *vt);
+        }
+        k2 = kt, v2 = vt;
+    }
     const uint16_t *q = a->q + r * a->q_stride + g * G * D;
     uint16_t *out = a->out + r * a->H * D + g * G * D;
+#define STEP_SCORES(GH)                                                                            \
+    step_scores(k, h ? 0 : v, split, D, q + h * D, a->scale, sc + h * sl, sl, GH);                 \
+    step_scores(k2, h ? 0 : v2, n - split, D, q + h * D, a->scale, sc + h * sl + split, sl, GH)
     for (int64_t h = 0; h < G; h += STEP_HG) {
         int gh = G - h < STEP_HG ? (int)(G - h) : STEP_HG;
         switch (gh) { /* a constant per case: the sums in registers */
-            case 1: step_scores(k, h ? 0 : v, n, D, q + h * D, a->scale, sc + h * sl, sl, 1); break;
-            case 2: step_scores(k, h ? 0 : v, n, D, q + h * D, a->scale, sc + h * sl, sl, 2); break;
-            case 3: step_scores(k, h ? 0 : v, n, D, q + h * D, a->scale, sc + h * sl, sl, 3); break;
-            default: step_scores(k, h ? 0 : v, n, D, q + h * D, a->scale, sc + h * sl, sl, 4); break;
+            case 1: STEP_SCORES(1); break;
+            case 2: STEP_SCORES(2); break;
+            case 3: STEP_SCORES(3); break;
+            default: STEP_SCORES(4); break;
         }
     }
     softmax_rows(sc, G, 1, n, sl, pb);
@@ -891,17 +947,17 @@ static void attention_step_bf16(const args_bf16 *a, int64_t r, int64_t g, float 
         int gh = G - h < STEP_HG ? (int)(G - h) : STEP_HG;
         for (int64_t d = 0; d < D; d += 16 * STEP_NB) {
             int nb = D - d < 16 * STEP_NB ? 2 : STEP_NB; /* D % 32 == 0: 2 or 4 blocks */
-            const uint16_t *vd = v + d, *ph = pb + h * sl;
+            const uint16_t *vd = v + d, *vd2 = v2 + d, *ph = pb + h * sl;
             uint16_t *od = out + h * D + d;
             switch (gh * 8 + nb) {
-                case 1 * 8 + 2: step_values(vd, n, D, ph, sl, od, 1, 2); break;
-                case 2 * 8 + 2: step_values(vd, n, D, ph, sl, od, 2, 2); break;
-                case 3 * 8 + 2: step_values(vd, n, D, ph, sl, od, 3, 2); break;
-                case 4 * 8 + 2: step_values(vd, n, D, ph, sl, od, 4, 2); break;
-                case 1 * 8 + 4: step_values(vd, n, D, ph, sl, od, 1, 4); break;
-                case 2 * 8 + 4: step_values(vd, n, D, ph, sl, od, 2, 4); break;
-                case 3 * 8 + 4: step_values(vd, n, D, ph, sl, od, 3, 4); break;
-                default: step_values(vd, n, D, ph, sl, od, 4, 4); break;
+                case 1 * 8 + 2: step_values(vd, vd2, split, n, D, ph, sl, od, 1, 2); break;
+                case 2 * 8 + 2: step_values(vd, vd2, split, n, D, ph, sl, od, 2, 2); break;
+                case 3 * 8 + 2: step_values(vd, vd2, split, n, D, ph, sl, od, 3, 2); break;
+                case 4 * 8 + 2: step_values(vd, vd2, split, n, D, ph, sl, od, 4, 2); break;
+                case 1 * 8 + 4: step_values(vd, vd2, split, n, D, ph, sl, od, 1, 4); break;
+                case 2 * 8 + 4: step_values(vd, vd2, split, n, D, ph, sl, od, 2, 4); break;
+                case 3 * 8 + 4: step_values(vd, vd2, split, n, D, ph, sl, od, 3, 4); break;
+                default: step_values(vd, vd2, split, n, D, ph, sl, od, 4, 4); break;
             }
         }
     }
@@ -973,7 +1029,7 @@ int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, cons
 #if defined(HAVE_STEP)
 #define FAST_bf16                                                                                  \
     FAST(bf16)                                                                                     \
-    if (D % 32 == 0) item = attention_step_bf16;
+    if (D % 32 == 0) item = attention_step_bf16, mapped = 1;
 #else
 #define FAST_bf16 FAST(bf16)
 #endif
@@ -986,7 +1042,7 @@ ATTENTION_ENTRY(f32)
 int64_t attention_scratch(int64_t G, int64_t D, int64_t L) {
     int64_t simd = (2 * G + 1) * D + G * L + 16;
 #if defined(HAVE_STEP)
-    int64_t step = step_scratch(G, L);
+    int64_t step = step_scratch(G, D, L);
     return step > simd ? step : simd;
 #else
     return simd;
@@ -1096,18 +1152,24 @@ typedef struct {
    the rotary tables, d values per position (sin signed), indexed by position. kc[i], vc[i]: layer i's
    cache buffers (slots_n slots slot_stride apart, KV heads head_stride apart, L positions of D).
    ``work``: R (2 E + 3 I + 3 (H + KV) D) bf16 values; ``scratch``: ``per`` floats a thread for the
-   attention. Returns 0, or -1 (a shape the kernels do not take, or a row outside the cache). */
+   attention. A token tree's pass (``decoder.Decoder.forward_tree``) writes row r's K/V at place wpos[r] of
+   its slot rather than at pos[r], and reads its path's keys through a key map (``key_map_fits``: kstart,
+   kmap, kmap_w); wpos NULL: at pos[r], and kmap NULL: no map. Returns 0, or -1 (a shape the kernels do
+   not take, a row outside the cache, or a map the attention cannot read), before anything is computed. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 int64_t layers_bf16(const fused_layer *layers, int64_t n, const uint8_t *skip, uint16_t *h, int64_t R,
                     int64_t E, int64_t H, int64_t KV, int64_t D, int64_t I, const uint16_t *cos, const uint16_t *sin,
                     int64_t d, uint16_t *const *kc, uint16_t *const *vc, int64_t slots_n, int64_t slot_stride,
                     int64_t L, int64_t head_stride, const int64_t *slots, const int64_t *pos, float scale,
-                    uint16_t *work, float *scratch, int64_t per, int64_t threads) {
+                    uint16_t *work, float *scratch, int64_t per, int64_t threads, const int64_t *wpos,
+                    const int64_t *kstart, const int64_t *kmap, int64_t kmap_w) {
     int64_t QKVW = (H + 2 * KV) * D, QK = (H + KV) * D;
     if (R <= 0) return 0;
     if (KV <= 0 || H % KV || d % 2 || d > D || E % 2 || I % 2 || threads < 1) return -1;
     for (int64_t r = 0; r < R; r++)
-        if (pos[r] < 0 || pos[r] >= L || slots[r] < 0 || slots[r] >= slots_n) return -1;
+        if (pos[r] < 0 || pos[r] >= L || slots[r] < 0 || slots[r] >= slots_n || (wpos && (wpos[r] < 0 || wpos[r] >= L)))
+            return -1;
+    if (kmap && (D % 32 || !key_map_fits(kstart, kmap, kmap_w, pos, R, L))) return -1; /* the step form maps */
     uint16_t *x = work, *qkv = x + R * E, *qk = qkv + R * QKVW, *att = qk + R * QK, *y = att + R * H * D;
     uint16_t *gu = y + R * E, *act = gu + R * 2 * I;
     for (int64_t i = 0; i < n; i++) {
@@ -1118,13 +1180,13 @@ int64_t layers_bf16(const fused_layer *layers, int64_t n, const uint8_t *skip, u
             for (int64_t r = 0; r < R; r++) {
                 rope_bf16(qkv + r * QKVW, QKVW, cos + pos[r] * d, sin + pos[r] * d, qk + r * QK, 1, H + KV, D, d);
                 for (int64_t g = 0; g < KV; g++) {
-                    int64_t at = slots[r] * slot_stride + g * head_stride + pos[r] * D;
+                    int64_t at = slots[r] * slot_stride + g * head_stride + (wpos ? wpos[r] : pos[r]) * D;
                     memcpy(kc[i] + at, qk + r * QK + (H + g) * D, D * sizeof *h);
                     memcpy(vc[i] + at, qkv + r * QKVW + (H + KV + g) * D, D * sizeof *h);
                 }
             }
-            if (attention_bf16(qk, QK, kc[i], vc[i], slots_n, slot_stride, L, head_stride, slots, pos, att, R, H,
-                               KV, D, l->window, scale, scratch, per, threads)) return -1;
+            if (attention_run_bf16(qk, QK, kc[i], vc[i], slots_n, slot_stride, L, head_stride, slots, pos, att, R, H,
+                                   KV, D, l->window, scale, scratch, per, threads, kstart, kmap, kmap_w)) return -1;
             if (linear_run(att, H * D, l->w[1], (int)l->kind[1], l->scale[1], l->bias[1], y, R, H * D, E, threads))
                 return -1;
             for (int64_t j = 0; j < R * E; j++) h[j] = f32_to_bf16(bf16_to_f32(h[j]) + bf16_to_f32(y[j]));
@@ -1145,7 +1207,8 @@ int64_t layers_bf16(const fused_layer *layers, int64_t n, const uint8_t *skip, u
                     int64_t E, int64_t H, int64_t KV, int64_t D, int64_t I, const uint16_t *cos, const uint16_t *sin,
                     int64_t d, uint16_t *const *kc, uint16_t *const *vc, int64_t slots_n, int64_t slot_stride,
                     int64_t L, int64_t head_stride, const int64_t *slots, const int64_t *pos, float scale,
-                    uint16_t *work, float *scratch, int64_t per, int64_t threads) {
+                    uint16_t *work, float *scratch, int64_t per, int64_t threads, const int64_t *wpos,
+                    const int64_t *kstart, const int64_t *kmap, int64_t kmap_w) {
     return -1;
 }
 #endif

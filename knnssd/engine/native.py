@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -77,7 +78,7 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
 # layers_bf16 (bf16 only): layers, n, skip, h, R, E, H, KV, D, I, cos, sin, d, kc, vc, slots_n, slot_stride, L,
 # head_stride, slots, pos, scale, work, scratch, per, threads; returns 0, or -1 (as ``attention``'s)
 LAYERS = ("p", "i", "p", "p", "i", "i", "i", "i", "i", "i", "p", "p", "i", "p", "p", "i", "i", "i", "i", "p", "p", "f",
-          "p", "p", "i", "i")
+          "p", "p", "i", "i", "p", "p", "p", "i")
 # the kernels that return something (the others: nothing)
 RESULTS = {family: ctypes.c_int64 for family in ("attention", "linear", "linear_int8", "linear_q4", "linear_q8",
                                                  "causal")}
@@ -574,7 +575,7 @@ class Layers:
     @classmethod
     def of(cls, parts: list[LayerParts], heads: int, kv: int, head_dim: int) -> "Layers | None":
         lib = library()
-        if lib is None or tiled("linear") is None or not parts or lib.layers(*(0,) * 26) != 0:
+        if lib is None or tiled("linear") is None or not parts or lib.layers(*(0,) * len(LAYERS)) != 0:
             return None
         return cls(lib.layers, parts, heads, kv, head_dim)
 
@@ -595,11 +596,12 @@ class Layers:
 
     def __call__(self, h: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
-                 skip: tuple[tuple[bool, ...], tuple[bool, ...]] | None, scale: float) -> bool:
+                 skip: tuple[tuple[bool, ...], tuple[bool, ...]] | None, scale: float,
+                 tree: "TreeMap | None" = None) -> bool:
         """Run rows h (R, E) bf16, contiguous, updated in place, at cache slots ``slots`` and positions ``pos``
         (R,) int64; cos, sin (P, 1, d) the rotary tables by position; k[i], v[i] (S, KV, L, D) layer i's cache
-        buffers, one layout; ``skip``: a mask's (attention, MLP) bits. False (h untouched) where the call
-        does not take these tensors."""
+        buffers, one layout; ``skip``: a mask's (attention, MLP) bits; ``tree``: where a token tree's rows
+        write and read their K/V. False (h untouched) where the call does not take these tensors."""
         S, KV, L, D = k[0].shape
         R = h.shape[0]
         if (h.dtype != torch.bfloat16 or not h.is_contiguous() or h.shape[1] != self.E or KV != self.KV
@@ -612,7 +614,20 @@ class Layers:
         scratch = torch.empty(threads * per, dtype=torch.float32)  # per call: passes may run in several threads
         work = torch.empty(R * (2 * self.E + 3 * self.I + 3 * (self.H + KV) * D), dtype=torch.bfloat16)
         kp, vp = self._pointers(k, v)
+        mapped = (0, 0, 0, 0) if tree is None else (
+            tree.wpos.data_ptr(), tree.kstart.data_ptr(), tree.kmap.data_ptr(), tree.kmap.shape[1])
         return self.kernel(self.structs, self.n, self._skip(skip), h.data_ptr(), R, self.E, self.H, KV, D, self.I,
                            cos.data_ptr(), sin.data_ptr(), cos.shape[-1], kp, vp, S, k[0].stride(0), L,
                            k[0].stride(1), slots.data_ptr(), pos.data_ptr(), scale, work.data_ptr(),
-                           scratch.data_ptr(), per, threads) == 0
+                           scratch.data_ptr(), per, threads, *mapped) == 0
+
+
+class TreeMap(NamedTuple):
+    """Where a token tree's rows write and read their K/V in a ``Layers`` call (``native.c``'s
+    ``key_map_fits``): row r writes at place wpos[r] of its slot, and reads the key of each position
+    p >= kstart[r] at place kmap[r, p - kstart[r]] (its path's places), the keys below where they are.
+    wpos, kstart (R,) and kmap (R, W), W <= 16, int64, contiguous."""
+
+    wpos: torch.Tensor
+    kstart: torch.Tensor
+    kmap: torch.Tensor

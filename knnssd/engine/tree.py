@@ -10,8 +10,10 @@ Terms:
 Exactness (docs/exactness.md): a node's row must be the row its token gets in a chain. The linears are
 row-invariant wherever the probe says exact, so they run on all the nodes at once. Attention runs once
 per leaf, for its segment only, over the keys its path puts at positions ``start..start + len(path) - 1``:
-the keys and order a chain of that path reads, so the probe's guarantee for a chain's rows holds. After
-the verdict, ``settle`` writes the accepted path's K/V at its positions; later positions are masked.
+the keys and order a chain of that path reads, so the probe's guarantee for a chain's rows holds. The
+native step reads a path's keys through a map instead, all nodes in one call: each node writes its K/V at
+place ``start + node`` and reads its ancestors' from theirs (``native.TreeMap``). After the verdict,
+``settle`` puts the accepted path's K/V at its positions; later positions are masked.
 
 Greedy only: under sampling a tree would need a multi-draft rejection scheme to keep the distribution,
 so sampled runs verify the chain (``decode.Run``).
@@ -41,6 +43,14 @@ def depths(parents: tuple[int, ...]) -> list[int]:
     out = [0]
     for p in parents:
         out.append(out[p] + 1)
+    return out
+
+
+def paths(parents: tuple[int, ...]) -> list[list[int]]:
+    """(N + 1,): each node's path, the root's [0]."""
+    out = [[0]]
+    for j, p in enumerate(parents, start=1):
+        out.append([*out[p], j])
     return out
 
 
