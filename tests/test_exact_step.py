@@ -19,7 +19,7 @@ from knnssd.engine.attention import NATIVE, SDPA, Attention
 from knnssd.engine.cache import SPAN
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.decoder import Decoder, make_decoder
+from knnssd.engine.decoder import Decoder, forward_slots, make_decoder
 from knnssd.engine.skip import SkipMask
 from knnssd.engine.stack import Int8Linear, Linear, NativeLinear, from_hf
 from test_device_step import set_early_stop
@@ -630,3 +630,23 @@ def test_sequences_packed_in_one_pass_equal_their_own_passes(arch, dtype, pooled
     exact_or_skip(dec, dtype)
     prompts = [prompt_ids(arch, i, length) for i, length in enumerate((5, 21, 9, 12, 7))]
     _packed_equals_own(dec, prompts, rows=(1, 4, 12, 2, 3), pooled=pooled)
+
+
+def test_a_packed_pass_stays_one_native_call_after_another_slot_grows_the_pool(monkeypatch):
+    """A slot that reserved before another grew the pool holds rotary tables shorter than the pool; the packed
+    pass once passed them on, the native call refused them, and every later pass ran the per-op path."""
+    dec = Decoder(from_hf(tiny("llama", dtype=torch.bfloat16)))
+    dec.set_attention(NATIVE)
+    if dec._layers_call(dec.stack) is None:
+        pytest.skip("no one-call layers here (no C compiler, no avx512_bf16, or AMX)")
+    taken, call = [], native.Layers.__call__
+    monkeypatch.setattr(native.Layers, "__call__", lambda self, *a, **k: taken.append(call(self, *a, **k)) or taken[-1])
+    (a, b), pool = dec.pooled_slots(2)
+    ids = torch.tensor(prompt_ids("llama", 0, 40))
+    a.reserve(20)
+    a.forward(ids[:10], 0)
+    b.reserve(300)  # the pool grows past a's tables
+    b.forward(ids[:30], 0)
+    taken.clear()
+    forward_slots([a, b], [(ids[10:12], 10), (ids[30:33], 30)], pool)
+    assert taken == [True]

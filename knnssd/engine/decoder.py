@@ -332,11 +332,14 @@ class Decoder:
             return {key: _rope_pair(*_rotary(s, h, pos[None], key)) for key in s.rope_keys}
         return {key: (c[pos], si[pos]) for key, (c, si) in self.tables().items()}
 
-    def tables(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def tables(self, length: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Each rotary key's cos and signed sin (capacity, 1, d) by position, over the cache's whole capacity
-        (built again when it grows), for a stack whose tables depend on the position alone."""
-        if not self._tables or next(iter(self._tables.values()))[0].shape[0] < self.cache.capacity:
-            self._tables = rope_tables(self.stack, self.cache.capacity)
+        or ``length`` positions if more (built again when it grows), for a stack whose tables depend on the
+        position alone. A packed pass over a pool asks for the pool's capacity: a slot that reserved before
+        another grew the pool holds a shorter one, and the native call refuses tables shorter than the pool."""
+        length = max(length, self.cache.capacity)
+        if not self._tables or next(iter(self._tables.values()))[0].shape[0] < length:
+            self._tables = rope_tables(self.stack, length)
         return self._tables
 
 
@@ -444,9 +447,10 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
     packed = _PooledAttention(per_call, pool) if pool is not None else None
     if packed is not None and packed.attn.name == NATIVE.name:  # every row alone, as in its own pass
         layers = slots[0]._layers_call(s)
-        if layers is not None and layers(h[0], packed.slots, packed.pos, *slots[0].tables()[s.rope_keys[0]],
-                                         pool.k, pool.v, None, s.scale):
-            return list(_logits(s, s.norm(h)[0]).split(sizes))
+        if layers is not None:
+            cos, sin = slots[0].tables(pool.capacity)[s.rope_keys[0]]
+            if layers(h[0], packed.slots, packed.pos, cos, sin, pool.k, pool.v, None, s.scale):
+                return list(_logits(s, s.norm(h)[0]).split(sizes))
     for i, layer in enumerate(s.layers):
         qkv = layer.qkv(layer.attn_norm(h))[0]
         if packed is not None:
