@@ -259,8 +259,8 @@ def test_draft_model_shrinks_each_sequence_towards_its_kind():
     from knnssd.engine.drafters import Hybrid, NGram
 
     def run(drafter, calls: int = 0, seconds: float = 0.0, tried=(), kept=()):
-        return NS(drafter=drafter, stats=NS(draft_calls=calls, draft_s=seconds, drafted_at=list(tried),
-                                            accepted_at=list(kept)))
+        return NS(drafter=drafter, trees=False, stats=NS(draft_calls=calls, draft_s=seconds, drafted_at=list(tried),
+                                                         accepted_at=list(kept)))
 
     ngram, hybrid = object.__new__(NGram), object.__new__(Hybrid)
     model = draft_lengths.DraftModel()

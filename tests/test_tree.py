@@ -9,7 +9,10 @@ import transformers as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knnssd.engine import exactness, tree
+from knnssd.engine import batched, exactness, tree
+from knnssd.engine.batch_plan import BatchPlan
+from knnssd.engine.batched import PromptJob, decode_batch
+from knnssd.engine.draft_lengths import PassCosts
 from knnssd.engine.attention import NATIVE
 from knnssd.engine.decoder import Decoder
 from knnssd.engine.decode import GenerationConfig, Run, generate, prefill
@@ -144,29 +147,57 @@ def test_a_trees_rows_in_one_native_call_are_its_paths_chain_rows(arch):
                        zip(settled, dec.cache.k + dec.cache.v)), (context, p)
 
 
+class Drawn:
+    """An Oracle's choices drawn by hypothesis."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def parents(self, most: int) -> tuple[int, ...]:
+        return self.data.draw(parents(most))
+
+    def integer(self, lo: int, hi: int) -> int:
+        return self.data.draw(st.integers(lo, hi))
+
+
+class Seeded(Drawn):
+    """An Oracle's choices from a seeded generator, where their number depends on timing (a batch's draft
+    lengths): hypothesis replays a test's draws, and fails where their number changes."""
+
+    def __init__(self, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+
+    def parents(self, most: int) -> tuple[int, ...]:
+        return tuple(self.integer(0, j - 1) for j in range(1, self.integer(1, most) + 1))
+
+    def integer(self, lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=self.g))
+
+
 class Oracle:
     """A tree drafter that knows plain decoding's tokens: their next few sit on a drawn branch of a drawn tree,
     every other node a random token, so steps accept down any branch and leave the rest behind."""
 
     max_len, adaptive, tree = 11, False, 11
 
-    def __init__(self, truth: list[int], n_prompt: int, data):
-        self.truth, self.n_prompt, self.data = truth, n_prompt, data
+    def __init__(self, truth: list[int], n_prompt: int, pick: Drawn):
+        self.truth, self.n_prompt, self.pick = truth, n_prompt, pick
 
     def propose(self, seq, k):
         return Draft.of([], seq.device)
 
     def propose_tree(self, seq, depth, nodes):
-        p = self.data.draw(parents(min(depth, nodes)))  # no deeper than ``depth``: the positions reserved
-        leaf = self.data.draw(st.integers(1, len(p)))
+        pick = self.pick
+        p = pick.parents(min(depth, nodes))  # no deeper than ``depth``: the positions reserved
+        leaf = pick.integer(1, len(p))
         path = [leaf]
         while path[-1]:
             path.append(p[path[-1] - 1])
         done = len(seq.tokens) - self.n_prompt  # plain tokens so far: the node at depth d should be truth[done + d - 1]
-        keep = self.data.draw(st.integers(0, len(path) - 1))  # the branch holds the next ``keep`` tokens, then misses
+        keep = pick.integer(0, len(path) - 1)  # the branch holds the next ``keep`` tokens, then misses
         depth = tree.depths(p)
         toks = [self.truth[done + depth[n] - 1] if n in path and depth[n] <= keep and done + depth[n] <= len(self.truth)
-                else self.data.draw(st.integers(2, COMMON["vocab_size"] - 1)) for n in range(1, len(p) + 1)]
+                else pick.integer(2, COMMON["vocab_size"] - 1) for n in range(1, len(p) + 1)]
         return Draft.of(toks, seq.device, p)
 
     def next_len(self, k, drafted, accepted):
@@ -184,8 +215,18 @@ def test_greedy_decoding_with_trees_gives_plain_decodings_tokens(dtype, arch, pr
     exact_or_skip(dec, dtype)
     ref = list(plain(arch, dtype, prompt))
     ids = prompt_ids(arch, prompt)
-    out, _ = generate(dec, ids, Oracle(ref, len(ids), data), GenerationConfig(max_new_tokens=len(ref)))
+    out, _ = generate(dec, ids, Oracle(ref, len(ids), Drawn(data)), GenerationConfig(max_new_tokens=len(ref)))
     assert out == ref
+
+
+def test_a_trees_nodes_fit_the_positions_its_sequence_reserved():
+    """A pass writes node j's K/V at place start + j, so near the end of its reservation a sequence drafts
+    fewer nodes (a packed pass would stop on ``CacheFull``)."""
+    dec = wide("llama")
+    config = GenerationConfig(max_new_tokens=4)
+    seq, logits, _ = prefill(dec, prompt_ids("llama", 1, 60), config)
+    run = Run(seq, logits, Suffix(tree=8), config)
+    assert run.node_cap() == dec.cache.length - len(seq.tokens) == 3
 
 
 @settings(max_examples=8, deadline=None)
@@ -195,7 +236,29 @@ def test_greedy_decoding_with_trees_in_one_native_call_gives_plain_decodings_tok
     ids = prompt_ids(arch, prompt, 30)
     config = GenerationConfig(max_new_tokens=24)
     ref = generate(dec, ids, None, config)[0]
-    assert generate(dec, ids, Oracle(ref, len(ids), data), config)[0] == ref
+    assert generate(dec, ids, Oracle(ref, len(ids), Drawn(data)), config)[0] == ref
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("arch", sorted(WIDE))
+def test_a_batch_verifies_trees_and_chains_together_and_gives_plain_decodings_tokens(arch, seed):
+    """A packed pass of several sequences' trees and chains (``forward_slots`` with ``trees``): oracle trees,
+    lookup trees, chains and no draft in one batch, each sequence's tokens its own plain decoding's."""
+    dec = wide(arch)
+    config = GenerationConfig(max_new_tokens=20)
+    ids = [prompt_ids(arch, i, 20 + 7 * i) for i in range(6)]
+    refs = [generate(dec, p, None, config)[0] for p in ids]
+    kinds = [Oracle(refs[0], len(ids[0]), Seeded(seed)), Oracle(refs[1], len(ids[1]), Seeded(seed + 10)),
+             build(DrafterConfig(kind="suffix", tree=6, ngram_sizes=[2, 1]), dec.n_layers),
+             build(DrafterConfig(kind="ngram", tree=8, ngram_sizes=[2, 1]), dec.n_layers),
+             build(DrafterConfig(kind="ngram", ngram_sizes=[2, 1]), dec.n_layers), None]
+    trees = []
+    plan = BatchPlan(3, PassCosts((1, 64), (1.0, 1.0)), True, pooled=True)
+    with pytest.MonkeyPatch.context() as mp:
+        accept = tree.accept_greedy
+        mp.setattr(batched.tree, "accept_greedy", lambda *a: trees.append(1) or accept(*a))
+        done = list(decode_batch(dec, [PromptJob(p, d, config) for p, d in zip(ids, kinds)], plan))
+    assert sorted(f.tokens for f in done) == sorted(refs) and trees
 
 
 @pytest.mark.parametrize("kind", ["suffix", "ngram"])

@@ -3,11 +3,16 @@
 Each sequence runs in its own slot of the decoder (``Decoder.slot``: the same weights, a KV cache of
 its own) with its own drafter. A step:
 
-    k_b   = choose_lengths(...)                   # draft lengths from goodput, down to 0
+    k_b   = choose_lengths(...)                   # draft lengths (a tree's: nodes) from goodput, down to 0
     call_b = run_b.propose(k_b)                   # each sequence drafts on its slot
     logits = forward_slots(slots, calls, pool)    # one pass: every sequence's rows packed together
     run_b.apply(verdict_b)                        # verify on the device (run_b.judge), read every verdict
                                                   # in one host copy, emit, roll back (decode.Run)
+
+A greedy sequence whose drafter drafts token trees (``tree.py``) proposes a tree of k_b nodes where the
+packed pass verifies trees (the native layers over a slot pool: ``decoder.packs_trees``); its rows are
+priced as any rows, and its verdict is read on its own (``tree.accept_greedy``). Elsewhere it drafts
+chains.
 
 The slots' caches are rows of one ``SlotPool``, so attention runs batched: one call per key
 length over the slots reading it (``pooled_exact`` checks on the real model that this gives each
@@ -39,7 +44,8 @@ from knnssd.engine.draft_lengths import EXPLORE, DraftModel, choose_lengths
 from knnssd.engine.drafters import Drafter
 from knnssd.engine.prefixes import Prefixes
 from knnssd.engine.sampling import Verdict
-from knnssd.engine.decoder import Decoder, forward_slots
+from knnssd.engine import tree
+from knnssd.engine.decoder import Decoder, forward_slots, packs_trees, settle_slots
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +212,7 @@ class Scheduler:
                 return bool(pending)
 
             self._take, self._more = take, more
+        self.trees = bool(self.free) and packs_trees(self.free[0], self.pool)  # whether a pass verifies token trees
         self.active: list[_Active] = []
         self.prefixes = Prefixes()
         self.model = DraftModel()
@@ -261,6 +268,7 @@ class Scheduler:
                 self.free.insert(0, slot)
                 self.failed(job, e)
                 continue
+            a.run.trees = a.run.trees and self.trees
             a.run.stats.prefill_s = time.perf_counter() - t0
             stats.prefills += 1
             stats.prefill_s += a.run.stats.prefill_s
@@ -283,7 +291,7 @@ class Scheduler:
         verifies every draft, each sequence emits and rolls back; yields the sequences that finished."""
         active, stats = self.active, self.stats
         runs = [a.run for a in active]
-        caps = [r.draft_cap() for r in runs]
+        caps = [r.node_cap() if r.trees else r.draft_cap() for r in runs]
         survival, draft_s = self.model(runs, caps)
         ks = choose_lengths(caps, survival, draft_s, self.plan.costs)
         for b, a in enumerate(active):  # a sequence whose drafts the rule has not chosen for long drafts once
@@ -293,11 +301,20 @@ class Scheduler:
         if self._debug:
             log.debug("step %d: caps %s, s(1) %s, draft s/call %s -> k %s", stats.steps, caps,
                       [round(x[0], 2) if x else None for x in survival], [round(x, 4) for x in draft_s], ks)
-        calls = [r.propose(k) for r, k in zip(runs, ks)]
+        calls = [r.propose(None, as_tree=True, nodes=k) if r.trees else r.propose(k) for r, k in zip(runs, ks)]
+        parents = [c.draft.parents if c.draft is not None else None for c in calls]
         t0 = time.perf_counter()
-        logits = forward_slots([a.slot for a in active], [(c.ids, c.start) for c in calls], self.pool)
-        packed = [r.judge(c, x) for r, c, x in zip(runs, calls, logits)]
-        emitted = sum(r.apply(v) for r, v in zip(runs, Verdict.read_all(packed)))  # the step's one host read
+        slots = [a.slot for a in active]
+        logits = forward_slots(slots, [(c.ids, c.start) for c in calls], self.pool, parents if self.trees else None)
+        chains = [b for b, p in enumerate(parents) if p is None]
+        verdicts = dict(zip(chains, Verdict.read_all([runs[b].judge(calls[b], logits[b]) for b in chains])
+                            if chains else []))
+        trees = [b for b, p in enumerate(parents) if p is not None]  # one host read each
+        verdicts.update({b: tree.accept_greedy(calls[b].draft.host, parents[b], logits[b]) for b in trees})
+        if trees:
+            settle_slots([slots[b] for b in trees], [calls[b].start for b in trees],
+                         [verdicts[b].path for b in trees], self.pool)
+        emitted = sum(r.apply(verdicts[b]) for b, r in enumerate(runs))
         dt = time.perf_counter() - t0
         stats.active.append(len(runs))
         stats.rows.append(sum(c.rows for c in calls))

@@ -169,6 +169,12 @@ class SlotPool:
             c.k = [t[c.index : c.index + 1] for t in self.k]
             c.v = [t[c.index : c.index + 1] for t in self.v]
 
+    def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """In every layer, copy the K/V at slot ``slots[m]``, position ``src[m]`` to position ``dst[m]`` of
+        the same slot ((M,) each): every source is read before any place is written."""
+        for t in self.k + self.v:
+            t[slots, :, dst] = t[slots, :, src]
+
     def write(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (R, KV, D) of R rows, row r at slot ``slots[r]``, position ``pos[r]``."""
         self.k[layer][slots, :, pos] = k.to(self.dtype)

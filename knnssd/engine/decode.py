@@ -232,18 +232,29 @@ class Run:
             return 0
         return draft_policy.cap(self.k, self.config.max_new_tokens - len(self.new), self.max_draft)
 
-    def propose(self, k: int | None = None, as_tree: bool = False) -> Call:
+    def node_cap(self) -> int:
+        """The most drafted nodes a token tree may have this step: the drafter's ``tree``, what the probe
+        covered, and the reserved positions left (a pass writes node j's K/V at place start + j; 0 where this
+        sequence drafts no tree now)."""
+        if not self.trees or self.draft_cap() <= 0:
+            return 0
+        room = self.seq.decoder.cache.length - len(self.seq.tokens)
+        return max(0, min(self.drafter.tree, self.max_draft, PREFILL_ROWS - 1, room))
+
+    def propose(self, k: int | None = None, as_tree: bool = False, nodes: int | None = None) -> Call:
         """Draft up to ``k`` tokens (default ``draft_cap()``) and return the rows to verify; with ``as_tree``,
-        a token tree up to ``k`` deep, of as many nodes as the probe covered."""
+        a token tree up to ``k`` deep, of up to ``nodes`` drafted nodes (default ``node_cap()``)."""
         t0 = time.perf_counter()
         k = self.draft_cap() if k is None else min(k, self.draft_cap())
-        if k <= 0:
+        if as_tree:
+            nodes = self.node_cap() if nodes is None else min(nodes, self.node_cap())
+        if k <= 0 or (as_tree and nodes <= 0):
             draft = None
         elif as_tree:
-            draft = self.drafter.propose_tree(self.seq, k, min(self.max_draft, PREFILL_ROWS - 1))
+            draft = self.drafter.propose_tree(self.seq, k, nodes)
         else:
             draft = self.drafter.propose(self.seq, k)
-        self.stats.draft_calls += k > 0
+        self.stats.draft_calls += draft is not None
         seq = self.seq
         ids = seq.last if draft is None else torch.cat((seq.last, draft.tokens))
         self.stats.draft_s += time.perf_counter() - t0

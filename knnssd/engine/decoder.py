@@ -236,10 +236,10 @@ class Decoder:
         ``start..start + len(path) - 1``, where a chain of those tokens would have put them. ``kv`` None: move
         them there from the places ``start + node`` where the native call wrote them."""
         if kv is None:
-            moved = [(d, node) for d, node in enumerate(path) if node != d]  # node >= d: no source is overwritten
+            moved = tree.moves(path)
             if moved:
-                dst = torch.tensor([start + d for d, _ in moved], device=self.device)
-                src = torch.tensor([start + node for _, node in moved], device=self.device)
+                src = torch.tensor([start + node for node, _ in moved], device=self.device)
+                dst = torch.tensor([start + d for _, d in moved], device=self.device)
                 for c in self.cache.k + self.cache.v:
                     c.index_copy_(2, dst, c.index_select(2, src))
             return
@@ -271,18 +271,21 @@ class Decoder:
         the reservation holds a place per node: node j writes its K/V at place ``start + j`` and reads its
         path's from theirs. h (1, N + 1, E) is updated in place; False where the call does not apply."""
         T = h.shape[1]
-        if attn.name != NATIVE.name or not s.rope_static or start + T > self.cache.length:
+        layers = self._tree_layers(attn)
+        if layers is None or start + T > self.cache.length:
             return False
-        layers = self._layers_call(s)
-        if layers is None:
-            return False
-        paths = tree.paths(parents)
-        width = max(depth) + 1
-        kmap = torch.tensor([[start + j for j in p] + [start] * (width - len(p)) for p in paths])
-        where = native.TreeMap(torch.arange(start, start + T), torch.full((T,), start), kmap)
+        pos, where = tree_rows([(T, start)], [parents])
         cos, sin = self.tables()[s.rope_keys[0]]
-        return layers(h[0], self._zeros(T), torch.tensor(depth) + start, cos, sin, self.cache.k, self.cache.v, None,
-                      s.scale, tree=where)
+        return layers(h[0], self._zeros(T), pos, cos, sin, self.cache.k, self.cache.v, None, s.scale, tree=where)
+
+    def _tree_layers(self, attn: Attention | None = None) -> native.Layers | None:
+        """The one-call native layers where they verify token trees (their attention reads a key map), else None."""
+        s, attn = self.stack, attn or self.attention
+        if attn.name != NATIVE.name or not s.rope_static:
+            return None
+        layers = self._layers_call(s)
+        return layers if layers is not None and layers.trees else None
+
 
     @staticmethod
     @functools.cache
@@ -404,6 +407,47 @@ def _logits(s: Stack, hidden: torch.Tensor) -> torch.Tensor:
     return logits.float()
 
 
+def packs_trees(slot: object, pool: object) -> bool:
+    """Whether ``forward_slots`` over slots like ``slot`` and their ``pool`` verifies token trees (``trees``):
+    the native layers over a ``SlotPool``."""
+    return isinstance(pool, SlotPool) and isinstance(slot, Decoder) and slot._tree_layers() is not None
+
+
+def tree_rows(calls: list[tuple[int, int]], trees: list[tuple[int, ...] | None]
+              ) -> tuple[torch.Tensor, native.TreeMap]:
+    """The positions and ``native.TreeMap`` of a pass's rows: ``calls[b]`` = (rows, start) of sequence b, whose
+    rows are the token tree ``trees[b]`` (its parents) or a chain (None). Row j of a call writes its K/V
+    at place start + j; a tree's node sits at start + its depth and reads its path's places; a chain's
+    rows map nothing (key start past their positions)."""
+    pos, wpos, kstart, paths = [], [], [], []
+    for (T, start), parents in zip(calls, trees):
+        wpos += range(start, start + T)
+        if parents is None:
+            pos += range(start, start + T)
+            kstart += [start + T] * T
+            paths += [[]] * T
+        else:
+            pos += [start + d for d in tree.depths(parents)]
+            kstart += [start] * T
+            paths += [[start + j for j in path] for path in tree.paths(parents)]
+    width = max(1, *(len(p) for p in paths))
+    kmap = torch.tensor([p + [0] * (width - len(p)) for p in paths])
+    return torch.tensor(pos), native.TreeMap(torch.tensor(wpos), torch.tensor(kstart), kmap)
+
+
+def settle_slots(slots: list["Decoder"], starts: list[int], paths: list[tuple[int, ...]], pool: SlotPool) -> None:
+    """``Decoder.settle`` for trees a packed pass verified (``forward_slots`` with ``trees``), in one move a
+    layer over the ``pool``: each accepted path's K/V from where its nodes were written to its positions."""
+    rows, src, dst = [], [], []
+    for slot, start, path in zip(slots, starts, paths):
+        for node, d in tree.moves(path):
+            rows.append(slot.cache.index)
+            src.append(start + node)
+            dst.append(start + d)
+    if rows:
+        pool.move(torch.tensor(rows), torch.tensor(src), torch.tensor(dst))
+
+
 class _SlotCall(NamedTuple):
     """One sequence's part of a packed pass (``forward_slots``): its slot, positions (as a tensor and as the
     slice its cache writes), the key lengths its rows read, rotary tables, attention step, and the masks its
@@ -419,8 +463,8 @@ class _SlotCall(NamedTuple):
 
 
 @torch.inference_mode()
-def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], pool: SlotPool | None = None
-                  ) -> list[torch.Tensor]:
+def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], pool: SlotPool | None = None,
+                  trees: list[tuple[int, ...] | None] | None = None) -> list[torch.Tensor]:
     """One full-model pass over several sequences: ``calls[b]`` = (ids (T_b,), start_b) runs on
     ``slots[b]`` (slots of one decoder, ``Decoder.slot``). The projections, norms, MLPs and the lm_head
     run once over all the rows. Attention runs per sequence on its slot's cache, as that slot's own
@@ -429,12 +473,21 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
     packed row count, and the batched attention is invariant to the batch and to the padded query rows
     (``batch_plan.pooled_exact`` checks both), each call's logits (T_b, V) equal its own ``forward``'s,
     bitwise. No skip mask: this is verification. A pool with a packed pass of its own
-    (``static_slots.StaticSlots``) runs the calls itself."""
-    if pool is not None and not isinstance(pool, SlotPool):
+    (``static_slots.StaticSlots``) runs the calls itself.
+
+    ``trees[b]``: the parents of a token tree that call b's ids are (``tree.py``), or None for a chain. Only
+    the native layers over a ``SlotPool`` take trees (``packs_trees``), each node's row bitwise its
+    path's chain row as in ``Decoder.forward_tree``; ``settle_slots`` then puts the accepted paths' K/V in
+    place."""
+    if trees is not None and all(p is None for p in trees):
+        trees = None
+    if pool is not None and not isinstance(pool, SlotPool) and trees is None:
         return pool.forward_slots(slots, calls)
     s = slots[0].stack
     sizes = [ids.shape[0] for ids, _ in calls]
     h = Decoder._embed(s, torch.cat([ids for ids, _ in calls]))
+    if trees is not None:
+        return _forward_trees(slots, calls, trees, pool, h, sizes)
     per_call: list[_SlotCall] = []
     for slot, (ids, start) in zip(slots, calls):
         if slot.stack is not s:
@@ -464,6 +517,23 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
             attended = torch.cat(parts, dim=1)
         h = h + _attn_out(layer, attended)
         h = h + _mlp(layer, h)
+    return list(_logits(s, s.norm(h)[0]).split(sizes))
+
+
+def _forward_trees(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], trees: list[tuple[int, ...] | None],
+                   pool: SlotPool | None, h: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    s = slots[0].stack
+    if not packs_trees(slots[0], pool) or any(getattr(slot.cache, "pool", None) is not pool for slot in slots):
+        raise ValueError("a packed pass verifies token trees only with the native layers over one slot pool")
+    for slot, (ids, start), parents in zip(slots, calls, trees):
+        if parents is not None:
+            tree.check(parents)
+        slot.cache.check(start + ids.shape[0])
+    pos, where = tree_rows([(ids.shape[0], start) for ids, start in calls], trees)
+    index = torch.tensor([slot.cache.index for slot, t in zip(slots, sizes) for _ in range(t)])
+    cos, sin = slots[0].tables(pool.capacity)[s.rope_keys[0]]
+    if not slots[0]._layers_call(s)(h[0], index, pos, cos, sin, pool.k, pool.v, None, s.scale, tree=where):
+        raise ValueError("the native layers did not take this packed pass of token trees")
     return list(_logits(s, s.norm(h)[0]).split(sizes))
 
 

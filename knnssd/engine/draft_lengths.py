@@ -8,6 +8,8 @@ Terms:
                with the same kind of drafter. Measured by draft position, not as one per-token rate:
                acceptance comes in runs (an n-gram hit is accepted for several tokens or not at all; a
                confident layer-skip draft mostly is), which a per-token rate a^j would miss
+               A token tree's j counts its nodes: s_b(j) is its steps that accepted j or more over those
+               that drafted j or more nodes, so a tree's E_b(k) is what k nodes emitted
     d_b        its draft seconds per draft call, shrunk in the same way (``DraftModel``). Per call, not
                per token: an n-gram hit drafts many tokens for almost nothing, a layer-skip draft costs a pass per
                token until its confidence drops, and a hybrid does one or the other
@@ -165,7 +167,7 @@ class DraftModel:
 
     @staticmethod
     def _kind(run: Run) -> str:
-        return type(run.drafter).__name__
+        return type(run.drafter).__name__ + (" tree" if run.trees else "")  # a tree's s(j) is by node
 
     def finished(self, run: Run) -> None:
         if run.drafter is not None:

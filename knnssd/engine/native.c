@@ -1037,6 +1037,16 @@ int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, cons
 ATTENTION_ENTRY(bf16)
 ATTENTION_ENTRY(f32)
 
+/* Whether a bf16 attention call of these heads reads a token tree's key map: its item is the step form. */
+int64_t tree_keys_bf16(int64_t H, int64_t KV, int64_t D) {
+    if (KV <= 0 || H % KV) return 0;
+    void (*item)(const args_bf16 *, int64_t, int64_t, float *) = attention_any_bf16;
+    int mapped = 0;
+    FAST_bf16
+    (void)item;
+    return mapped;
+}
+
 /* The floats of scratch an ``attention`` call needs per thread, for G query heads per KV head, D values
    per head and L positions per slot: either item form's. */
 int64_t attention_scratch(int64_t G, int64_t D, int64_t L) {
@@ -1169,7 +1179,7 @@ int64_t layers_bf16(const fused_layer *layers, int64_t n, const uint8_t *skip, u
     for (int64_t r = 0; r < R; r++)
         if (pos[r] < 0 || pos[r] >= L || slots[r] < 0 || slots[r] >= slots_n || (wpos && (wpos[r] < 0 || wpos[r] >= L)))
             return -1;
-    if (kmap && (D % 32 || !key_map_fits(kstart, kmap, kmap_w, pos, R, L))) return -1; /* the step form maps */
+    if (kmap && (!tree_keys_bf16(H, KV, D) || !key_map_fits(kstart, kmap, kmap_w, pos, R, L))) return -1;
     uint16_t *x = work, *qkv = x + R * E, *qk = qkv + R * QKVW, *att = qk + R * QK, *y = att + R * H * D;
     uint16_t *gu = y + R * E, *act = gu + R * 2 * I;
     for (int64_t i = 0; i < n; i++) {

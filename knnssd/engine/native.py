@@ -170,6 +170,7 @@ class Kernels:
     causal: dict[torch.dtype, Callable]
     silu_mul: dict[torch.dtype, Callable]
     layers: Callable  # ``layers_bf16``
+    tree_keys: Callable  # ``tree_keys_bf16``: (H, KV, D) -> whether ``layers`` reads a token tree's key map
     attention_scratch: Callable  # (G, D, L) -> the floats of scratch an ``attention`` call needs per thread
     openmp: bool  # built with OpenMP: the kernels share their work among torch's threads
 
@@ -188,7 +189,9 @@ def _load(path: Path) -> Kernels:
     lib.built_with_openmp.restype = lib.attention_scratch.restype = ctypes.c_int64
     lib.attention_scratch.argtypes = [ctypes.c_int64] * 3
     lib.layers_bf16.restype, lib.layers_bf16.argtypes = ctypes.c_int64, [CTYPES[a] for a in LAYERS]
-    return Kernels(**families, layers=lib.layers_bf16, attention_scratch=lib.attention_scratch,
+    lib.tree_keys_bf16.restype, lib.tree_keys_bf16.argtypes = ctypes.c_int64, [ctypes.c_int64] * 3
+    return Kernels(**families, layers=lib.layers_bf16, tree_keys=lib.tree_keys_bf16,
+                   attention_scratch=lib.attention_scratch,
                    openmp=bool(lib.built_with_openmp()))
 
 
@@ -571,6 +574,7 @@ class Layers:
             s.window = p.window or 0
         self._skips: dict[tuple, ctypes.Array | None] = {}
         self._buffers: tuple | None = None  # (key, k pointers, v pointers) of the last cache
+        self.trees = bool(library().tree_keys(heads, kv, head_dim))  # whether a call takes a ``TreeMap``
 
     @classmethod
     def of(cls, parts: list[LayerParts], heads: int, kv: int, head_dim: int) -> "Layers | None":

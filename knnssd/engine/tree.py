@@ -54,6 +54,13 @@ def paths(parents: tuple[int, ...]) -> list[list[int]]:
     return out
 
 
+def moves(path: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
+    """(node, depth) for each node of an accepted path not at its own depth's place: where a pass that
+    wrote node j's K/V at place ``start + j`` must move them from and to. A node's index is at least its
+    depth, so moving in path order never overwrites a place still to be read."""
+    return [(node, d) for d, node in enumerate(path) if node != d]
+
+
 def segments(parents: tuple[int, ...]) -> list[tuple[list[int], int]]:
     """Each leaf's path and where its segment starts in it (nodes before that are on an earlier leaf's path),
     leaves in node order. Every node is in exactly one segment."""
