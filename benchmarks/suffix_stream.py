@@ -21,9 +21,10 @@ full-model pass) and agreement with plain's tokens, per stream, as JSON and as a
 
 ``--batched N`` also decodes the repetitive stream as one batch run of N slots (``generate_many``), with
 the bank as it is and with every cluster's drafter replaced by plain decoding, n-gram lookup or the
-suffix drafter; the suffix bank's cache is shared by the run's sequences, as in a batch flow. (A batch
-verifies chains, so the tree methods have no row there.) Tokens/s is the run's tokens over its wall time,
-best of two runs in rotating order.
+suffix drafter, as chains and as trees of ``--tree`` nodes (a tree bank's sequences draft trees where
+the packed pass verifies them: the native layers over a slot pool); the suffix banks' caches are shared
+by the run's sequences, as in a batch flow. Tokens/s is the run's tokens over its wall time, best of two
+runs in rotating order.
 """
 from __future__ import annotations
 
@@ -44,14 +45,19 @@ from knnssd.serving.routed import RoutedGenerator
 
 METHODS = ("plain", "ngram", "ngram-tree", "suffix", "suffix+cache", "suffix-tree", "suffix-tree+cache", "routed")
 DRAFTERS = {kind: untuned(kind) for kind in ("ngram", "suffix")}
-CHAINS = ("plain", "ngram", "suffix")  # the batched run's banks
+BANKS = ("plain", "ngram", "ngram-tree", "suffix", "suffix-tree")  # the batched run's banks besides the routed one
+
+
+def drafters(tree: int) -> dict[str, DrafterConfig]:
+    """The lookup drafters as chains and as trees of ``tree`` nodes, by method name."""
+    return {**DRAFTERS, **{f"{kind}-tree": replace(DRAFTERS[kind], tree=tree) for kind in DRAFTERS}}
 
 
 def stream(gen: RoutedGenerator, texts: list[str], max_new: int, tree: int) -> dict:
     lm = gen.lm
     params = GenerateParams(max_new_tokens=max_new)
     config = GenerationConfig(max_new_tokens=max_new, eos_ids=gen.eos)
-    drafters = {**DRAFTERS, **{f"{kind}-tree": replace(DRAFTERS[kind], tree=tree) for kind in ("ngram", "suffix")}}
+    configs = drafters(tree)
     caches = {m: SuffixCache() for m in METHODS if m.endswith("+cache")}
     totals = {m: dict(tokens=0, seconds=0.0, accepted=0, steps=0, equal=0) for m in METHODS}
     for i, text in enumerate(texts):
@@ -65,7 +71,7 @@ def stream(gen: RoutedGenerator, texts: list[str], max_new: int, tree: int) -> d
                 r = gen.generate(text, params)
                 new, st = r.tokens, r.stats
             else:
-                drafter = None if m == "plain" else build(drafters[m.split("+")[0]], dec.n_layers, dec.can_skip,
+                drafter = None if m == "plain" else build(configs[m.split("+")[0]], dec.n_layers, dec.can_skip,
                                                           caches.get(m))
                 with lm.busy:
                     new, st = generate(dec, ids, drafter, config)
@@ -84,23 +90,23 @@ def stream(gen: RoutedGenerator, texts: list[str], max_new: int, tree: int) -> d
                     tokens=t["tokens"]) for m, t in totals.items()}
 
 
-def batched(gen: RoutedGenerator, texts: list[str], max_new: int, slots: int) -> dict:
+def batched(gen: RoutedGenerator, texts: list[str], max_new: int, slots: int, tree: int) -> dict:
     """The repetitive stream in one batch run of ``slots`` sequences, per bank (see the module's doc)."""
     params = GenerateParams(max_new_tokens=max_new)
     positions = max(len(gen.tokenize(t, params)[0]) for t in texts) + max_new
     plan = gen.plan(slots, positions)
-    configs = {"plain": DrafterConfig(), **{m: DRAFTERS[m] for m in CHAINS[1:]}}
-    gens = {m: RoutedGenerator(gen.lm, replace(gen.bank, clusters=[replace(c, config=cfg.to_dict())
-                                                                    for c in gen.bank.clusters]))
-            for m, cfg in configs.items()}
-    gens["routed"] = gen
+    configs = {"plain": DrafterConfig(), **{m: drafters(tree)[m] for m in BANKS[1:]}}
+    banks = {m: replace(gen.bank, clusters=[replace(c, config=cfg.to_dict()) for c in gen.bank.clusters])
+             for m, cfg in configs.items()}
+    banks["routed"] = gen.bank
     best: dict[str, dict] = {}
     outs: dict[str, list[list[int]]] = {}
     for rep in range(2):
-        order = list(gens)[rep:] + list(gens)[:rep]
+        order = list(banks)[rep:] + list(banks)[:rep]
         for m in order:
+            run = RoutedGenerator(gen.lm, banks[m])  # a new suffix cache: a second run would find its own outputs
             t0 = time.perf_counter()
-            res = dict(gens[m].generate_many(enumerate(texts), params, plan))
+            res = dict(run.generate_many(enumerate(texts), params, plan))
             wall = time.perf_counter() - t0
             rs = [res[i] for i in range(len(texts))]
             tokens = sum(len(r.tokens) for r in rs)
@@ -138,7 +144,7 @@ def main() -> None:
         report[name] = stream(gen, stream_texts, a.max_new_tokens, a.tree)
     if a.batched:
         print(f"{repeated}, batched: {a.batched} slots", file=sys.stderr)
-        report[f"{repeated}, batched"] = batched(gen, texts[repeated], a.max_new_tokens, a.batched)
+        report[f"{repeated}, batched"] = batched(gen, texts[repeated], a.max_new_tokens, a.batched, a.tree)
     print(json.dumps(report, indent=1))
     columns = [("tok/s", "tok_s", ".1f"), ("x plain", "vs_plain", ".2f"), ("mean accepted", "mean_accepted", ".2f"),
                ("agreement", "agreement", ".2f")]
