@@ -301,7 +301,8 @@ class Scheduler:
         if self._debug:
             log.debug("step %d: caps %s, s(1) %s, draft s/call %s -> k %s", stats.steps, caps,
                       [round(x[0], 2) if x else None for x in survival], [round(x, 4) for x in draft_s], ks)
-        calls = [r.propose(None, as_tree=True, nodes=k) if r.trees else r.propose(k) for r, k in zip(runs, ks)]
+        # a tree of k nodes is at most k deep, and its chain fallback at most k long: the rows the rule priced
+        calls = [r.propose(k, as_tree=True, nodes=k) if r.trees else r.propose(k) for r, k in zip(runs, ks)]
         parents = [c.draft.parents if c.draft is not None else None for c in calls]
         t0 = time.perf_counter()
         slots = [a.slot for a in active]

@@ -275,7 +275,8 @@ class Decoder:
         if layers is None or start + T > self.cache.length:
             return False
         pos, where = tree_rows([(T, start)], [parents])
-        cos, sin = self.tables()[s.rope_keys[0]]
+        capacity = getattr(self.cache, "pool", self.cache).capacity  # a pooled slot's own may lag its pool's
+        cos, sin = self.tables(capacity)[s.rope_keys[0]]
         return layers(h[0], self._zeros(T), pos, cos, sin, self.cache.k, self.cache.v, None, s.scale, tree=where)
 
     def _tree_layers(self, attn: Attention | None = None) -> native.Layers | None:
