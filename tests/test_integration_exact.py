@@ -2,6 +2,8 @@
 speculative greedy decoding gives its own plain decoding's tokens, in fp32, in bf16 where the probe
 says exact, and on the GGUF file's own blocks (``--dtype gguf``). The tiny models' tests of the same
 rules are in test_exact_step."""
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -62,6 +64,30 @@ def test_smollm2_bf16_suffix_trees_give_own_plain_decoding(smol_bf16, nodes):
     for x, want in zip(ids, ref):
         drafter = build(DrafterConfig(kind="suffix", tree=nodes), dec.n_layers)
         assert generate(dec, x, drafter, cfg)[0] == want
+
+
+def test_smollm2_bf16_a_batch_of_lookup_trees_gives_own_plain_decoding(smol_bf16, monkeypatch):
+    """Every real prompt in one batch run of 3 slots with suffix and n-gram trees and a suffix chain: where the
+    packed pass verifies trees (the native layers over a pool), some steps verify trees, and every prompt
+    gets its own plain decoding's tokens."""
+    from knnssd.engine import batch_plan, batched, decoder, tree
+    from knnssd.engine.batched import PromptJob, decode_batch
+    from knnssd.engine.draft_lengths import PassCosts
+
+    dec, ids, cfg, ref = smol_bf16
+    exact_or_skip(dec, "bfloat16")
+    plan = batch_plan.plan(dec, 3)
+    if not plan.exact:
+        pytest.skip("packed passes are not exact here")
+    plan = dataclasses.replace(plan, costs=PassCosts((1, 64), (1.0, 1.0)))  # flat: drafts always pay
+    verdicts, accept = [], tree.accept_greedy
+    monkeypatch.setattr(batched.tree, "accept_greedy", lambda *a: verdicts.append(1) or accept(*a))
+    configs = [DrafterConfig(kind="suffix", tree=8), DrafterConfig(kind="ngram", tree=11), DrafterConfig(kind="suffix")]
+    jobs = [PromptJob(x, build(configs[i % 3], dec.n_layers), cfg) for i, x in enumerate(ids)]
+    done = {id(f.job): f.tokens for f in decode_batch(dec, jobs, plan)}
+    assert [done[id(j)] for j in jobs] == ref
+    slots, pool = dec.pooled_slots(1)
+    assert bool(verdicts) == (plan.pooled and decoder.packs_trees(slots[0], pool))
 
 
 def _rows_invariant(dec, dtype: str) -> None:
