@@ -189,7 +189,7 @@ class Decoder:
 
     @torch.inference_mode()
     def forward_tree(self, ids: torch.Tensor, start: int, parents: tuple[int, ...]
-                     ) -> tuple[Output, list[tuple[torch.Tensor, torch.Tensor]]]:
+                     ) -> tuple[Output, list[tuple[torch.Tensor, torch.Tensor]] | None]:
         """Verify a token tree (``tree.py``): ids (N + 1,) the root at position ``start`` and the drafted
         nodes, each at ``start`` + its depth. Returns the logits of every node and, for ``settle``, each
         layer's K/V of the nodes, (N + 1, KV, D) each, or None where the pass ran as one native call (which
@@ -286,7 +286,6 @@ class Decoder:
             return None
         layers = self._layers_call(s)
         return layers if layers is not None and layers.trees else None
-
 
     @staticmethod
     @functools.cache

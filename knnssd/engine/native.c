@@ -116,7 +116,7 @@ static inline float sum_lanes(float *acc) {
         const int64_t *slots, *pos;                                                                \
         int64_t q_stride, slot_stride, L, head_stride, H, KV, D, window;                           \
         float scale;                                                                               \
-        const int64_t *kstart, *kmap; /* a token tree's key map (``attention_mapped``), or NULL */ \
+        const int64_t *kstart, *kmap; /* a token tree's key map (``key_map_fits``), or NULL */     \
         int64_t kmap_w;                                                                            \
     }
 typedef uint16_t bf16_t; /* the element types, by the kernels' suffixes */
@@ -842,7 +842,7 @@ static void causal_item(const uint16_t *q, int64_t q_stride, const uint16_t *kp,
    registers. The keys STEP_AHEAD ahead, and a block's values while its scores run, are prefetched (a
    few percent from memory). Needs D % 32 == 0. ``scratch``: ``step_scratch`` floats.
 
-   A token tree's row (``kmap``: ``attention_mapped``) reads the keys of its own path, which the pass wrote
+   A token tree's row (``kmap``: ``key_map_fits``) reads the keys of its own path, which the pass wrote
    at the nodes' places, not at their positions: its keys from the 16-key block that holds the first
    mapped one are copied in order into the scratch (at most TREE_GATHER), and the products run over the
    cache's blocks, then over the copy's. Blocks of 16 keys and pairs of values fall as they fall for a

@@ -76,7 +76,8 @@ SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<fa
     "silu_mul": ("p", "p", "i", "i"),
 }
 # layers_bf16 (bf16 only): layers, n, skip, h, R, E, H, KV, D, I, cos, sin, d, kc, vc, slots_n, slot_stride, L,
-# head_stride, slots, pos, scale, work, scratch, per, threads; returns 0, or -1 (as ``attention``'s)
+# head_stride, slots, pos, scale, work, scratch, per, threads, then a token tree's wpos, kstart, kmap, kmap_w (NULL, 0:
+# none; ``TreeMap``); returns 0, or -1 (as ``attention``'s)
 LAYERS = ("p", "i", "p", "p", "i", "i", "i", "i", "i", "i", "p", "p", "i", "p", "p", "i", "i", "i", "i", "p", "p", "f",
           "p", "p", "i", "i", "p", "p", "p", "i")
 # the kernels that return something (the others: nothing)
