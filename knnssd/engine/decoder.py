@@ -275,8 +275,7 @@ class Decoder:
         if layers is None or start + T > self.cache.length:
             return False
         pos, where = tree_rows([(T, start)], [parents])
-        capacity = getattr(self.cache, "pool", self.cache).capacity  # a pooled slot's own may lag its pool's
-        cos, sin = self.tables(capacity)[s.rope_keys[0]]
+        cos, sin = self.tables()[s.rope_keys[0]]
         return layers(h[0], self._zeros(T), pos, cos, sin, self.cache.k, self.cache.v, None, s.scale, tree=where)
 
     def _tree_layers(self, attn: Attention | None = None) -> native.Layers | None:
@@ -335,12 +334,12 @@ class Decoder:
             return {key: _rope_pair(*_rotary(s, h, pos[None], key)) for key in s.rope_keys}
         return {key: (c[pos], si[pos]) for key, (c, si) in self.tables().items()}
 
-    def tables(self, length: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def tables(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Each rotary key's cos and signed sin (capacity, 1, d) by position, over the cache's whole capacity
-        or ``length`` positions if more (built again when it grows), for a stack whose tables depend on the
-        position alone. A packed pass over a pool asks for the pool's capacity: a slot that reserved before
-        another grew the pool holds a shorter one, and the native call refuses tables shorter than the pool."""
-        length = max(length, self.cache.capacity)
+        (built again when it grows), for a stack whose tables depend on the position alone. A pooled slot's
+        are as long as its pool: a slot that reserved before another grew the pool holds a shorter capacity,
+        and the native call refuses tables shorter than the buffers it is given."""
+        length = getattr(self.cache, "pool", self.cache).capacity
         if not self._tables or next(iter(self._tables.values()))[0].shape[0] < length:
             self._tables = rope_tables(self.stack, length)
         return self._tables
@@ -501,7 +500,7 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
     if packed is not None and packed.attn.name == NATIVE.name:  # every row alone, as in its own pass
         layers = slots[0]._layers_call(s)
         if layers is not None:
-            cos, sin = slots[0].tables(pool.capacity)[s.rope_keys[0]]
+            cos, sin = slots[0].tables()[s.rope_keys[0]]
             if layers(h[0], packed.slots, packed.pos, cos, sin, pool.k, pool.v, None, s.scale):
                 return list(_logits(s, s.norm(h)[0]).split(sizes))
     for i, layer in enumerate(s.layers):
@@ -531,7 +530,7 @@ def _forward_trees(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], 
         slot.cache.check(start + ids.shape[0])
     pos, where = tree_rows([(ids.shape[0], start) for ids, start in calls], trees)
     index = torch.tensor([slot.cache.index for slot, t in zip(slots, sizes) for _ in range(t)])
-    cos, sin = slots[0].tables(pool.capacity)[s.rope_keys[0]]
+    cos, sin = slots[0].tables()[s.rope_keys[0]]
     if not slots[0]._layers_call(s)(h[0], index, pos, cos, sin, pool.k, pool.v, None, s.scale, tree=where):
         raise ValueError("the native layers did not take this packed pass of token trees")
     return list(_logits(s, s.norm(h)[0]).split(sizes))
