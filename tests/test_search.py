@@ -191,3 +191,27 @@ def test_search_settings_are_declared_once():
     for d in deployments:
         restated = set((d.get("parameters") or {}).get("params") or {}) & set(names)
         assert not restated, f"prefect.yaml deployment {d['name']} restates {sorted(restated)}"
+
+
+def test_workers_that_start_together_search_with_the_first_ones_settings(tmp_path):
+    """Two search workers opened a study together, each found no stored step costs, measured its own and
+    stored them as study attributes, where the last write wins: one searched int8 drafts, the other did
+    not, and failed on a trial the first had enqueued ("'True' not in (False,)"). Worker B here measures
+    while worker A measures and stores (the nested call): both must take A's, and only A seeds the study."""
+    import optuna
+
+    storage = study.storage_for(str(tmp_path / "journal.log"))
+    a, b = (study.open_study(storage, "race") for _ in range(2))
+    params = study.trial_params(SkipMask.none(2), False)
+    got = {}
+
+    def b_measures():
+        got["a"] = study.first_settings(a, lambda: {"int8": True}, params)
+        return {"int8": False}
+
+    got["b"] = study.first_settings(b, b_measures, params)
+    (a_settings, a_seeds), (b_settings, b_seeds) = got["a"], got["b"]
+    assert a_settings == b_settings and a_settings["int8"] is True and (a_seeds, b_seeds) == (True, False)
+    assert study.first_settings(study.open_study(storage, "race"), lambda: pytest.fail("measured again"), params)[0] == a_settings
+    waiting = [t for t in a.get_trials() if t.state == optuna.trial.TrialState.WAITING]
+    assert len(waiting) == 2  # each the unmasked full-precision draft, valid whichever settings win

@@ -38,7 +38,7 @@ from knnssd.search.costs import Costs
 from knnssd.search.proxy import (LOOKUPS, MAX_LENS, NGRAM_SIZES, TREE_KEY, Policy, Sample, Trees, best_policy,
                                  influence, influence_masks, ngram_proposals, proposals_for, simulate, suffix_proposals,
                                  teacher_samples, to_config)
-from knnssd.search.study import finished, open_study, search_space, trial_mask, trial_params
+from knnssd.search.study import finished, first_settings, open_study, search_space, trial_mask, trial_params
 
 log = logging.getLogger(__name__)
 
@@ -96,27 +96,29 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     kinds = tuple(k for k in SKIPPING if k in budget.kinds) if dec.can_skip else ()
     proxy = job.study("proxy", budget.seed)
     # every worker of a study, and every resumed run, scores with the step costs the study began with, and
-    # searches the precisions it began with (studies from before the int8 rule searched budget.int8's)
-    stored = proxy.user_attrs.get("costs")
-    if stored:
-        costs = Costs(stored["verify"], {k: tuple(v) for k, v in stored["draft"].items()}, stored.get("tree", []),
-                      stored.get("tree_leaf", 0.0))
-        search_int8 = budget.int8 and bool(proxy.user_attrs.get("int8", True))
+    # searches the precisions it began with
+    stored = proxy.user_attrs  # a study begun before its settings went on its first trial
+    if "costs" not in stored:
+        def measure() -> dict:
+            costs = m.measure_costs()
+            return {"costs": asdict(costs), "int8": budget.int8 and costs.int8_pays(n)}
+
+        stored, seeds = first_settings(proxy, measure, trial_params(SkipMask.none(n), False))
     else:
-        costs = m.measure_costs()
-        search_int8 = budget.int8 and costs.int8_pays(n)
-        proxy.set_user_attr("costs", asdict(costs))
-        proxy.set_user_attr("int8", search_int8)
-        if budget.int8 and not search_int8:  # e.g. on CUDA, where _weight_int8pack_mm is slower than a bf16 step
-            none = SkipMask.none(n)
-            log.info("int8 drafts left out of the search: an int8 draft step costs %.2f ms, a full-precision one "
-                     "%.2f ms (measured)", costs.draft_ms(none, True), costs.draft_ms(none, False))
+        seeds = False
+    c = stored["costs"]
+    costs = Costs(c["verify"], {k: tuple(v) for k, v in c["draft"].items()}, c.get("tree", []), c.get("tree_leaf", 0.0))
+    search_int8 = budget.int8 and bool(stored.get("int8", True))  # studies from before the int8 rule: budget.int8's
+    if seeds and budget.int8 and not search_int8:  # e.g. on CUDA, where _weight_int8pack_mm is slower than bf16
+        none = SkipMask.none(n)
+        log.info("int8 drafts left out of the search: an int8 draft step costs %.2f ms, a full-precision one "
+                 "%.2f ms (measured)", costs.draft_ms(none, True), costs.draft_ms(none, False))
     precisions = [True, False] if search_int8 else [False]
     if not kinds:
         return Proxy(proxy, samples, proposals, kinds, costs)
-    if not proxy.trials:
-        for int8 in precisions:
-            proxy.enqueue_trial(trial_params(SkipMask.none(n), int8))
+    if seeds:  # the settings' trial is the full-precision draft with no mask
+        if search_int8:
+            proxy.enqueue_trial(trial_params(SkipMask.none(n), True))
         for params in job.warm_start:
             if search_int8 or not params.get("int8"):
                 proxy.enqueue_trial(params)

@@ -3,8 +3,9 @@ trial parameters."""
 from __future__ import annotations
 
 import json
-
+import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from knnssd.engine.skip import SkipMask
@@ -79,6 +80,32 @@ def check_storage(url_or_path: str | None, timeout_s: int = 5) -> None:
     reason = database_error(url_or_path, timeout_s)
     if reason is not None:
         raise ValueError(f"--storage {url_or_path} cannot be opened ({reason})")
+
+
+SETTINGS = "settings"  # the trial user attribute that holds a study's settings (``first_settings``)
+
+
+def first_settings(study, measure: Callable[[], dict], params: dict) -> tuple[dict, bool]:
+    """The settings every worker of ``study`` searches with (step costs, precisions): those on its
+    lowest-numbered trial that carries them. Where no trial does, ``measure()`` is stored on a new waiting
+    trial of ``params`` (valid whatever the settings). Workers that start together each measure and
+    store, but a storage numbers trials in one order for all, so all take the first's: study attributes,
+    where the last writer wins, once gave two workers two search spaces, and one failed on the other's
+    enqueued trials. Returns (the settings, whether this call stored them)."""
+
+    def first() -> dict | None:
+        for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
+            if SETTINGS in t.user_attrs:
+                return t.user_attrs[SETTINGS]
+        return None
+
+    found = first()
+    if found is not None:
+        return found, False
+    token = uuid.uuid4().hex
+    study.enqueue_trial(params, user_attrs={SETTINGS: {**measure(), "token": token}})
+    found = first()
+    return found, found.get("token") == token
 
 
 def finished(study) -> list:
