@@ -94,17 +94,18 @@ def test_blocks_are_cut_at_max_tokens_stop_strings_and_eos(server):
     ends with EOS counts its tokens up to it, never past."""
     c = server.client
     long = c.completions.create(model=MODEL, prompt=COUNTING, max_tokens=40, temperature=0)
-    # whether drafts are accepted here is the batch's goodput rule's choice (a fresh clone's run drafted none)
-    blocks = long.choices[0].model_extra["knnssd"]["accepted"] > 0
     texts = {}
-    multi = False
+    multi = blocks = False
     for k in range(1, 41):
         text, chunks, last = streamed(c, model=MODEL, prompt=COUNTING, max_tokens=k, temperature=0)
         assert chunks[-1].usage.completion_tokens == k and last.choices[0].finish_reason == "length"
         assert long.choices[0].text.startswith(text)
         texts[k] = text
         multi |= len([ch for ch in chunks if ch.choices]) < k  # a chunk carried several tokens
-    assert multi or not blocks  # where drafts were accepted, some chunk carried several tokens, cut exactly
+        # whether a stream drafts is the goodput rule's choice, from timings and acceptance that change as the
+        # server runs: with the other test worker busy beside it, the first request once drafted and none after
+        blocks |= last.choices[0].model_extra["knnssd"]["accepted"] > 0
+    assert multi or not blocks  # where a stream's drafts were accepted, a chunk carried several tokens, cut exactly
     stop = " 17,"
     cut = long.choices[0].text[: long.choices[0].text.index(stop)]
     k = min(k for k, t in texts.items() if stop in t)  # the token that completes the stop string is the last
