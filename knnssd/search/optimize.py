@@ -97,7 +97,7 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     proxy = job.study("proxy", budget.seed)
     # every worker of a study, and every resumed run, scores with the step costs the study began with, and
     # searches the precisions it began with
-    stored = proxy.user_attrs  # a study begun before its settings went on its first trial
+    stored = proxy.user_attrs  # where a study begun before ``first_settings`` keeps them
     if "costs" not in stored:
         def measure() -> dict:
             costs = m.measure_costs()
