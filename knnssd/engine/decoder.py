@@ -522,7 +522,8 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
 def _forward_trees(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], trees: list[tuple[int, ...] | None],
                    pool: SlotPool | None, h: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     s = slots[0].stack
-    if not packs_trees(slots[0], pool) or any(getattr(slot.cache, "pool", None) is not pool for slot in slots):
+    layers = slots[0]._tree_layers() if isinstance(pool, SlotPool) else None  # as ``packs_trees`` finds them
+    if layers is None or any(getattr(slot.cache, "pool", None) is not pool for slot in slots):
         raise ValueError("a packed pass verifies token trees only with the native layers over one slot pool")
     for slot, (ids, start), parents in zip(slots, calls, trees):
         if parents is not None:
@@ -531,7 +532,7 @@ def _forward_trees(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], 
     pos, where = tree_rows([(ids.shape[0], start) for ids, start in calls], trees)
     index = torch.tensor([slot.cache.index for slot, t in zip(slots, sizes) for _ in range(t)])
     cos, sin = slots[0].tables()[s.rope_keys[0]]
-    if not slots[0]._layers_call(s)(h[0], index, pos, cos, sin, pool.k, pool.v, None, s.scale, tree=where):
+    if not layers(h[0], index, pos, cos, sin, pool.k, pool.v, None, s.scale, tree=where):
         raise ValueError("the native layers did not take this packed pass of token trees")
     return list(_logits(s, s.norm(h)[0]).split(sizes))
 
