@@ -4,6 +4,7 @@ from goodput."""
 import dataclasses
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -438,6 +439,48 @@ def test_a_batched_runs_pool_is_freed_when_the_run_ends_without_the_cyclic_colle
     finally:
         SlotPool.__init__ = made
         gc.enable()
+
+
+def _anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the process's memory from Linux's /proc")
+def test_a_cache_holds_memory_only_for_the_positions_written():
+    """A large CPU cache buffer is mapped, not filled: reading it gives zeros and takes no memory, each
+    position written takes its own, and freeing the buffer returns it (a server's pool took its whole KV
+    budget at its first request)."""
+    from knnssd.engine.cache import zeros
+
+    before = _anon_mib()
+    t = zeros((16, 4, 4096, 128), torch.float32, torch.device("cpu"))  # 128 MiB
+    assert t.shape == (16, 4, 4096, 128) and t.is_contiguous() and not t.any()  # every page read
+    assert _anon_mib() - before < 8
+    t[:, :, :512] = 1.0  # an eighth of the positions of every row: 16 MiB
+    assert 12 < _anon_mib() - before < 40 and t.sum() == 16 * 4 * 512 * 128
+    del t
+    assert _anon_mib() - before < 8
+
+
+def test_batched_greedy_is_unchanged_on_mapped_caches(monkeypatch):
+    """Every cache buffer mapped (``LAZY_BYTES`` 0), a batch and each prompt's own decoding give the
+    tokens they give on buffers that ``torch.zeros`` filled: a mapped page read before it is written is
+    the zero page."""
+    from knnssd.engine import cache
+
+    dec = decoder("llama", "float32")
+    plan = dataclasses.replace(batch_plan.plan(dec, slots=4), costs=PassCosts((1, 64), (0.01, 0.01)))
+
+    def tokens(jobs: list[PromptJob]) -> list[list[int]]:
+        done = {id(f.job): f.tokens for f in decode_batch(dec, jobs, plan)}
+        return [done[id(j)] for j in jobs]
+
+    filled = tokens(mixed_jobs(dec, "llama", 7, 16))
+    monkeypatch.setattr(cache, "LAZY_BYTES", 0)
+    jobs = mixed_jobs(dec, "llama", 7, 16)
+    assert tokens(jobs) == filled
+    assert [generate(dec, j.prompt_ids, None, j.config)[0] for j in jobs] == filled
 
 
 def test_the_batch_thread_sees_what_it_loaded(caplog):

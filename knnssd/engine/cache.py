@@ -26,6 +26,8 @@ and an fp32 attention then reads them without a conversion per call.
 """
 from __future__ import annotations
 
+import math
+import mmap
 import weakref
 from typing import NamedTuple
 
@@ -33,6 +35,22 @@ import torch
 
 BUCKET = 64  # reservations are rounded up to this many positions
 SPAN = 32  # key lengths are rounded up to this many positions (a divisor of BUCKET: never past a reservation)
+
+
+LAZY_BYTES = 1 << 20  # CPU buffers from this size up are mapped, not filled (``zeros``)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed buffer. On the CPU, one of ``LAZY_BYTES`` or more is a private anonymous map, whose pages
+    the kernel gives only as they are written (a page read first is the shared zero page): a cache
+    reserved for thousands of positions then holds memory for the positions written, where
+    ``torch.zeros`` wrote, and so made resident, every byte: a server's pool took its whole KV budget
+    at its first request (docs/benchmarks.md). The map is unmapped with the last tensor that views it."""
+    size = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or size < LAZY_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps ``buf`` alive
 
 
 class Span(NamedTuple):
@@ -66,7 +84,7 @@ class KVCache:
         if self.length <= self.capacity:
             return False
         n_layers, n_kv, d = self.shape
-        z = lambda: torch.zeros(1, n_kv, self.length, d, dtype=self.dtype, device=self.device)  # noqa: E731
+        z = lambda: zeros((1, n_kv, self.length, d), self.dtype, self.device)  # noqa: E731
         self.k = [z() for _ in range(n_layers)]
         self.v = [z() for _ in range(n_layers)]
         self.capacity = self.length
@@ -157,7 +175,7 @@ class SlotPool:
         def bigger(old: list[torch.Tensor]) -> list[torch.Tensor]:
             out = []
             for i in range(n_layers):
-                t = torch.zeros(self.n, n_kv, length, d, dtype=self.dtype, device=self.device)
+                t = zeros((self.n, n_kv, length, d), self.dtype, self.device)
                 if old:
                     t[:, :, : self.capacity] = old[i]
                 out.append(t)
