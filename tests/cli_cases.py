@@ -38,8 +38,8 @@ def run_queue_delay() -> float:
 
 class Stopwatch:
     """Seconds since it started, less the time the calling thread waited for a CPU. A test's bound on
-    how soon something answers uses it: beside the integration tests the units' worker runs under
-    SCHED_IDLE (tests/conftest.py), where its work waits for whatever CPU the other worker leaves."""
+    how soon something answers uses it: `make test` runs two workers on two cores (tests/conftest.py),
+    and a test's work waits for whatever CPU the other worker leaves."""
 
     def __init__(self):
         self.t0, self.d0 = time.monotonic(), run_queue_delay()

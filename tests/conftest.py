@@ -6,7 +6,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+
+# Two test processes share the two cores: OpenMP threads that spin while they wait take the cores the
+# other process needs (docs/benchmarks.md, 2026-11-28). Set before torch loads; servers, workers and
+# CLIs the tests start inherit it. How threads wait changes no result (``exactness.WAIT_ENV``).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -88,30 +93,10 @@ _misplaced: set[str] = set()  # tests whose integration mark and file name disag
 
 
 def _group(nodeid: str) -> str:
-    """`make test` (``-n 2 --dist loadgroup``) runs two groups side by side: the integration tests, in
-    their order in one worker on both cores, and the tests of tiny random models in the other at the
-    lowest priority, where they take only the CPU the real model's tests leave idle (servers starting,
-    waits, single-threaded stretches). The groups go by file name, which the controller sees (it
-    collects no tests, so it cannot see their marks). ``-x`` there stops the group that failed; the
-    other runs to its end."""
+    """Which tests are integration tests: by file name, which an xdist controller also sees (it collects
+    no tests, so it cannot see their marks). `make test` (``-n 2 --dist loadfile``) gives each worker
+    whole files: a file's module fixtures (a registered bank, a server) are made in one worker only."""
     return "integration" if Path(nodeid.split("::")[0]).name.startswith("test_integration_") else "units"
-
-
-class _TwoGroups:
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_xdist_make_scheduler(self, config, log):
-        from xdist.scheduler import LoadScopeScheduling
-
-        class TwoGroups(LoadScopeScheduling):  # a scope per group: one worker each
-            def _split_scope(self, nodeid: str) -> str:
-                return _group(nodeid)
-
-        return TwoGroups(config, log) if config.getvalue("dist") == "loadgroup" else None
-
-
-def pytest_configure(config):
-    if config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(_TwoGroups())
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection
@@ -123,29 +108,16 @@ def pytest_collection_modifyitems(config, items):
     if _prefect is None and any("prefect_api" in item.fixturenames for item in items):
         if WORKER is None:
             _prefect = PrefectServer()  # starts now; the first test that needs it waits for it
-        else:  # each worker collects every test: only the integration group's needs the server
+        else:  # each worker collects every test: only a worker that runs integration tests needs it
             _prefect_wanted = True
-
-
-def _beside_integration(config) -> bool:
-    """This worker runs the units' group while another runs the integration group (``_group``)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return WORKER is not None and workers >= 2 and getattr(config.option, "loadgroup", False)
 
 
 def pytest_runtest_setup(item):
     global _prefect
     if item.nodeid in _misplaced:
         pytest.fail(f"{item.nodeid}: integration tests, and only they, go in test_integration_*.py", pytrace=False)
-    if _group(item.nodeid) == "integration":
-        if _prefect_wanted and _prefect is None:
-            _prefect = PrefectServer()  # overlaps the first integration tests, which do not need it
-    elif _beside_integration(item.config) and os.nice(0) < 19:  # this worker, and what its tests start
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except (AttributeError, OSError):  # not Linux, or not allowed here: nice alone
-            pass
-        os.nice(19 - os.nice(0))  # also lowers the I/O priority, which SCHED_IDLE leaves
+    if _group(item.nodeid) == "integration" and _prefect_wanted and _prefect is None:
+        _prefect = PrefectServer()  # overlaps the first integration tests, which do not need it
 
 
 def pytest_terminal_summary(terminalreporter):
