@@ -449,8 +449,8 @@ def _anon_mib() -> float:
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the process's memory from Linux's /proc")
 def test_a_cache_holds_memory_only_for_the_positions_written():
     """A large CPU cache buffer is mapped, not filled: reading it gives zeros and takes no memory, each
-    position written takes its own, and freeing the buffer returns it (a server's pool took its whole KV
-    budget at its first request)."""
+    position written takes its own, and freeing the buffer returns it (a server's pool took every slot's
+    positions at its first request)."""
     from knnssd.engine.cache import zeros
 
     before = _anon_mib()

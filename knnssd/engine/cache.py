@@ -44,7 +44,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     """A zeroed buffer. On the CPU, one of ``LAZY_BYTES`` or more is a private anonymous map, whose pages
     the kernel gives only as they are written (a page read first is the shared zero page): a cache
     reserved for thousands of positions then holds memory for the positions written, where
-    ``torch.zeros`` wrote, and so made resident, every byte: a server's pool took its whole KV budget
+    ``torch.zeros`` wrote, and so made resident, every byte: a server's pool took every slot's positions
     at its first request (docs/benchmarks.md). The map is unmapped with the last tensor that views it."""
     size = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or size < LAZY_BYTES:
