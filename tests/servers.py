@@ -68,12 +68,11 @@ class PrefectServer:
 class KnnssdServer:
     """`knnssd serve` in a process group of its own, on a free port, answering /health."""
 
-    def __init__(self, tracking_uri: str, tmp: Path, *args: str, model_uri: str = "models:/knnssd-smollm2@champion",
-                 env: dict | None = None):
+    def __init__(self, tracking_uri: str, tmp: Path, *args: str, model_uri: str = "models:/knnssd-smollm2@champion"):
         self.port = free_port()
         self.log_path = tmp / f"serve-{self.port}.log"
         self.log = open(self.log_path, "w")
-        env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, **(env or {})}
+        env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri}
         self.proc = subprocess.Popen([sys.executable, "-m", "knnssd.cli", "serve", "--model-uri", model_uri,
                                       "--port", str(self.port), *args], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)

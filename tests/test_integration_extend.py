@@ -144,7 +144,7 @@ def _serve_through_the_swap(uri: str, tmp_path: Path, sql: Path, worker: subproc
     """`knnssd serve` on the champion (version 1), streaming requests all through the running ``worker``'s
     add-domain and promote, until it serves version 2: each request's (is the SQL prompt, finish reason,
     ``knnssd`` figures)."""
-    server = KnnssdServer(uri, tmp_path, "--dtype", "float32", "--reload-s", "1", env={"OMP_WAIT_POLICY": "PASSIVE"})
+    server = KnnssdServer(uri, tmp_path, "--dtype", "float32", "--reload-s", "1")  # passive waits: conftest.py
     if server.info()["knnssd"]["bank_version"] != "1":
         server.stop()
         pytest.fail("the worker promoted version 2 before the server answered: the test's overlap is too tight here")
