@@ -92,18 +92,18 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 _misplaced: set[str] = set()  # tests whose integration mark and file name disagree
 
 
-def _group(nodeid: str) -> str:
-    """Which tests are integration tests: by file name, which an xdist controller also sees (it collects
-    no tests, so it cannot see their marks). `make test` (``-n 2 --dist loadfile``) gives each worker
-    whole files: a file's module fixtures (a registered bank, a server) are made in one worker only."""
-    return "integration" if Path(nodeid.split("::")[0]).name.startswith("test_integration_") else "units"
+def _integration_file(nodeid: str) -> bool:
+    """Whether a test is in an integration file (``test_integration_*.py``), where its mark must agree.
+    `make test` (``-n 2 --dist loadfile``) gives each worker whole files: a file's module fixtures (a
+    registered bank, a server) are made in one worker only."""
+    return Path(nodeid.split("::")[0]).name.startswith("test_integration_")
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection
 def pytest_collection_modifyitems(config, items):
     global _prefect, _prefect_wanted
     for item in items:  # failed when they run (an error raised here is lost in an xdist worker's crash report)
-        if (item.get_closest_marker("integration") is not None) != (_group(item.nodeid) == "integration"):
+        if (item.get_closest_marker("integration") is not None) != _integration_file(item.nodeid):
             _misplaced.add(item.nodeid)
     if _prefect is None and any("prefect_api" in item.fixturenames for item in items):
         if WORKER is None:
@@ -116,7 +116,7 @@ def pytest_runtest_setup(item):
     global _prefect
     if item.nodeid in _misplaced:
         pytest.fail(f"{item.nodeid}: integration tests, and only they, go in test_integration_*.py", pytrace=False)
-    if _group(item.nodeid) == "integration" and _prefect_wanted and _prefect is None:
+    if _integration_file(item.nodeid) and _prefect_wanted and _prefect is None:
         _prefect = PrefectServer()  # overlaps the first integration tests, which do not need it
 
 
