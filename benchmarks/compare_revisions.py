@@ -15,6 +15,7 @@ best tokens/s, and each output is compared with its own AR's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -46,6 +47,18 @@ def extract(rev: str, dest: Path) -> None:
         (pkg / Path(f).name).write_text(src)
 
 
+def old_config(drafters, cfg):
+    """``cfg`` as the old revision's ``DrafterConfig``: fields it does not have yet are left out, and must hold
+    their defaults, so that both revisions draft alike."""
+    known = {f.name for f in dataclasses.fields(drafters.DrafterConfig)}
+    default = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+               for f in dataclasses.fields(cfg)}
+    differ = sorted(k for k in default if k not in known and getattr(cfg, k) != default[k])
+    if differ:
+        raise SystemExit(f"the old revision's DrafterConfig has no {differ}: they would be dropped")
+    return drafters.DrafterConfig(**{k: v for k, v in cfg.to_dict().items() if k in known})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", required=True)
@@ -53,7 +66,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2, help="eval prompts per domain")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batched", type=int, default=0, metavar="N", help="also decode all prompts N at a time (0: no)")
+    ap.add_argument("--reps", type=int, default=2, help="batched runs of each engine, alternating; the best counts")
     a = ap.parse_args()
+    if a.reps < 1:
+        ap.error(f"--reps must be at least 1, got {a.reps}")
     from knnssd import models
     from knnssd import prompts as prompt_sets
     from knnssd.bench import engine as bench_engine
@@ -82,7 +98,7 @@ def main() -> None:
                         d, ids, build(configs[m], d.n_layers) if m != "ar" else None, cfg)))()
                 else:
                     runs[(eng, m)] = (lambda d=dec, m=m, dm=dmod, drm=drmod: (lambda ids, cfg: dm.generate(
-                        d, ids, drm.build(drm.DrafterConfig(**configs[m].to_dict()), d.n_layers) if m != "ar" else None,
+                        d, ids, drm.build(old_config(drm, configs[m]), d.n_layers) if m != "ar" else None,
                         dm.GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_ids=cfg.eos_ids))))()
         rows = prompt_sets.load_domains(prompt_sets.default_data_dir(), prompt_sets.DOMAINS, "eval", a.prompts)
         cfg = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_ids=models.eos_ids(lm))
@@ -130,7 +146,8 @@ def _old_module(tmp, name: str, before: str):
 
 
 def batched_runs(engines: dict, configs: dict, rows, lm, a) -> dict:
-    """{engine: {"ar" | "ngram": (best tokens/s of two runs, outputs in prompt order)}}, the engines alternating."""
+    """{engine: {"ar" | "ngram": (best tokens/s of ``a.reps`` runs, outputs in prompt order)}}, the engines
+    alternating."""
     import time
 
     import knnssd_rev.batched as old_batched
@@ -146,9 +163,11 @@ def batched_runs(engines: dict, configs: dict, rows, lm, a) -> dict:
     ids = [lm.tokenizer(r.prompt).input_ids for r in rows]
     positions = max(map(len, ids)) + a.max_new_tokens
     plans = {eng: planners[eng].plan(engines[eng][0], a.batched, positions) for eng in engines}
+    for eng, p in plans.items():
+        print(f"plan {eng}: {p}", file=sys.stderr, flush=True)
     out: dict = {eng: {} for eng in engines}
-    for rep in range(2):
-        for eng in ("old", "new") if rep == 0 else ("new", "old"):
+    for rep in range(a.reps):
+        for eng in ("old", "new") if rep % 2 == 0 else ("new", "old"):
             dec, dmod, drmod = engines[eng]
             for m in ("ar", "ngram"):
                 if dmod is None:
@@ -156,7 +175,7 @@ def batched_runs(engines: dict, configs: dict, rows, lm, a) -> dict:
                     drafter = (lambda: build(configs[m], dec.n_layers)) if m != "ar" else (lambda: None)
                 else:
                     cfg = dmod.GenerationConfig(max_new_tokens=a.max_new_tokens, eos_ids=models.eos_ids(lm))
-                    drafter = ((lambda: drmod.build(drmod.DrafterConfig(**configs[m].to_dict()), dec.n_layers))
+                    drafter = ((lambda: drmod.build(old_config(drmod, configs[m]), dec.n_layers))
                                if m != "ar" else (lambda: None))
                 jobs = [mods[eng].PromptJob(x, drafter(), cfg) for x in ids]
                 t0 = time.perf_counter()
