@@ -13,6 +13,7 @@ loading at once never see (or leave) a half-written cache.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -315,13 +316,81 @@ def _locked(path: Path):
 
 
 def _converted_dir(gguf: Path, label: str) -> Path:
-    st = gguf.stat()
-    try:
-        version = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        version = "?"
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}|{version}".encode()).hexdigest()[:12]
+    """Where ``convert_gguf`` puts ``gguf``: keyed by the file's contents and transformers' version, not its
+    path, so that every install of one model package (each venv, each clone) shares one conversion; a
+    path's key left a full copy of the weights behind per install."""
+    key = hashlib.sha256(f"{_digest(gguf)}|{_transformers_version()}".encode()).hexdigest()[:12]
     return cache_dir() / "models" / f"{label}-{key}"
+
+
+def _transformers_version() -> str:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def _digest(path: Path) -> str:
+    """The file's sha256, read once a process for the file as it stands: a load reads the whole GGUF for it,
+    which costs a small part of what loading the model does (docs/benchmarks.md)."""
+    st = path.stat()
+    return _file_digest(str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _file_digest(path: str, *stat: int) -> str:  # device, inode, size and times: a file rewritten is read again
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _prune(root: Path) -> None:
+    """Remove what no load reaches: a conversion keyed by its GGUF's path (knnssd before content keys) whose
+    GGUF is gone or was written after it, as an uninstalled or reinstalled venv or a deleted clone leaves it,
+    and the temp folder of a killed conversion. A folder whose lock another process holds is left. Lock
+    files stay: a process may be waiting on one, and a new file in its place would let two convert at once."""
+    for folder in (p for p in root.iterdir() if p.is_dir()):
+        if folder.name.startswith("."):  # ".<target>.<random>": a conversion's (or a removal's) temp folder
+            target = root / folder.name[1:].rsplit(".", 1)[0]
+        elif _path_keyed_and_unreached(folder):
+            target = folder
+        else:
+            continue
+        try:
+            fd = os.open(Path(str(target) + ".lock"), os.O_RDWR)
+        except FileNotFoundError:  # a conversion takes its lock before it makes its temp folder
+            fd = None
+        try:
+            if fd is None or locks.try_lock(fd):
+                if folder == target:  # renamed first, so that what a failed removal leaves is a temp folder
+                    folder = folder.rename(root / f".{folder.name}.{os.urandom(4).hex()}")
+                shutil.rmtree(folder, ignore_errors=True)
+                if not folder.exists():
+                    log.info("removed %s from the model cache: no load reaches it", target.name)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def _path_keyed_and_unreached(folder: Path) -> bool:
+    """Is ``folder`` a conversion keyed by its GGUF's path (its record names no sha256) whose GGUF is gone, or
+    was written after the conversion (a reinstall: the old key held the file's time, so no load reaches it)?"""
+    marker = folder / CACHE_MARKER
+    try:
+        record = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict) or "sha256" in record or not isinstance(record.get("gguf"), str):
+        return False
+    gguf = Path(record["gguf"])
+    if not gguf.is_absolute():  # recorded as given: it may name a file from another folder
+        return False
+    try:
+        return gguf.stat().st_mtime > marker.stat().st_mtime
+    except FileNotFoundError:
+        return True
 
 
 def convert_gguf(gguf: Path, label: str) -> Path:
@@ -349,11 +418,17 @@ def convert_gguf(gguf: Path, label: str) -> Path:
                 del model.config.quantization_config
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
-            (tmp / CACHE_MARKER).write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size}))
+            (tmp / CACHE_MARKER).write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size,
+                                                        "sha256": _digest(gguf),
+                                                        "transformers": _transformers_version()}))
             os.rename(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    try:  # a conversion is when the cache grows: let go of what no load reaches
+        _prune(target.parent)
+    except OSError as e:  # tidying never fails the load
+        log.warning("could not tidy the model cache %s: %s", target.parent, e)
     return target
 
 
