@@ -409,7 +409,12 @@ def _logits(s: Stack, hidden: torch.Tensor) -> torch.Tensor:
 def packs_trees(slot: object, pool: object) -> bool:
     """Whether ``forward_slots`` over slots like ``slot`` and their ``pool`` verifies token trees (``trees``):
     the native layers over a ``SlotPool``."""
-    return isinstance(pool, SlotPool) and isinstance(slot, Decoder) and slot._tree_layers() is not None
+    return _pool_tree_layers(slot, pool) is not None
+
+
+def _pool_tree_layers(slot: object, pool: object) -> native.Layers | None:
+    """The native layers that verify token trees in a packed pass over ``pool`` (``packs_trees``), else None."""
+    return slot._tree_layers() if isinstance(pool, SlotPool) and isinstance(slot, Decoder) else None
 
 
 def tree_rows(calls: list[tuple[int, int]], trees: list[tuple[int, ...] | None]
@@ -522,7 +527,7 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
 def _forward_trees(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], trees: list[tuple[int, ...] | None],
                    pool: SlotPool | None, h: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     s = slots[0].stack
-    layers = slots[0]._tree_layers() if isinstance(pool, SlotPool) else None  # as ``packs_trees`` finds them
+    layers = _pool_tree_layers(slots[0], pool)
     if layers is None or any(getattr(slot.cache, "pool", None) is not pool for slot in slots):
         raise ValueError("a packed pass verifies token trees only with the native layers over one slot pool")
     for slot, (ids, start), parents in zip(slots, calls, trees):
