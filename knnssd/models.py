@@ -339,11 +339,7 @@ def _digest(path: Path) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _file_digest(path: str, *stat: int) -> str:  # device, inode, size and times: a file rewritten is read again
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 23):
-            h.update(chunk)
-    return h.hexdigest()
+    return exactness.source_digest([Path(path)])
 
 
 def _prune(root: Path) -> None:
