@@ -348,7 +348,7 @@ def _prune(root: Path) -> None:
     and the temp folder of a killed conversion. A folder whose lock another process holds is left. Lock
     files stay: a process may be waiting on one, and a new file in its place would let two convert at once."""
     for folder in (p for p in root.iterdir() if p.is_dir()):
-        if folder.name.startswith("."):  # ".<target>.<random>": a conversion's (or a removal's) temp folder
+        if folder.name.startswith("."):  # a conversion's or a removal's temp folder (``_temp_for``)
             target = root / folder.name[1:].rsplit(".", 1)[0]
         elif _path_keyed_and_unreached(folder):
             target = folder
@@ -361,13 +361,19 @@ def _prune(root: Path) -> None:
         try:
             if fd is None or locks.try_lock(fd):
                 if folder == target:  # renamed first, so that what a failed removal leaves is a temp folder
-                    folder = folder.rename(root / f".{folder.name}.{os.urandom(4).hex()}")
+                    folder = folder.rename(_temp_for(folder))  # onto the empty folder it makes
                 shutil.rmtree(folder, ignore_errors=True)
                 if not folder.exists():
                     log.info("removed %s from the model cache: no load reaches it", target.name)
         finally:
             if fd is not None:
                 os.close(fd)
+
+
+def _temp_for(target: Path) -> Path:
+    """A new empty folder ".<target>.<random>" beside ``target``: hidden from the cache's keys, and named for
+    the target whose lock guards it (``_prune``)."""
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
 
 
 def _path_keyed_and_unreached(folder: Path) -> bool:
@@ -402,7 +408,7 @@ def convert_gguf(gguf: Path, label: str) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         log.info("converting %s once into %s", gguf.name, target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        tmp = _temp_for(target)
         try:
             with shims.gguf_parsed_once():
                 tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
