@@ -7,14 +7,15 @@
     tracking_uri()  $MLFLOW_TRACKING_URI, else sqlite:///<work_dir>/mlflow.db (``default_tracking_uri``)
 
 ``check_work_dir`` says in one line why the work folder cannot be used. ``graphs`` reads
-``$KNNSSD_GRAPHS``: whether generation runs on the static step (CUDA graphs).
+``$KNNSSD_GRAPHS``: whether generation runs on the static step (CUDA graphs); ``isa``, ``$KNNSSD_ISA``: the
+instruction-set level the native kernels are built for.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-# What --dtype and $KNNSSD_DTYPE take: auto (bf16 where the CPU or GPU runs it fast, else fp32), bf16, fp32,
+# What --dtype and $KNNSSD_DTYPE take: auto (bf16 on CUDA and where the native bf16 step runs, else fp32), bf16, fp32,
 # or weights in blocks (``BLOCKS``), each a precision of its own with bf16 activations (``engine.quantized``)
 BLOCKS = ("gguf", "q4_1", "q8_0")  # a GGUF model's own blocks; any model's weights quantized at load
 DTYPES = ("auto", "bfloat16", "float32", *BLOCKS)
@@ -31,6 +32,13 @@ def graphs(device, value: str | None = None) -> bool:
     if value not in GRAPHS:
         raise ValueError(f"KNNSSD_GRAPHS={value!r} is not one of {', '.join(GRAPHS)}")
     return value == "on" or value == "auto" and device.type == "cuda"
+
+
+def isa() -> str | None:
+    """``$KNNSSD_ISA``: the instruction-set level the native kernels are built for (a ``-march`` value such as
+    ``x86-64-v3``), to run a lesser level's kernels on a machine that has more; None (unset or empty): the
+    machine's own (``-march=native``)."""
+    return os.environ.get("KNNSSD_ISA") or None
 
 
 def work_dir() -> Path:

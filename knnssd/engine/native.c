@@ -123,6 +123,9 @@ typedef uint16_t bf16_t; /* the element types, by the kernels' suffixes */
 typedef float f32_t;
 typedef ATTENTION_ARGS(bf16_t) args_bf16;
 typedef ATTENTION_ARGS(f32_t) args_f32;
+#define TREE_KEYS 16    /* a token tree's mapped keys a row, at most (``key_map_fits``) */
+#define TREE_GATHER 32  /* keys an item copies for a tree's row: up to 15 before the first mapped one (the step
+                           form's block), and up to TREE_KEYS mapped */
 
 /* Attention of one work item, query row r and KV head g, alone: the row at position pos[r] of cache
    slot slots[r] reads keys lo..pos[r] of that slot (lo = pos[r] - window + 1 for a sliding window,
@@ -190,15 +193,21 @@ ATTENTION(attention_any_f32, f32, SAME, SAME)
    fused multiply-adds, each summed across lanes in a fixed order; the softmax W scores at a time (the
    last n % W one by one); p_j v_j by fused multiply-adds into G D / W vectors, over the keys in order.
    A fixed sequence of operations per row, so as row-invariant as the portable form, which it does not
-   match bit for bit. ``scratch``: G L + 16 floats.
+   match bit for bit. ``scratch``: G L + 16 floats, and 2 TREE_GATHER D more for a token tree's row
+   (``kmap``), whose path's keys and values past its chain's are gathered there in order, the sums then
+   running over them as over the cache: the row's bits are its chain row's.
 
    Each score and each output vector is one chain of fused multiply-adds, and a chain waits for the one
    before it (4-5 cycles): the loops run QK_KEYS keys' chains side by side for one query head, and
    P @ V up to PV_CHUNKS output vectors' chains of one head side by side over the keys, so that the
    chains keep the FMA units busy and stay in registers. Which chains run together changes no
    operation of any chain: the bits are those of one key, one head, one vector at a time. */
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || defined(__aarch64__)
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#else
 #include <immintrin.h>
+#endif
 #if defined(__AVX512F__)
 #define W 16
 typedef __m512 vf;
@@ -215,6 +224,54 @@ static inline vf vexp2n(vf n) { /* 2^n for integral n in [-126, 127] */
 static inline vf vzero_below(vf y, vf x, float lo) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(lo), _CMP_GE_OQ), y);
 }
+static inline vf vselect_neg(vf x, vf neg, vf other) { /* x < 0 ? neg : other, lane by lane */
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), other, neg);
+}
+static inline vf vround_bf16(vf f) { /* f32_to_bf16, kept as fp32: nearest even, NaN -> 0x7FC0 */
+    __m512i u = _mm512_castps_si512(f);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+    return _mm512_castsi512_ps(r);
+}
+static inline void vstore_bf16(uint16_t *p, vf rounded) { /* the top halves of vround_bf16's values */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
+static inline vf vload_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#elif defined(__aarch64__)
+#define W 4
+typedef float32x4_t vf;
+static inline vf vload_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+static inline float vsum(vf a) { return vaddvq_f32(a); }
+static inline float vmaxall(vf a) { return vmaxvq_f32(a); }
+static inline vf vfloor(vf x) { return vrndmq_f32(x); }
+static inline vf vexp2n(vf n) {
+    return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23));
+}
+static inline vf vzero_below(vf y, vf x, float lo) {
+    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(y), vcgeq_f32(x, vdupq_n_f32(lo))));
+}
+static inline vf vselect_neg(vf x, vf neg, vf other) { return vbslq_f32(vcltq_f32(x, vdupq_n_f32(0.0f)), neg, other); }
+static inline vf vround_bf16(vf f) {
+    uint32x4_t u = vreinterpretq_u32_f32(f);
+    uint32x4_t r = vaddq_u32(u, vaddq_u32(vdupq_n_u32(0x7FFF), vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1))));
+    r = vandq_u32(r, vdupq_n_u32(0xFFFF0000u));
+    r = vbslq_u32(vceqq_f32(f, f), r, vdupq_n_u32(0x7FC00000)); /* f != f: NaN */
+    return vreinterpretq_f32_u32(r);
+}
+static inline void vstore_bf16(uint16_t *p, vf rounded) { vst1_u16(p, vshrn_n_u32(vreinterpretq_u32_f32(rounded), 16)); }
+static inline vf vload_f16(const uint16_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+static inline vf vload_f32(const float *p) { return vld1q_f32(p); }
+static inline void vstore(float *p, vf a) { vst1q_f32(p, a); }
+static inline vf vset1(float a) { return vdupq_n_f32(a); }
+static inline vf vzero(void) { return vdupq_n_f32(0.0f); }
+static inline vf vadd(vf a, vf b) { return vaddq_f32(a, b); }
+static inline vf vsub(vf a, vf b) { return vsubq_f32(a, b); }
+static inline vf vmul(vf a, vf b) { return vmulq_f32(a, b); }
+static inline vf vmax(vf a, vf b) { return vmaxq_f32(a, b); }
+static inline vf vdiv(vf a, vf b) { return vdivq_f32(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); } /* a b + c, one rounding */
 #else
 #define W 8
 typedef __m256 vf;
@@ -237,8 +294,25 @@ static inline vf vexp2n(vf n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 static inline vf vzero_below(vf y, vf x, float lo) { return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(lo), _CMP_GE_OQ)); }
+static inline vf vselect_neg(vf x, vf neg, vf other) {
+    return _mm256_blendv_ps(other, neg, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+}
+static inline vf vround_bf16(vf f) {
+    __m256i u = _mm256_castps_si256(f);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    return _mm256_castsi256_ps(r);
+}
+static inline void vstore_bf16(uint16_t *p, vf rounded) {
+    __m256i r = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+static inline vf vload_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
-/* the operations both widths name alike (_mm512_add_ps, _mm256_add_ps, ...) */
+#if !defined(__aarch64__)
+/* the operations both x86 widths name alike (_mm512_add_ps, _mm256_add_ps, ...) */
 #define vload_f32 VOP(loadu_ps)
 #define vstore VOP(storeu_ps)
 #define vset1 VOP(set1_ps)
@@ -247,7 +321,9 @@ static inline vf vzero_below(vf y, vf x, float lo) { return _mm256_and_ps(y, _mm
 #define vsub VOP(sub_ps)
 #define vmul VOP(mul_ps)
 #define vmax VOP(max_ps)
+#define vdiv VOP(div_ps)
 #define vfma VOP(fmadd_ps)
+#endif
 
 static inline vf vexp(vf x) { /* softmax_exp on W lanes */
     vf c = vmax(x, vset1(-87.0f));
@@ -282,13 +358,18 @@ static inline vf vexp(vf x) { /* softmax_exp on W lanes */
             for (int i = 0; i < keys; i++) acc[i] = vfma(qh[c], LOADV(k + i * D + W * c), acc[i]); \
         for (int i = 0; i < keys; i++) p[i] = vsum(acc[i]) * scale;                                \
     }                                                                                              \
-    static inline __attribute__((always_inline)) void pv_##T(const float *ph, const T##_t *v, int64_t D, \
-                                                             int64_t n, int chunks, float *o, T##_t *dst) { \
+    static inline __attribute__((always_inline)) void pv_##T(const float *ph, const T##_t *v, const T##_t *v2, \
+                                                             int64_t split, int64_t D, int64_t n, int chunks, \
+                                                             float *o, T##_t *dst) { \
         vf acc[PV_CHUNKS];                                                                         \
         for (int i = 0; i < chunks; i++) acc[i] = vzero();                                         \
-        for (int64_t j = 0; j < n; j++) {                                                          \
+        for (int64_t j = 0; j < split; j++) {                                                      \
             vf pj = vset1(ph[j]);                                                                  \
             for (int i = 0; i < chunks; i++) acc[i] = vfma(pj, LOADV(v + j * D + W * i), acc[i]);  \
+        }                                                                                          \
+        for (int64_t j = split; j < n; j++) { /* a token tree's gathered values (``split`` < n) */ \
+            vf pj = vset1(ph[j]);                                                                  \
+            for (int i = 0; i < chunks; i++) acc[i] = vfma(pj, LOADV(v2 + (j - split) * D + W * i), acc[i]); \
         }                                                                                          \
         for (int i = 0; i < chunks; i++) {                                                         \
             vstore(o, acc[i]);                                                                     \
@@ -301,16 +382,30 @@ static inline vf vexp(vf x) { /* softmax_exp on W lanes */
         float *p = scratch, *o = scratch + G * L;                                                  \
         int64_t end = a->pos[r] + 1, lo = a->window > 0 && end > a->window ? end - a->window : 0;  \
         int64_t n = end - lo, body = n / W * W;                                                    \
-        const T##_t *kg = a->k + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;       \
-        const T##_t *vg = a->v + a->slots[r] * a->slot_stride + g * a->head_stride + lo * D;       \
+        const T##_t *kb = a->k + a->slots[r] * a->slot_stride + g * a->head_stride;                \
+        const T##_t *vb = a->v + a->slots[r] * a->slot_stride + g * a->head_stride;                \
+        const T##_t *kg = kb + lo * D, *vg = vb + lo * D, *kg2 = kg, *vg2 = vg;                    \
+        int64_t split = n; /* keys 0..split-1 read where they are, the rest from kg2, vg2 */        \
+        if (a->kmap && a->kstart[r] < end) { /* a token tree's row: its path's keys, gathered */   \
+            int64_t ks = a->kstart[r];                                                             \
+            T##_t *kt = (T##_t *)(o + 16), *vt = kt + TREE_GATHER * D;                             \
+            split = ks > lo ? ks - lo : 0;                                                         \
+            for (int64_t j = split; j < n; j++) {                                                  \
+                int64_t at = a->kmap[r * a->kmap_w + lo + j - ks];                                 \
+                memcpy(kt + (j - split) * D, kb + at * D, D * sizeof *kt);                         \
+                memcpy(vt + (j - split) * D, vb + at * D, D * sizeof *vt);                         \
+            }                                                                                      \
+            kg2 = kt, vg2 = vt;                                                                    \
+        }                                                                                          \
         const T##_t *qg = a->q + r * a->q_stride + g * G * D;                                      \
         vf qv[MAXG * MAXC];                                                                        \
         for (int64_t i = 0; i < G * nc; i++) qv[i] = LOADV(qg + W * i);                            \
-        for (int64_t h = 0; h < G; h++) {                                                          \
+        for (int64_t h = 0; h < G; h++) { /* each key's score alone: how keys are grouped changes no bit */ \
             int64_t j = 0;                                                                         \
-            for (; j + QK_KEYS <= n; j += QK_KEYS)                                                 \
+            for (; j + QK_KEYS <= split; j += QK_KEYS)                                             \
                 qk_##T(qv + h * nc, kg + j * D, D, nc, QK_KEYS, a->scale, p + h * L + j);          \
-            for (; j < n; j++) qk_##T(qv + h * nc, kg + j * D, D, nc, 1, a->scale, p + h * L + j); \
+            for (; j < split; j++) qk_##T(qv + h * nc, kg + j * D, D, nc, 1, a->scale, p + h * L + j); \
+            for (; j < n; j++) qk_##T(qv + h * nc, kg2 + (j - split) * D, D, nc, 1, a->scale, p + h * L + j); \
         }                                                                                          \
         for (int64_t h = 0; h < G; h++) {                                                          \
             float *ph = p + h * L, m = -INFINITY, tail = 0.0f;                                     \
@@ -335,9 +430,10 @@ static inline vf vexp(vf x) { /* softmax_exp on W lanes */
         for (int64_t h = 0; h < G; h++) {                                                          \
             int64_t c = 0;                                                                         \
             for (; c + PV_CHUNKS <= nc; c += PV_CHUNKS)                                            \
-                pv_##T(p + h * L, vg + W * c, D, n, PV_CHUNKS, o, dst + h * D + W * c);            \
-            for (; c + 4 <= nc; c += 4) pv_##T(p + h * L, vg + W * c, D, n, 4, o, dst + h * D + W * c); \
-            for (; c < nc; c++) pv_##T(p + h * L, vg + W * c, D, n, 1, o, dst + h * D + W * c);    \
+                pv_##T(p + h * L, vg + W * c, vg2 + W * c, split, D, n, PV_CHUNKS, o, dst + h * D + W * c); \
+            for (; c + 4 <= nc; c += 4)                                                            \
+                pv_##T(p + h * L, vg + W * c, vg2 + W * c, split, D, n, 4, o, dst + h * D + W * c); \
+            for (; c < nc; c++) pv_##T(p + h * L, vg + W * c, vg2 + W * c, split, D, n, 1, o, dst + h * D + W * c); \
         }                                                                                          \
     }
 
@@ -387,8 +483,8 @@ ATTENTION_SIMD(attention_simd_f32, f32, vload_f32, SAME)
 
 /* A token tree's key map (``layers_bf16``): row r reads the key of position p >= kstart[r] at cache place
    kmap[r kmap_w + p - kstart[r]] of its slot, and the keys below kstart[r] where they are; kstart[r] > pos[r]
-   maps nothing. At most TREE_KEYS mapped keys a row, each place inside the slot. */
-#define TREE_KEYS 16
+   maps nothing. At most TREE_KEYS mapped keys a row, each place inside the slot (TREE_KEYS and
+   TREE_GATHER are defined above the attention items, which read them). */
 static int key_map_fits(const int64_t *kstart, const int64_t *kmap, int64_t kmap_w, const int64_t *pos, int64_t rows,
                         int64_t L) {
     if (kmap_w < 1 || kmap_w > TREE_KEYS) return 0;
@@ -413,6 +509,27 @@ static int key_map_fits(const int64_t *kstart, const int64_t *kmap, int64_t kmap
 #define THREAD 0
 #endif
 
+/* Runs CALL on each of up to ``threads`` OpenMP threads (``threads``: a variable, clamped to 1..blocks) with its
+   share b0..b1 of ``blocks`` column blocks, contiguous and in order: a column's sum is one thread's alone. */
+#if defined(_OPENMP)
+#define SHARE_COLUMNS(threads, blocks, CALL)                                                       \
+    do {                                                                                           \
+        if (threads > blocks) threads = blocks;                                                    \
+        if (threads < 1) threads = 1;                                                              \
+        _Pragma("omp parallel num_threads(threads)") {                                             \
+            int64_t t_ = omp_get_thread_num(), T_ = omp_get_num_threads();                         \
+            int64_t b0 = blocks * t_ / T_, b1 = blocks * (t_ + 1) / T_;                            \
+            CALL;                                                                                  \
+        }                                                                                          \
+    } while (0)
+#else
+#define SHARE_COLUMNS(threads, blocks, CALL)                                                       \
+    do {                                                                                           \
+        int64_t b0 = 0, b1 = blocks;                                                               \
+        CALL;                                                                                      \
+    } while (0)
+#endif
+
 /* y = x W^T (+ b) for bf16 rows x (M, K), each K values contiguous and rows x_stride apart, into out
    (M, N), with W (N, K) prepacked (``native.Linear``) as N / 16 blocks of 16 output columns, each
    block K / 2 pairs of 16 columns x 2 inputs: one AVX-512 vector per pair of inputs, which vdpbf16ps
@@ -431,6 +548,7 @@ static int key_map_fits(const int64_t *kstart, const int64_t *kmap, int64_t kmap
    where a one-row draft step is bound by memory. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+#define HAVE_LINEAR 1
 #define LIN_MR 6
 #define LIN_NR 4
 static inline __attribute__((always_inline)) __m512bh linear_weights(const void *wp, int64_t at, int int8) {
@@ -517,26 +635,6 @@ static void linear_columns(const uint16_t *x, int64_t xs, const void *wp, int64_
     }
 }
 
-/* Runs CALL on each of up to ``threads`` OpenMP threads (``threads``: a variable, clamped to 1..blocks) with its
-   share b0..b1 of ``blocks`` column blocks, contiguous and in order: a column's sum is one thread's alone. */
-#if defined(_OPENMP)
-#define SHARE_COLUMNS(threads, blocks, CALL)                                                       \
-    do {                                                                                           \
-        if (threads > blocks) threads = blocks;                                                    \
-        if (threads < 1) threads = 1;                                                              \
-        _Pragma("omp parallel num_threads(threads)") {                                             \
-            int64_t t_ = omp_get_thread_num(), T_ = omp_get_num_threads();                         \
-            int64_t b0 = blocks * t_ / T_, b1 = blocks * (t_ + 1) / T_;                            \
-            CALL;                                                                                  \
-        }                                                                                          \
-    } while (0)
-#else
-#define SHARE_COLUMNS(threads, blocks, CALL)                                                       \
-    do {                                                                                           \
-        int64_t b0 = 0, b1 = blocks;                                                               \
-        CALL;                                                                                      \
-    } while (0)
-#endif
 
 /* The same product over 4-bit weights in blocks of 32 inputs (GGUF's Q4_1, and Q4_0 as Q4_1 with m = -8 d):
    w = d q + m per block and column, q in 0..15, d and m fp16. Each column's sum is taken block by block,
@@ -851,7 +949,6 @@ static void causal_item(const uint16_t *q, int64_t q_stride, const uint16_t *kp,
 #define STEP_HG 4
 #define STEP_NB 4
 #define STEP_AHEAD 64 /* keys */
-#define TREE_GATHER 32 /* keys: up to 15 before the first mapped one, and up to TREE_KEYS mapped */
 static int64_t step_scratch(int64_t G, int64_t D, int64_t L) { /* scores (fp32), probabilities (bf16), a copy */
     return G * (L + 16) + (G * (L + 16) + 1) / 2 + TREE_GATHER * D;
 }
@@ -993,6 +1090,510 @@ int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, cons
     free(packed);
     return 0;
 }
+#elif defined(HAVE_SIMD)
+/* The same products where the CPU has no bf16 dot product (AVX2 with FMA, AVX-512F without avx512_bf16,
+   ARM64's NEON): the weights in the same packed layouts, widened in registers to fp32 (a bf16 is the top
+   half of an fp32, an int8 or a nibble is an fp32 exactly), each output summed by fused multiply-adds,
+   input by input from the first (a pair's even input, then its odd one), in one fp32 lane; the rows'
+   inputs widened to fp32 once per call. A product of two bf16 values is exact in fp32, so each step
+   rounds only the sum. Every output's sequence of operations is the same whatever the tile it falls in,
+   the call's rows or the thread, so a row's outputs do not depend on the call: row-invariant by
+   construction, as the avx512_bf16 tiles are (whose bits these are not: their products pair inputs
+   inside ``vdpbf16ps``). The 4-bit and 8-bit blocks: each block's sum of q x alone, from 0, then
+   acc = part d + acc and, for 4-bit, acc = xsum m + acc, the avx512_bf16 kernel's block order.
+
+   Tiles of up to WIDE_MR rows x nb column blocks of 16 (WIDE_CV vectors each) keep their sums in
+   registers: nb as wide as the registers allow for the call's rows (``wide_shape``), so a one-row step
+   runs enough independent chains to hide the multiply-add's latency, and a prefill's tiles reuse each
+   widened weight over their rows. The column blocks are shared out among the threads as above. */
+#define HAVE_LINEAR 1
+#define WIDE_CV (16 / W) /* vectors per block of 16 columns */
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define WIDE_MR 4
+#define WIDE_ACC 16 /* sums kept in registers (32 vector registers) */
+#else
+#define WIDE_MR 4
+#define WIDE_ACC 8 /* (16 vector registers) */
+#endif
+#define ALWAYS static inline __attribute__((always_inline))
+
+/* A pair of inputs of W columns, widened: ``e`` the even input's weights, ``o`` the odd one's. The packed
+   pair (``native.Linear._pack``) holds column j's two inputs at 2 j, 2 j + 1: bf16 (p: the W columns'
+   2 W values), int8 (the same, a byte each), and 4-bit (p: a block pair's 16 bytes for 16 columns, byte j
+   holding column j / 2's inputs in its low nibble and column 8 + j / 2's in its high one; ``c``: which
+   W of the 16 columns). */
+#if defined(__AVX512F__)
+ALWAYS void widen_bf16(const uint16_t *p, vf *e, vf *o) {
+    __m512i v = _mm512_loadu_si512(p);
+    *e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *o = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+ALWAYS void widen_i8(const int8_t *p, vf *e, vf *o) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    *e = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
+    *o = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24));
+}
+ALWAYS void widen_q4(const uint8_t *p, int c, vf *e, vf *o) {
+    __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512i v = _mm512_srlv_epi32(_mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1), /* columns 8..15: high */
+                                  _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0));
+    __m512i f = _mm512_set1_epi32(15);
+    (void)c;
+    *e = _mm512_cvtepi32_ps(_mm512_and_si512(v, f));
+    *o = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8), f));
+}
+#elif defined(__aarch64__)
+ALWAYS void widen_bf16(const uint16_t *p, vf *e, vf *o) {
+    uint32x4_t v = vreinterpretq_u32_u16(vld1q_u16(p));
+    *e = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
+    *o = vreinterpretq_f32_u32(vandq_u32(v, vdupq_n_u32(0xFFFF0000u)));
+}
+ALWAYS void widen_i8(const int8_t *p, vf *e, vf *o) {
+    int16x8_t w = vmovl_s8(vld1_s8(p));
+    *e = vcvtq_f32_s32(vmovl_s16(vget_low_s16(vuzp1q_s16(w, w))));
+    *o = vcvtq_f32_s32(vmovl_s16(vget_low_s16(vuzp2q_s16(w, w))));
+}
+ALWAYS void widen_q4(const uint8_t *p, int c, vf *e, vf *o) {
+    uint8x8_t b = vld1_u8(p + 8 * (c & 1));
+    b = c >= 2 ? vshr_n_u8(b, 4) : vand_u8(b, vdup_n_u8(15));
+    uint16x8_t w = vmovl_u8(b);
+    *e = vcvtq_f32_u32(vmovl_u16(vget_low_u16(vuzp1q_u16(w, w))));
+    *o = vcvtq_f32_u32(vmovl_u16(vget_low_u16(vuzp2q_u16(w, w))));
+}
+#else
+ALWAYS void widen_bf16(const uint16_t *p, vf *e, vf *o) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *o = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+ALWAYS void widen_i8(const int8_t *p, vf *e, vf *o) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    *e = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
+    *o = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));
+}
+ALWAYS void widen_q4(const uint8_t *p, int c, vf *e, vf *o) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), f = _mm256_set1_epi32(15);
+    if (c) v = _mm256_srli_epi32(v, 4);
+    *e = _mm256_cvtepi32_ps(_mm256_and_si256(v, f));
+    *o = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), f));
+}
+#endif
+
+/* The pair's W column weights: kind 0 bf16, 1 int8 (``p``: the pair's 32 values for 16 columns). */
+ALWAYS void widen_pair(const void *p, int kind, int c, vf *e, vf *o) {
+    if (kind == 0) widen_bf16((const uint16_t *)p + 2 * W * c, e, o);
+    else widen_i8((const int8_t *)p + 2 * W * c, e, o);
+}
+
+ALWAYS vf wide_out(vf s, const float *scale, const float *bias, int at) {
+    if (scale) s = vmul(s, vload_f32(scale + at));
+    return bias ? vadd(s, vload_f32(bias + at)) : s;
+}
+
+/* One tile of the bf16 or int8 product: mr rows (fp32, xs apart) x nb blocks of 16 columns (``stride`` pairs
+   apart in wp), over ``pairs`` pairs of inputs. */
+ALWAYS void wide_tile(const float *x, int64_t xs, const void *wp, int64_t pairs, int64_t stride, const float *scale,
+                      const float *bias, uint16_t *out, int64_t os, int mr, int nb, int kind) {
+    vf acc[WIDE_MR][4 * WIDE_CV];
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < nb * WIDE_CV; j++) acc[m][j] = vzero();
+    int64_t bytes = kind == 0 ? 2 : 1;
+    for (int64_t p = 0; p < pairs; p++) {
+        vf e[4 * WIDE_CV], o[4 * WIDE_CV];
+        if (mr <= 2) { /* each vector's weights widened as they are used: the rows' inputs stay in registers */
+            for (int j = 0; j < nb * WIDE_CV; j++) {
+                widen_pair((const char *)wp + ((j / WIDE_CV) * stride + p) * 32 * bytes, kind, j % WIDE_CV, e, o);
+                for (int m = 0; m < mr; m++) {
+                    acc[m][j] = vfma(vset1(x[m * xs + 2 * p]), e[0], acc[m][j]);
+                    acc[m][j] = vfma(vset1(x[m * xs + 2 * p + 1]), o[0], acc[m][j]);
+                }
+            }
+            continue;
+        }
+        /* more rows: the weights widened first, each row's two inputs then used at once (held across the
+           columns, they would take the registers the sums need) */
+        for (int j = 0; j < nb * WIDE_CV; j++)
+            widen_pair((const char *)wp + ((j / WIDE_CV) * stride + p) * 32 * bytes, kind, j % WIDE_CV, e + j, o + j);
+        for (int m = 0; m < mr; m++) {
+            vf xe = vset1(x[m * xs + 2 * p]), xo = vset1(x[m * xs + 2 * p + 1]);
+            for (int j = 0; j < nb * WIDE_CV; j++) acc[m][j] = vfma(xe, e[j], acc[m][j]);
+            for (int j = 0; j < nb * WIDE_CV; j++) acc[m][j] = vfma(xo, o[j], acc[m][j]);
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < nb * WIDE_CV; j++)
+            vstore_bf16(out + m * os + W * j, vround_bf16(wide_out(acc[m][j], scale, bias, W * j)));
+}
+
+/* The tile shapes (rows, column blocks) whose sums (and, for blocks, their parts) fit the registers, and the
+   rows a tile takes: ``wide_shape`` gives a call of M rows the widest such tile for its rows (so a one-row step
+   runs enough chains to hide the multiply-add's latency), the remainders taking the narrower ones listed. */
+#if WIDE_ACC / WIDE_CV >= 16
+#define WIDE_SHAPES(C) C(1, 1) C(1, 2) C(1, 3) C(1, 4) C(2, 1) C(2, 2) C(2, 3) C(2, 4) \
+    C(3, 1) C(3, 2) C(3, 3) C(3, 4) C(4, 1) C(4, 2) C(4, 3) C(4, 4)
+#else /* 4 blocks of sums: AVX2 (2 vectors a block), NEON (4) */
+#define WIDE_SHAPES(C) C(1, 1) C(1, 2) C(1, 3) C(1, 4) C(2, 1) C(2, 2) C(3, 1) C(4, 1)
+#endif
+
+static void wide_shape(int64_t M, int *mr, int *nb) {
+    *mr = (int)(M < WIDE_MR ? M : WIDE_MR);
+    int64_t n = WIDE_ACC / (WIDE_CV * *mr);
+    *nb = n < 1 ? 1 : n > 4 ? 4 : (int)n;
+}
+
+#define WIDE_CASE(a, b) case a * 8 + b: WIDE_CALL(a, b); break;
+/* The rows a pass over a thread's columns takes at once, a multiple of ``rows``: as many as keep their inputs
+   (``bytes`` a row) within half of a 512 KiB L2 cache. A prefill's 256 rows of inputs pass through every column
+   block; from L3 they bounded its speed (and shared it with the machine's other programs). */
+static int64_t row_chunk(int64_t bytes, int rows) {
+    int64_t n = (256 << 10) / bytes / rows * rows;
+    return n < rows ? rows : n;
+}
+
+/* Rows 0..M-1 (fp32, xs apart) against column blocks b0..b1-1 of ``kind`` 0 bf16 or 1 int8 weights (``pairs`` pairs
+   a block; ``scale``: int8's, per column). */
+static void wide_columns(const float *x, int64_t xs, const void *wp, int64_t K, const float *scale, const float *bias,
+                         uint16_t *out, int64_t os, int64_t M, int64_t b0, int64_t b1, int kind) {
+    int rows, width;
+    wide_shape(M, &rows, &width);
+    int64_t pairs = K / 2, chunk = row_chunk(K * (int64_t)sizeof(float), rows);
+    for (int64_t c0 = 0; c0 < M; c0 += chunk)
+    for (int64_t b = b0; b < b1; b += width) {
+        int nb = b1 - b < width ? (int)(b1 - b) : width;
+        for (int64_t m0 = c0; m0 < M && m0 < c0 + chunk; m0 += rows) {
+            int mr = M - m0 < rows ? (int)(M - m0) : rows;
+            if (m0 + mr > c0 + chunk) mr = (int)(c0 + chunk - m0);
+            const float *xm = x + m0 * xs;
+            uint16_t *om = out + m0 * os + b * 16;
+            const float *bb = bias ? bias + b * 16 : 0;
+            const char *wb = (const char *)wp + b * pairs * 32 * (kind == 0 ? 2 : 1);
+            const float *sb = kind == 1 ? scale + b * 16 : 0;
+            if (kind == 0) {
+#define WIDE_CALL(a, c) wide_tile(xm, xs, wb, pairs, pairs, 0, bb, om, os, a, c, 0)
+                switch (mr * 8 + nb) { WIDE_SHAPES(WIDE_CASE) }
+#undef WIDE_CALL
+            } else {
+#define WIDE_CALL(a, c) wide_tile(xm, xs, wb, pairs, pairs, sb, bb, om, os, a, c, 1)
+                switch (mr * 8 + nb) { WIDE_SHAPES(WIDE_CASE) }
+#undef WIDE_CALL
+            }
+        }
+    }
+}
+
+/* The 4-bit and 8-bit blocks where the CPU has no bf16 dot product: the rows' inputs quantized per block of
+   32, as llama.cpp quantizes activations for these blocks (Q8_0: d = max |x| / 127, q = x / d rounded to the
+   nearest, ties away from zero), then each block's sum of q_w q_x in integers, exact whatever the
+   instructions (``vpmaddubsw``, ``sdot``, ...) or their grouping. Per row and column, over the blocks in
+   order: acc = (d_w d_x) sum + acc, then for 4-bit acc = m_w (d_x sum of q_x) + acc, each product of two
+   scales rounded once, in fp32; + bias, rounded to bf16. Every instruction set gives a row the same bits
+   (the integers are exact and the fp32 operations the same, column by column), row-invariant by
+   construction; the activations' 8 bits are the precision's own on these CPUs (avx512_bf16 keeps bf16
+   activations).
+
+   Packed (``native.Linear.q4`` / ``q8``, layout "columns") so that a vector's lanes are columns, each lane
+   4 inputs wide (what ``vpmaddubsw`` + ``vpmaddwd`` and ``sdot`` sum into a 32-bit lane): per 16 columns and
+   block, 4-bit: 4 groups x 16 columns x 4 bytes, byte i of group g holding input 8 g + i in its low nibble
+   and 8 g + 4 + i in its high one; 8-bit: 8 groups x 16 columns x 4 int8 (inputs 4 g + i); then the d (and
+   m) as ``quant_tile``'s. A tile keeps a group of columns' weights and scales in registers and takes its
+   rows in turn. */
+#define QMR 4 /* rows a tile takes */
+
+/* One block of 32 inputs in 8 bits: amax = max |x| (NaN ignored), d = amax / 127, q = x (1 / d) rounded to the
+   nearest, ties away from zero (``roundf``'s rule, kept by truncating and adding the sign where the rest is at
+   least a half), within -127..127; returns sum q. ``out``: the 32 q in order (ARM64), or each group of 4 broadcast
+   to a vector of 8 (x86: 8 x 32 bytes, what ``vpmaddubsw`` reads from memory). The same bits on either. */
+#if defined(__aarch64__)
+#define QXB 32 /* bytes a quantized block takes */
+static int32_t quant_block(const uint16_t *x, float *d, int8_t *out) {
+    float32x4_t v[8], amax = vdupq_n_f32(0.0f);
+    for (int i = 0; i < 8; i++) v[i] = vload_bf16(x + 4 * i), amax = vmaxnmq_f32(amax, vabsq_f32(v[i]));
+    float db = vmaxvq_f32(amax) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+    int32x4_t sum = vdupq_n_s32(0);
+    int16x4_t h[8];
+    for (int i = 0; i < 8; i++) {
+        float32x4_t s = vmulq_f32(v[i], vdupq_n_f32(id)), t = vrndq_f32(s);
+        uint32x4_t up = vcgeq_f32(vabsq_f32(vsubq_f32(s, t)), vdupq_n_f32(0.5f));
+        float32x4_t one = vbslq_f32(vdupq_n_u32(0x80000000u), s, vdupq_n_f32(1.0f)); /* 1 with s's sign */
+        t = vaddq_f32(t, vreinterpretq_f32_u32(vandq_u32(up, vreinterpretq_u32_f32(one))));
+        int32x4_t q = vcvtq_s32_f32(vmaxq_f32(vminq_f32(t, vdupq_n_f32(127.0f)), vdupq_n_f32(-127.0f)));
+        sum = vaddq_s32(sum, q);
+        h[i] = vmovn_s32(q);
+    }
+    for (int i = 0; i < 4; i++) vst1_s8(out + 8 * i, vmovn_s16(vcombine_s16(h[2 * i], h[2 * i + 1])));
+    *d = db;
+    return vaddvq_s32(sum);
+}
+#else
+#define QXB 256
+static int32_t quant_block(const uint16_t *x, float *d, int8_t *out) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) { /* max(|v|, amax): a NaN lane keeps amax */
+        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + 8 * i))), 16));
+        amax = _mm256_max_ps(_mm256_and_ps(v[i], absmask), amax);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float db = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+    __m256i q[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        __m256 s = _mm256_mul_ps(v[i], _mm256_set1_ps(id)), t = _mm256_round_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(s, t), absmask), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+        __m256 one = _mm256_or_ps(_mm256_andnot_ps(absmask, s), _mm256_set1_ps(1.0f)); /* 1 with s's sign */
+        t = _mm256_add_ps(t, _mm256_and_ps(up, one));
+        q[i] = _mm256_cvttps_epi32(_mm256_max_ps(_mm256_min_ps(t, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-127.0f)));
+        sum = _mm256_add_epi32(sum, q[i]);
+    }
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* groups of 4 in order */
+    for (int g = 0; g < 8; g++)
+        _mm256_storeu_si256((__m256i *)(out + 32 * g), _mm256_permutevar8x32_epi32(bytes, _mm256_set1_epi32(g)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    *d = db;
+    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+}
+#endif
+
+/* The rows' inputs in 8-bit blocks (``quant_block``), in a buffer of the calling thread's (as ``wide_rows``): M
+   rows of K / 32 blocks of QXB bytes, then d_x and d_x sum(q_x) (M x K / 32 fp32 each). NULL: out of memory. */
+static int8_t *quant_rows(const uint16_t *x, int64_t xs, int64_t M, int64_t K, float **dx, float **dsx) {
+    static _Thread_local char *buf;
+    static _Thread_local int64_t cap;
+    int64_t kb = K / 32, need = M * kb * QXB + 2 * M * kb * (int64_t)sizeof(float);
+    if (need > cap) {
+        free(buf);
+        buf = malloc(need);
+        cap = buf ? need : 0;
+        if (!buf) return NULL;
+    }
+    int8_t *q = (int8_t *)buf;
+    float *d = (float *)(buf + M * kb * QXB), *ds = d + M * kb;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < kb; b++) {
+            int32_t sum = quant_block(x + m * xs + b * 32, d + m * kb + b, q + (m * kb + b) * QXB);
+            ds[m * kb + b] = d[m * kb + b] * (float)sum;
+        }
+    *dx = d, *dsx = ds;
+    return q;
+}
+
+/* QC columns' block sums (int32, a lane a column) of one row: ``qcols4`` over the weights of a group of QC columns
+   (``w``: group g at w + g QSTRIDE bytes) against the row's block of 32 inputs. ``qfloat``: the fp32 update of
+   those columns' totals. */
+#if defined(__aarch64__)
+#define QC 4
+typedef int32x4_t qi;
+typedef float32x4_t qf;
+#define QSTRIDE 64 /* bytes between a group's 16 columns and the next group's */
+/* x0, x1: the block's inputs 0..15 and 16..31 */
+#if defined(__ARM_FEATURE_DOTPROD)
+#define QDOT(acc, w, x, lane) vdotq_laneq_s32(acc, w, x, lane)
+#else
+#define QDOT(acc, w, x, lane) vpadalq_s16(acc, q_pairs(w, vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(x), lane))))
+static inline int16x8_t q_pairs(int8x16_t w, int8x16_t x4) { /* |2 x 128 x 127| fits a 16-bit lane */
+    int16x8_t lo = vmull_s8(vget_low_s8(w), vget_low_s8(x4)), hi = vmull_high_s8(w, x4);
+    return vpaddq_s16(lo, hi);
+}
+#endif
+ALWAYS qi qcols4(const uint8_t *w, int bits, int8x16_t x0, int8x16_t x1) {
+    qi acc = vdupq_n_s32(0);
+    if (bits == 4) {
+#define Q4G(g, X, L0, L1)                                                                          \
+    {                                                                                              \
+        uint8x16_t v = vld1q_u8(w + g * QSTRIDE);                                                  \
+        acc = QDOT(acc, vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15))), X, L0);                  \
+        acc = QDOT(acc, vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), X, L1);                             \
+    }
+        Q4G(0, x0, 0, 1) Q4G(1, x0, 2, 3) Q4G(2, x1, 0, 1) Q4G(3, x1, 2, 3)
+#undef Q4G
+    } else {
+#define Q8G(g, X, L) acc = QDOT(acc, vld1q_s8((const int8_t *)w + g * QSTRIDE), X, L);
+        Q8G(0, x0, 0) Q8G(1, x0, 1) Q8G(2, x0, 2) Q8G(3, x0, 3) Q8G(4, x1, 0) Q8G(5, x1, 1) Q8G(6, x1, 2) Q8G(7, x1, 3)
+#undef Q8G
+    }
+    return acc;
+}
+typedef struct { int8x16_t x0, x1; } qrow;
+ALWAYS qrow qrow_load(const int8_t *xq) { return (qrow){vld1q_s8(xq), vld1q_s8(xq + 16)}; }
+ALWAYS qi qcols(const uint8_t *w, int bits, const qrow *r) { return qcols4(w, bits, r->x0, r->x1); }
+#define qf_load_f16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))
+#define qf_cvt vcvtq_f32_s32
+#define qf_set1 vdupq_n_f32
+#define qf_mul vmulq_f32
+#define qf_fma(a, b, c) vfmaq_f32(c, a, b)
+#define qf_load vld1q_f32
+#define qf_store vst1q_f32
+ALWAYS void qf_store_bf16(uint16_t *p, qf v) { vstore_bf16(p, vround_bf16(v)); }
+#else /* x86: AVX2's 256-bit forms, also where AVX-512 is */
+#define QC 8
+typedef __m256i qi;
+typedef __m256 qf;
+#define QSTRIDE 64
+typedef struct { const __m256i *x; } qrow; /* a block's 8 groups of 4 inputs, each broadcast (``quant_block``) */
+ALWAYS qrow qrow_load(const int8_t *xq) { return (qrow){(const __m256i *)xq}; }
+ALWAYS qi qcols(const uint8_t *w, int bits, const qrow *r) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (bits == 4) { /* int16 lanes: 8 pairs of 2 x 15 x 127 fit */
+        const __m256i low = _mm256_set1_epi8(15);
+        __m256i s = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * QSTRIDE));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_loadu_si256(r->x + 2 * g)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                         _mm256_loadu_si256(r->x + 2 * g + 1)));
+        }
+        return _mm256_madd_epi16(s, ones);
+    }
+    __m256i acc = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) { /* |w| times x signed as w: pairs of |2 x 128 x 127| fit 16 bits */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * QSTRIDE));
+        __m256i x = _mm256_loadu_si256(r->x + g);
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v)), ones));
+    }
+    return acc;
+}
+#define qf_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define qf_cvt _mm256_cvtepi32_ps
+#define qf_set1 _mm256_set1_ps
+#define qf_mul _mm256_mul_ps
+#define qf_fma _mm256_fmadd_ps
+#define qf_load _mm256_loadu_ps
+#define qf_store _mm256_storeu_ps
+ALWAYS void qf_store_bf16(uint16_t *p, qf f) { /* vround_bf16 and vstore_bf16 on 8 lanes */
+    __m256i u = _mm256_castps_si256(f);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    r = _mm256_srli_epi32(r, 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+#endif
+
+/* The fp32 update of QC columns' totals by one block: acc = (d_w d_x) sum + acc, then (4-bit) m_w (d_x sum q_x) + acc. */
+ALWAYS qf qfloat(qf acc, qi sums, qf dw, qf mw, float dx, float dsx, int bits) {
+    acc = qf_fma(qf_mul(dw, qf_set1(dx)), qf_cvt(sums), acc);
+    return bits == 4 ? qf_fma(mw, qf_set1(dsx), acc) : acc;
+}
+
+/* mr rows x one block of 16 columns (16 / QC groups of QC columns), over ``kb`` blocks of inputs. */
+ALWAYS void qint_tile(const int8_t *xq, int64_t xk, const float *dx, const float *dsx, int64_t kb, const uint8_t *w8,
+                      const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int mr, int bits) {
+    enum { CG = 16 / QC };
+    qf total[QMR][CG];
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < CG; j++) total[m][j] = qf_set1(0.0f);
+    int64_t wb = bits == 4 ? 256 : 512, db = bits == 4 ? 32 : 16; /* bytes of q, fp16 values of d (and m) a block */
+    for (int64_t b = 0; b < kb; b++)
+        for (int j = 0; j < CG; j++) { /* a group of columns' weights and scales once, the rows in turn */
+            const uint16_t *at = dm + b * db + QC * j;
+            qf dw = qf_load_f16(at), mw = bits == 4 ? qf_load_f16(at + 16) : qf_set1(0.0f);
+            const uint8_t *w = w8 + b * wb + QC * 4 * j;
+            for (int m = 0; m < mr; m++) {
+                qrow r = qrow_load(xq + m * xk + b * QXB);
+                total[m][j] = qfloat(total[m][j], qcols(w, bits, &r), dw, mw, dx[m * kb + b], dsx[m * kb + b], bits);
+            }
+        }
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < CG; j++) {
+            qf t = total[m][j];
+            if (bias) t = qf_fma(qf_set1(1.0f), qf_load(bias + QC * j), t); /* t + bias, exactly as an add */
+            qf_store_bf16(out + m * os + QC * j, t);
+        }
+}
+
+/* Rows 0..M-1 against column blocks b0..b1-1 of 4-bit (``bits`` 4) or 8-bit blocks, in tiles of QMR rows x one
+   block of 16 columns (a one-row call streamed faster one block at a time than 2 or 4 side by side). */
+static void qint_columns(const int8_t *xq, int64_t K, const float *dx, const float *dsx, const uint8_t *w8,
+                         const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int64_t M, int64_t b0,
+                         int64_t b1, int bits) {
+    int64_t kb = K / 32, wb = bits == 4 ? 256 : 512, db = bits == 4 ? 32 : 16, chunk = row_chunk(kb * QXB, QMR);
+    for (int64_t c0 = 0; c0 < M; c0 += chunk)
+    for (int64_t c = b0; c < b1; c++)
+        for (int64_t m0 = c0; m0 < M && m0 < c0 + chunk; m0 += QMR) {
+            int mr = M - m0 < QMR ? (int)(M - m0) : QMR;
+            const int8_t *xm = xq + m0 * kb * QXB;
+            const float *dxm = dx + m0 * kb, *dsm = dsx + m0 * kb, *bc = bias ? bias + c * 16 : 0;
+            const uint8_t *wc = w8 + c * kb * wb;
+            const uint16_t *dc = dm + c * kb * db;
+            uint16_t *oc = out + m0 * os + c * 16;
+#define QINT(R)                                                                                    \
+    case R:                                                                                        \
+        if (bits == 4) qint_tile(xm, kb * QXB, dxm, dsm, kb, wc, dc, bc, oc, os, R, 4);            \
+        else qint_tile(xm, kb * QXB, dxm, dsm, kb, wc, dc, bc, oc, os, R, 8);                      \
+        break;
+            switch (mr) { QINT(1) QINT(2) QINT(3) QINT(4) }
+#undef QINT
+        }
+}
+
+/* The call's rows in fp32 (M x K), in a buffer of the calling thread's, kept for its next calls (a step makes
+   about 120 of them; the threads the call shares out to only read it). NULL: out of memory. */
+static float *wide_rows(const uint16_t *x, int64_t xs, int64_t M, int64_t K) {
+    static _Thread_local float *buf;
+    static _Thread_local int64_t cap;
+    if (M * K > cap) {
+        free(buf);
+        buf = malloc(M * K * sizeof *buf);
+        cap = buf ? M * K : 0;
+        if (!buf) return NULL;
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) buf[m * K + k] = bf16_to_f32(x[m * xs + k]);
+    return buf;
+}
+
+/* ``kind``: 0 bf16, 1 int8 (``scale``: fp32 per column), 2 4-bit blocks, 3 8-bit blocks (``scale``: their fp16
+   d (and m)), as ``fused_layer`` names them. */
+static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, int kind, const float *scale,
+                          const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    if (N % 16 || K % 2 || (kind >= 2 && K % 32)) return -1;
+    if (M <= 0) return 0; /* the probe's call: nothing to do */
+    int64_t blocks = N / 16;
+    if (kind >= 2) {
+        float *dx, *dsx;
+        const int8_t *xq = quant_rows(x, x_stride, M, K, &dx, &dsx);
+        if (!xq) return -1;
+        int bits = kind == 2 ? 4 : 8;
+        SHARE_COLUMNS(threads, blocks, qint_columns(xq, K, dx, dsx, wp, (const uint16_t *)scale, bias, out, N, M, b0, b1,
+                                                    bits));
+        return 0;
+    }
+    const float *xf = wide_rows(x, x_stride, M, K);
+    if (!xf) return -1;
+    SHARE_COLUMNS(threads, blocks, wide_columns(xf, K, wp, K, scale, bias, out, N, M, b0, b1, kind));
+    return 0;
+}
+
+int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
+                    int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return linear_run(x, x_stride, wp, 0, 0, bias, out, M, K, N, threads);
+}
+
+int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, const float *scale,
+                         const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return linear_run(x, x_stride, wp, 1, scale, bias, out, M, K, N, threads);
+}
+
+int64_t linear_q4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *nib, const uint16_t *dm, const float *bias,
+                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return linear_run(x, x_stride, nib, 2, (const float *)dm, bias, out, M, K, N, threads);
+}
+
+int64_t linear_q8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *q, const uint16_t *d, const float *bias,
+                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return linear_run(x, x_stride, q, 3, (const float *)d, bias, out, M, K, N, threads);
+}
+
+/* No prefill attention on the linear's tiles here: a prefill runs the step's attention (``attention``), row
+   by row (``attention.prefill_form``). */
+int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t head_stride,
+                    int64_t start, int64_t T, int64_t H, int64_t KV, int64_t D, float scale, uint16_t *out,
+                    int64_t threads) {
+    return -1;
+}
 #else
 int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
                     int64_t M, int64_t K, int64_t N, int64_t threads) {
@@ -1022,7 +1623,7 @@ int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, cons
 
 #if defined(HAVE_SIMD)
 #define FAST(NAME)                                                                                 \
-    if (D % W == 0 && D / W <= MAXC && H / KV <= MAXG) item = attention_simd_##NAME;
+    if (D % W == 0 && D / W <= MAXC && H / KV <= MAXG) item = attention_simd_##NAME, mapped = 1;
 #else
 #define FAST(NAME)
 #endif
@@ -1037,7 +1638,8 @@ int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, cons
 ATTENTION_ENTRY(bf16)
 ATTENTION_ENTRY(f32)
 
-/* Whether a bf16 attention call of these heads reads a token tree's key map: its item is the step form. */
+/* Whether a bf16 attention call of these heads reads a token tree's key map: its item is the step form or
+   the SIMD one (the portable one reads no map). */
 int64_t tree_keys_bf16(int64_t H, int64_t KV, int64_t D) {
     if (KV <= 0 || H % KV) return 0;
     void (*item)(const args_bf16 *, int64_t, int64_t, float *) = attention_any_bf16;
@@ -1050,12 +1652,29 @@ int64_t tree_keys_bf16(int64_t H, int64_t KV, int64_t D) {
 /* The floats of scratch an ``attention`` call needs per thread, for G query heads per KV head, D values
    per head and L positions per slot: either item form's. */
 int64_t attention_scratch(int64_t G, int64_t D, int64_t L) {
-    int64_t simd = (2 * G + 1) * D + G * L + 16;
+    int64_t simd = (2 * G + 1) * D + G * L + 16 + 2 * TREE_GATHER * D;
 #if defined(HAVE_STEP)
     int64_t step = step_scratch(G, D, L);
     return step > simd ? step : simd;
 #else
     return simd;
+#endif
+}
+
+/* Which of the kernels' instruction sets the library was built for (``native.kernel_path``): the linears
+   on avx512_bf16's tiles (``vdpbf16ps``), or widened to fp32 on AVX-512F, AVX2 with FMA or ARM64's NEON, or
+   none of those (the portable attention; no linears). */
+const char *kernel_path(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return "avx512_bf16";
+#elif defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#elif defined(__aarch64__)
+    return "neon";
+#else
+    return "portable";
 #endif
 }
 
@@ -1077,41 +1696,9 @@ int64_t built_with_openmp(void) {
    at a time take the same operations in the same order (``vexp`` is ``softmax_exp``; a NaN gate
    gives NaN either way), so the bits do not change, and the scalar loop takes the rest of a row. */
 #if defined(HAVE_SIMD)
-#if defined(__AVX512F__)
-static inline vf vselect_neg(vf x, vf neg, vf other) { /* x < 0 ? neg : other, lane by lane */
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vzero(), _CMP_LT_OQ), other, neg);
-}
-static inline vf vround_bf16(vf f) { /* f32_to_bf16, kept as fp32: nearest even, NaN -> 0x7FC0 */
-    __m512i u = _mm512_castps_si512(f);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-    return _mm512_castsi512_ps(r);
-}
-static inline void vstore_bf16(uint16_t *p, vf rounded) { /* the top halves of vround_bf16's values */
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
-}
-#else
-static inline vf vselect_neg(vf x, vf neg, vf other) {
-    return _mm256_blendv_ps(other, neg, _mm256_cmp_ps(x, vzero(), _CMP_LT_OQ));
-}
-static inline vf vround_bf16(vf f) {
-    __m256i u = _mm256_castps_si256(f);
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
-    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-    return _mm256_castsi256_ps(r);
-}
-static inline void vstore_bf16(uint16_t *p, vf rounded) {
-    __m256i r = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
-#endif
 static inline vf vsilu(vf x) { /* silu in fp32, before rounding: the scalar loop's operations */
     vf t = vexp(vselect_neg(x, x, vmul(x, vset1(-1.0f))));
-    return VOP(div_ps)(vselect_neg(x, vmul(x, t), x), vadd(vset1(1.0f), t));
+    return vdiv(vselect_neg(x, vmul(x, t), x), vadd(vset1(1.0f), t));
 }
 #define SILU_SIMD_bf16(g, u, o, i)                                                                 \
     for (; i + W <= I; i += W) vstore_bf16(o + i, vround_bf16(vmul(vround_bf16(vsilu(vload_bf16(g + i))), vload_bf16(u + i))));
@@ -1166,7 +1753,7 @@ typedef struct {
    its slot rather than at pos[r], and reads its path's keys through a key map (``key_map_fits``: kstart,
    kmap, kmap_w); wpos NULL: at pos[r], and kmap NULL: no map. Returns 0, or -1 (a shape the kernels do
    not take, a row outside the cache, or a map the attention cannot read), before anything is computed. */
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(HAVE_LINEAR)
 int64_t layers_bf16(const fused_layer *layers, int64_t n, const uint8_t *skip, uint16_t *h, int64_t R,
                     int64_t E, int64_t H, int64_t KV, int64_t D, int64_t I, const uint16_t *cos, const uint16_t *sin,
                     int64_t d, uint16_t *const *kc, uint16_t *const *vc, int64_t slots_n, int64_t slot_stride,

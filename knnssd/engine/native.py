@@ -10,14 +10,19 @@ on the call's row count (the exactness probe still measures the whole step). The
 on one thread; at a prefill's rows they still cost no more than the torch ops on two. Attention
 shares its rows x KV heads out among torch's threads where the library is built with OpenMP
 (``openmp_flags``): each item is computed by one thread with the same loop, so the threads change
-no bit. The library is built once per source, compiler and processor (``-march=native``) into ``cache_dir()/native``; with no C
-compiler, or ``KNNSSD_NATIVE=0``, ``library()`` is None and callers keep the torch ops.
+no bit. The library is built once per source, compiler and processor (``-march=native``, or the level
+``$KNNSSD_ISA`` names: ``isa_flags``) into ``cache_dir()/native``; with no C compiler, or
+``KNNSSD_NATIVE=0``, ``library()`` is None and callers keep the torch ops.
 
-The linears have a kernel too (``Linear``), in bf16 where the compiler targets avx512_bf16, the library
-has OpenMP and the CPU has no AMX: its rows are row-invariant by construction as well, and it beat
-oneDNN's prepacked GEMM at every row count measured (see ``Linear``). Where it runs, a prefill's causal
-attention runs on its tiles too (``causal``). The step's bf16 attention runs the same arithmetic wherever
-the library has avx512_bf16 (``attention``), so a step row gets a prefill row's bits.
+The linears have a kernel too (``Linear``), in bf16, wherever the library has a vector instruction set
+(``kernel_path``): on avx512_bf16 the tiles multiply on ``vdpbf16ps``; on AVX-512F, AVX2 with FMA and
+ARM64's NEON the bf16 (int8, 4-bit, 8-bit) weights are widened to fp32 in registers and summed by fused
+multiply-adds, reading half fp32's bytes. Its rows are row-invariant by construction either way. It runs
+where the library has OpenMP and the CPU has no AMX (``linear_preferred``): on avx512_bf16 it beat oneDNN's
+prepacked GEMM at every row count measured, and elsewhere torch's bf16 GEMM has no fast path at all (see
+``Linear`` and docs/benchmarks.md). On avx512_bf16 a prefill's causal attention runs on its tiles too
+(``causal``), and the step's bf16 attention runs the same arithmetic (``attention``), so a step row gets a
+prefill row's bits; elsewhere the prefill runs the step's own attention (``attention.prefill_form``).
 
 Where all of those run, in bf16, a step's or a verify pass's layers are one call (``Layers``), which
 calls the same kernels in the same order with the same roundings: the per-op path's bits, without its
@@ -44,12 +49,12 @@ from typing import NamedTuple
 
 import torch
 
-from knnssd.settings import cache_dir
+from knnssd.settings import cache_dir, isa
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")  # no fused multiply-add: torch's rounding
+FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")  # no fused multiply-add: torch's rounding
 SIGNATURES = {  # the kernel families native.c defines (``<family>_bf16``, ``<family>_f32``) and their arguments
     # x, w (fp32), out, rows, n, eps
     "rms_norm": ("p", "p", "p", "i", "i", "f"),
@@ -86,22 +91,31 @@ RESULTS = {family: ctypes.c_int64 for family in ("attention", "linear", "linear_
 CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float}  # p: pointer, i: int64, f: float
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the dtypes the kernels take
 # The families on the linear's tiles, bf16 only (fp32 keeps oneDNN's), and each one's call with nothing to do: it
-# returns 0 where the library was built with avx512_bf16, else -1
+# returns 0 where the library has the family (the linears: any vector path; ``causal``: avx512_bf16), else -1
 PROBES = {"linear": (0,) * 5 + (0, 16, 16, 1), "linear_int8": (0,) * 6 + (0, 16, 16, 1),
           "linear_q4": (0,) * 6 + (0, 32, 16, 1), "linear_q8": (0,) * 6 + (0, 32, 16, 1),
           "causal": (0,) * 7 + (1, 1, 16, 1.0, 0, 1)}
+BLOCK_FAMILIES = ("linear_q4", "linear_q8")  # GGUF's blocks: no torch or oneDNN kernel takes them
 # /proc/cpuinfo lines that say what -march=native may use (x86 "flags"; ARM "Features" and the part)
 PROCESSOR_LINES = ("flags", "Features", "model name", "CPU implementer", "CPU part")
 
 
 def processor() -> str:
-    """What identifies this CPU's instruction set: its /proc/cpuinfo lines that name the model and flags
-    (the native build's key, and the exactness record's)."""
+    """What identifies this CPU's instruction set: its /proc/cpuinfo lines that name the model and flags,
+    and the level ``$KNNSSD_ISA`` builds for (the native build's key, and the exactness record's)."""
+    level = f"|isa={isa()}" if isa() else ""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.processor()
-    return "".join(sorted({l for l in lines if l.startswith(PROCESSOR_LINES)}))
+        return platform.processor() + level
+    return "".join(sorted({l for l in lines if l.startswith(PROCESSOR_LINES)})) + level
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The compiler's target: ``-march=native``, or the level ``$KNNSSD_ISA`` names (``x86-64-v3`` for AVX2 with
+    FMA, ``x86-64-v4`` for AVX-512 without bf16, ``armv8-a``...), to develop and compare a level's kernels on a
+    machine that has more (docs/measuring.md)."""
+    return (f"-march={isa() or 'native'}",)
 
 
 def _remove_stale_builds(folder: Path) -> None:
@@ -129,11 +143,11 @@ def _build(compiler: list[str]) -> Path:
     to a temporary name and renamed, so a killed or concurrent build never leaves a partial library).
     With OpenMP where ``openmp_flags`` allows it and the compiler has it, else without."""
     try:
-        return _compile(compiler, FLAGS + openmp_flags())
+        return _compile(compiler, FLAGS + isa_flags() + openmp_flags())
     except subprocess.CalledProcessError:
         if not openmp_flags():
             raise
-        return _compile(compiler, FLAGS)
+        return _compile(compiler, FLAGS + isa_flags())
 
 
 def _compile(compiler: list[str], flags: tuple[str, ...]) -> Path:
@@ -174,6 +188,7 @@ class Kernels:
     tree_keys: Callable  # ``tree_keys_bf16``: (H, KV, D) -> whether ``layers`` reads a token tree's key map
     attention_scratch: Callable  # (G, D, L) -> the floats of scratch an ``attention`` call needs per thread
     openmp: bool  # built with OpenMP: the kernels share their work among torch's threads
+    path: str = "portable"  # the instruction set it was built for (``kernel_path``)
 
 
 def _load(path: Path) -> Kernels:
@@ -191,9 +206,10 @@ def _load(path: Path) -> Kernels:
     lib.attention_scratch.argtypes = [ctypes.c_int64] * 3
     lib.layers_bf16.restype, lib.layers_bf16.argtypes = ctypes.c_int64, [CTYPES[a] for a in LAYERS]
     lib.tree_keys_bf16.restype, lib.tree_keys_bf16.argtypes = ctypes.c_int64, [ctypes.c_int64] * 3
+    lib.kernel_path.restype = ctypes.c_char_p
     return Kernels(**families, layers=lib.layers_bf16, tree_keys=lib.tree_keys_bf16,
                    attention_scratch=lib.attention_scratch,
-                   openmp=bool(lib.built_with_openmp()))
+                   openmp=bool(lib.built_with_openmp()), path=lib.kernel_path().decode())
 
 
 @functools.cache
@@ -222,6 +238,14 @@ def library() -> Kernels | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def kernel_path() -> str:
+    """Which kernels a bf16 step's linears run here, for reports: ``avx512_bf16``, ``avx512``, ``avx2`` or ``neon``
+    (``native.c``'s ``kernel_path``) where ``Linear`` is used, else ``torch`` (no library, a portable build, or
+    oneDNN on AMX: ``linear_preferred``)."""
+    lib = library()
+    return lib.path if lib is not None and tiled("linear") is not None else "torch"
 
 
 class RMSNorm:
@@ -313,7 +337,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, sca
     In bf16 where the library has avx512_bf16 and D % 32 == 0, each row is computed as ``causal``
     computes it (the same products in the same order, the probabilities rounded to bf16), reading
     the cache in place. It is faster than the SIMD form where the cache is in cache, and no slower
-    where reading the keys and values from memory bounds both (docs/benchmarks.md)."""
+    where reading the keys and values from memory bounds both (docs/benchmarks.md). Elsewhere the
+    SIMD form (AVX-512F, AVX2 with FMA, NEON), else the portable loop."""
     lib = library()
     kernel = None if lib is None else lib.attention.get(q.dtype)
     if kernel is None:
@@ -341,23 +366,25 @@ def _has_amx() -> bool:
 
 
 def linear_preferred(lib: Kernels) -> bool:
-    """Is ``Linear`` the GEMM to use here? Not on a CPU with AMX, where oneDNN's tile kernels verify 12 rows
-    for about the cost of one (this kernel's 12 rows cost about 1.3x one: it runs on vdpbf16ps; not measured
-    on an AMX machine), nor where the library has no OpenMP and torch more than one thread (the kernel would
-    run on one core against oneDNN's threads)."""
-    return not _has_amx() and (lib.openmp or torch.get_num_threads() == 1)
+    """Is ``Linear`` the GEMM to use here? Not on a CPU with AMX running the library built for it (oneDNN's
+    tile kernels should verify 12 rows for about the cost of one, where this kernel's 12 rows cost about 1.3x
+    one on vdpbf16ps; not measured on an AMX machine; ``$KNNSSD_ISA`` builds for a level without AMX and takes
+    the kernel), nor where the library has no OpenMP and torch more than one thread (the kernel would run on
+    one core against oneDNN's threads)."""
+    return not (_has_amx() and not isa()) and (lib.openmp or torch.get_num_threads() == 1)
 
 
 class Linear:
-    """``x W^T + b`` by ``native.c``'s ``linear``: bf16 rows on a CPU with avx512_bf16, W (N, K) prepacked
-    once into its layout (a second copy, as oneDNN's prepacking makes), the bias kept in fp32. Each output
-    is summed in one fixed order and rounded once, so a row's outputs do not depend on the call's rows.
-    ``int8``: the same over a weight-only int8 copy (a draft's, ``stack.Int8Linear``), scaled per output.
+    """``x W^T + b`` by ``native.c``'s ``linear``: bf16 rows, W (N, K) prepacked once into its layout (a second
+    copy, as oneDNN's prepacking makes), the bias kept in fp32, on ``vdpbf16ps`` where the CPU has avx512_bf16,
+    else widened to fp32 in registers (AVX-512F, AVX2 with FMA, NEON). Each output is summed in one fixed
+    order and rounded once, so a row's outputs do not depend on the call's rows. ``int8``: the same over a
+    weight-only int8 copy (a draft's, ``stack.Int8Linear``), scaled per output.
 
-    It was faster than oneDNN's prepacked GEMM at every row count a step or a batch packs
-    (docs/benchmarks.md). ``of`` and ``int8`` return None where it does not apply: no
-    library, another dtype or device, N not a multiple of 16 or K odd, a library built without
-    avx512_bf16, a CPU with AMX, or a library without OpenMP (``linear_preferred``)."""
+    It was faster than oneDNN's prepacked GEMM at every row count a step or a batch packs on avx512_bf16, and
+    than torch's bf16 GEMM by far on AVX2 (docs/benchmarks.md). ``of`` and ``int8`` return None where it does
+    not apply: no library, another dtype or device, N not a multiple of 16 or K odd, a library without a
+    vector instruction set, a CPU with AMX, or a library without OpenMP (``linear_preferred``)."""
 
     KINDS = {"bf16": 0, "int8": 1, "q4": 2, "q8": 3}  # the weights' forms, as ``native.c``'s fused layers name them
 
@@ -403,6 +430,20 @@ class Linear:
             return None
         return cls(kernel, cls._pack(q), scales.detach().float().contiguous(), bias, "int8")
 
+    @staticmethod
+    def _block_layout() -> str:
+        """How the 4-bit and 8-bit blocks are packed here: "pairs" for avx512_bf16's tiles (a pair of inputs of 16
+        columns a vector), "columns" elsewhere (4 inputs of each column a 32-bit lane, for the integer sums of
+        ``native.c``'s ``qcols``)."""
+        lib = library()
+        return "pairs" if lib is not None and lib.path == "avx512_bf16" else "columns"
+
+    @classmethod
+    def quantizes_inputs(cls) -> bool:
+        """Do the 4-bit and 8-bit blocks take their inputs in 8-bit blocks here (``native.c``'s ``quant_rows``: the
+        "columns" layout, every instruction set but avx512_bf16, which multiplies bf16 inputs)?"""
+        return cls._block_layout() == "columns"
+
     @classmethod
     def q4(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> "Linear | None":
         """4-bit weights in blocks of 32 inputs, w = d q + m (GGUF's Q4_1; Q4_0 is m = -8 d): q (N, K) uint8 in
@@ -411,8 +452,13 @@ class Linear:
         kernel = tiled("linear_q4")
         if kernel is None or N % 16 or K % 32 or d.shape != (N, K // 32) or m.shape != d.shape:
             return None
-        g = q.to(torch.uint8).reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4)  # (NB, KB, pair, col, parity)
-        lo, hi = (g[:, :, :, half].reshape(N // 16, K // 32, 16, 16) for half in (slice(0, 8), slice(8, 16)))
+        q = q.to(torch.uint8)
+        if cls._block_layout() == "pairs":
+            g = q.reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4)  # (NB, KB, pair, col, parity)
+            lo, hi = (g[:, :, :, half].reshape(N // 16, K // 32, 16, 16) for half in (slice(0, 8), slice(8, 16)))
+        else:
+            g = q.reshape(N // 16, 16, K // 32, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # (NB, KB, group, col, half, input)
+            lo, hi = g[..., 0, :], g[..., 1, :]  # byte i of group g: inputs 8 g + i, 8 g + 4 + i
         nibbles = (lo | (hi << 4)).contiguous()
         dm = torch.stack([t.to(torch.float16).reshape(N // 16, 16, K // 32).transpose(1, 2) for t in (d, m)], 2)
         return cls(kernel, nibbles, dm.contiguous().view(torch.int16), bias, "q4")
@@ -421,8 +467,11 @@ class Linear:
         """(q, d, m) as ``q4`` takes them, unpacked (copies)."""
         NB, KB = self.packed.shape[:2]
         lo, hi = self.packed & 15, self.packed >> 4
-        g = torch.cat((lo.view(NB, KB, 16, 8, 2), hi.view(NB, KB, 16, 8, 2)), 3)  # (NB, KB, pair, col, parity)
-        q = g.permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
+        if self._block_layout() == "pairs":
+            g = torch.cat((lo.view(NB, KB, 16, 8, 2), hi.view(NB, KB, 16, 8, 2)), 3)  # (NB, KB, pair, col, parity)
+            q = g.permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
+        else:
+            q = torch.stack((lo, hi), 4).permute(0, 3, 1, 2, 4, 5).reshape(self.n, self.k)  # (NB, col, KB, group, ...)
         dm = self.scale.view(torch.float16)  # (NB, KB, 2, 16)
         d, m = (dm[:, :, j].transpose(1, 2).reshape(self.n, KB) for j in (0, 1))
         return q, d, m
@@ -435,7 +484,10 @@ class Linear:
         kernel = tiled("linear_q8")
         if kernel is None or N % 16 or K % 32 or d.shape != (N, K // 32):
             return None
-        g = q.to(torch.int8).reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4)  # (NB, KB, pair, col, parity)
+        if cls._block_layout() == "pairs":
+            g = q.to(torch.int8).reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4)  # (NB, KB, pair, col, parity)
+        else:
+            g = q.to(torch.int8).reshape(N // 16, 16, K // 32, 8, 4).permute(0, 2, 3, 1, 4)  # (NB, KB, group, col, input)
         ds = d.to(torch.float16).reshape(N // 16, 16, K // 32).transpose(1, 2)  # (NB, KB, 16)
         return cls(kernel, g.reshape(N // 16, K // 32, 16, 32).contiguous(), ds.contiguous().view(torch.int16), bias,
                    "q8")
@@ -443,7 +495,10 @@ class Linear:
     def q8_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, d) as ``q8`` takes them, unpacked (copies)."""
         NB, KB = self.packed.shape[:2]
-        q = self.packed.view(NB, KB, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
+        if self._block_layout() == "pairs":
+            q = self.packed.view(NB, KB, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
+        else:
+            q = self.packed.view(NB, KB, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
         return q, self.scale.view(torch.float16).transpose(1, 2).reshape(self.n, KB)
 
     def __reduce__(self):  # as ``RMSNorm``'s: the library is loaded again
@@ -478,10 +533,15 @@ def _built(family: str) -> Callable | None:
 
 
 def tiled(family: str) -> Callable | None:
-    """The bf16 kernel of a family on the linear's tiles (``PROBES``) where it is to be used: the library was
-    built with avx512_bf16 and ``linear_preferred`` holds; else None."""
+    """The bf16 kernel of a family on the linear's tiles (``PROBES``) where it is to be used: the library has it
+    (``kernel_path``: the linears on any vector instruction set, ``causal`` on avx512_bf16) and
+    ``linear_preferred`` holds, or it is a block kernel (``BLOCK_FAMILIES``); else None."""
     lib = library()
-    return _built(family) if lib is not None and linear_preferred(lib) else None
+    if lib is None:
+        return None
+    if family in BLOCK_FAMILIES:  # no other kernel runs GGUF's blocks: these run wherever they are built
+        return _built(family)
+    return _built(family) if linear_preferred(lib) else None
 
 
 def causal_runs(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
@@ -556,8 +616,8 @@ class Layers:
     each row is computed alone as there. A skip mask leaves sub-layers out inside the call.
 
     What a step spends between kernels (about 30 torch and ctypes calls a layer) is one call here: see the
-    step profile in docs/benchmarks.md. ``of`` returns None where it does not apply (the library lacks
-    avx512_bf16, or ``Linear`` is not used here)."""
+    step profile in docs/benchmarks.md. ``of`` returns None where it does not apply (``Linear`` is not used
+    here)."""
 
     def __init__(self, kernel: Callable, parts: list[LayerParts], heads: int, kv: int, head_dim: int):
         self.kernel, self.parts = kernel, parts  # parts keep the weights the structs point to alive
