@@ -332,9 +332,14 @@ def prefill_form(step: Attention, dtype: torch.dtype, device: torch.device | str
       alone, over its own keys, so a prefill row is a step row and the same from any start (``reuse_unit``),
       where causal SDPA rounds a row by the prompt's length; it costs about what causal SDPA does, the
       linears taking most of a prefill (docs/benchmarks.md);
+    - the step itself where it is ``native`` in bf16 on a CPU without ``native.causal`` (no avx512_bf16):
+      there torch's bf16 matrix products, which ``causal_blocks`` and SDPA run on, have no fast kernel (a
+      256-token prefill on AVX2 took several times the step's own attention row by row, docs/benchmarks.md),
+      and a prefill row is a step row as in fp32;
     - else the fastest causal form, ``SDPA_DYNAMIC`` (``native.causal`` where it runs, causal blocks in
       bf16, causal SDPA)."""
-    if step.cache_fp32 or (step.pooled is not None and dtype == torch.float32 and torch.device(device).type == "cpu"):
+    native_step = step.pooled is not None and torch.device(device).type == "cpu"
+    if step.cache_fp32 or (native_step and (dtype == torch.float32 or native.tiled("causal") is None)):
         return step
     return SDPA_DYNAMIC
 
