@@ -239,11 +239,29 @@ def limits(name: str, dtype: str = "auto", device: str = "auto") -> Limits:
 
 
 def cpu_has_fast_bf16() -> bool:
+    """Does bf16 run fast on this CPU: the native bf16 step runs here (``native.kernel_path``: the linears on
+    avx512_bf16's tiles, or widened to fp32 on AVX-512F, AVX2 with FMA or NEON, where they read half fp32's
+    bytes), or the CPU has avx512_bf16 or AMX, which torch's own bf16 kernels use?"""
+    from knnssd.engine import native
+
+    if native.kernel_path() != "torch":
+        return True
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
     return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+@functools.cache
+def _auto_said(dtype: torch.dtype, device: str) -> None:
+    """Say once a process what ``--dtype auto`` took, and why."""
+    from knnssd.engine import native
+
+    why = ("the GPU" if device == "cuda" else f"the native bf16 step runs here ({native.kernel_path()} kernels)"
+           if native.kernel_path() != "torch" else "this CPU's bf16 instructions" if dtype == torch.bfloat16
+           else "no fast bf16 step here")
+    log.info("--dtype auto: %s (%s)", "bfloat16" if dtype == torch.bfloat16 else "float32", why)
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -265,8 +283,10 @@ def resolve_device(spec: str = "auto") -> torch.device:
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """auto = bfloat16 on CUDA or on a CPU with avx512_bf16/AMX, else float32. float16 is refused: the
-    engine's native CPU kernels do not take it (it failed deep in the first attention call)."""
+    """auto = bfloat16 on CUDA or on a CPU where bf16 runs fast (``cpu_has_fast_bf16``: the native bf16 step reads
+    half fp32's bytes a token; on a Zen 3 with AVX2 it decoded about 3.5x fp32's tokens/s, docs/benchmarks.md),
+    else float32; logged once. float16 is refused: the engine's native CPU kernels do not take it (it failed
+    deep in the first attention call)."""
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if spec in BLOCKS:  # the blocks multiply bf16 activations, on the CPU's native kernels
         if device.type != "cpu":
@@ -274,7 +294,9 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16
     if spec == "auto":
         fast = device.type == "cuda" or cpu_has_fast_bf16()
-        return torch.bfloat16 if fast else torch.float32
+        chosen = torch.bfloat16 if fast else torch.float32
+        _auto_said(chosen, device.type)
+        return chosen
     if spec not in table:
         raise ModelError(f"unknown dtype '{spec}' (choose {', '.join(DTYPES)})")
     return table[spec]
@@ -516,8 +538,8 @@ def check_blocks(dtype: str) -> None:
     from knnssd.engine import native
 
     if native.tiled("linear_q4") is None or native.tiled("linear_q8") is None:
-        raise ModelError(f"--dtype {dtype} needs the native block kernels: a C compiler and a CPU with avx512_bf16 "
-                         "and no AMX")
+        raise ModelError(f"--dtype {dtype} needs the native block kernels: a C compiler, and a CPU with AVX2 and FMA, "
+                         "AVX-512 or ARM64 NEON")
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:

@@ -110,15 +110,15 @@ def _on_blocks(kind: str, parts, linear) -> NativeLinear:
     them); the dense weight stays for shapes and int8 drafts."""
     kernel = getattr(native.Linear, kind)(*parts, linear.bias)
     if kernel is None:
-        raise QuantizedWeightsError("block weights run on the native kernels, which need a CPU with avx512_bf16 and "
-                                    "no AMX, and a C compiler")
+        raise QuantizedWeightsError("block weights run on the native kernels, which need a C compiler and a CPU "
+                                    "with AVX2 and FMA, AVX-512 or ARM64 NEON")
     return NativeLinear(linear.weight, linear.bias, kernel)
 
 
 def gguf_stack(stack: Stack, path: Path) -> tuple[Stack, int]:
     """A copy of ``stack`` whose projections and head run on the blocks of the GGUF file ``path`` (the file the
     model was loaded from), and how many of them do. Raises ``QuantizedWeightsError`` where the file has
-    none, or the native kernel does not run here (it needs avx512_bf16 and no AMX)."""
+    none, or the native kernel does not run here (``native.tiled``)."""
     header = reader(path)
     tensors = {t.name: t for t in header.tensors}
     field = header.fields.get("general.architecture")
