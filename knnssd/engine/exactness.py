@@ -18,6 +18,11 @@ different key length or mask path may too. So the probe measures it:
 3. The first exact one is kept and the ones after it are not checked. If none
    is exact, the cheapest is kept, ``exact`` is False, and the reason is logged once.
 
+Where the stack runs its layers as one native call (``stack.native_layers``: bf16 on a CPU with the
+native linears), the native form is checked first and, if exact, taken without timing the others: only
+it runs the one-call path, and it beat the best of them by 1.6x a step and 2.5x a packed pass on a Zen 3
+(docs/benchmarks.md), where timing them took most of an 18 s probe.
+
 With a ``record`` file, an exact choice is remembered (``remember``) and the next load takes it
 without probing (``Exactness.recalled``). The record's name carries everything the rounding can
 depend on besides the weights (``models.LoadedModel.decoder`` names it by model fingerprint, dtype,
@@ -44,9 +49,9 @@ import torch
 
 from knnssd import locks
 from knnssd.engine import native
-from knnssd.engine.attention import Attention, implementations
+from knnssd.engine.attention import NATIVE, Attention, implementations
 from knnssd.engine.cache import SPAN
-from knnssd.engine.stack import RowPadded, Stack
+from knnssd.engine.stack import RowPadded, Stack, native_layers
 from knnssd.engine.timing import median_ms
 
 log = logging.getLogger(__name__)
@@ -236,6 +241,14 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
                            recalled=True)
         _report(result)
         return result
+    if NATIVE in candidates and native_layers(dec.stack) is not None:  # the one-call path: no rival (docstring)
+        dec.set_attention(NATIVE)
+        equal, total = _probe_rows(dec, max_t)
+        if equal == total:
+            result = Exactness(True, NATIVE.name, max_t, dtype, device, adjusted,
+                               ((NATIVE.name, "exact, its layers in one native call: the others not timed"),))
+            _report(result)
+            return result
     steps = _step_runs(dec, candidates, max_t)
     batches = _packed_runs(dec, candidates, max_t, packed) if packed is not None else [None] * len(candidates)
     times = _best_of_rounds([(s, b) if b is not None else (s,) for s, b in zip(steps, batches)], dec.device)
