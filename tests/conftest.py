@@ -78,6 +78,19 @@ def data_dir() -> Path:
     return DATA
 
 
+def flow_dtype() -> str:
+    """The precision the flow tests run the real model in (calibrate, add-domain, watch, generate, serve): bf16
+    where knnssd's native bf16 step runs (each row alone by construction; on an AVX2-only Zen 3 it decoded
+    several times fp32's tokens/s, docs/benchmarks.md), else fp32. Tests of fp32 itself, or against HF's own
+    forward, name float32."""
+    from knnssd.engine import native
+
+    return "bfloat16" if native.kernel_path() != "torch" else "float32"
+
+
+FLOW_DTYPE = flow_dtype()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real embedded model, fp32 (converted once into the knnssd cache): the one copy that flows

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FLOW_DTYPE
+
 from knnssd import tracking
 from knnssd.routing import bank as banks
 from knnssd.search import budget, steps
@@ -39,7 +41,7 @@ def fixed_bank(tmp: Path, data_dir: Path, name: str, cfg_of, labelled: bool = Tr
     search): ``cfg_of(cluster) -> DrafterConfig``; one cluster per domain, or one for all."""
     from knnssd.search.steps import ModelSpec
 
-    spec = ModelSpec("smollm2", "float32")
+    spec = ModelSpec("smollm2", FLOW_DTYPE)
     rows = steps.load_prompts(small_inputs(data_dir, tmp / "in", n=n))
     vectors = steps.embed(spec, rows)
     clusters = (steps.make_clusters(vectors, k_per_domain=2) if labelled
@@ -82,7 +84,7 @@ def test_calibration_stopped_mid_search_is_resumed_by_its_deployment(isolated, d
     inputs = small_inputs(data_dir, tmp / "in", n=6)
     settings = {"k_per_domain": 2, "proxy_trials": 8, "real_candidates": 1, "proxy_prompts": 2, "real_prompts": 1,
                 "max_new_tokens": 16}
-    args = [sys.executable, "-m", "knnssd.cli", "calibrate", "--dtype", "float32", "--k-per-domain",
+    args = [sys.executable, "-m", "knnssd.cli", "calibrate", "--dtype", FLOW_DTYPE, "--k-per-domain",
             str(settings["k_per_domain"]), "--storage", storage, "--tracking-uri", uri]
     for s in budget.settings():  # the same search settings as CLI flags
         if s.name in settings:
@@ -93,7 +95,7 @@ def test_calibration_stopped_mid_search_is_resumed_by_its_deployment(isolated, d
     deployed = {**env, "KNNSSD_HOME": str(ROOT), "MLFLOW_TRACKING_URI": uri}
     run = lambda *a, **kw: subprocess.run([PREFECT, *a], env=deployed, cwd=ROOT, capture_output=True,  # noqa: E731
                                           text=True, timeout=kw.get("timeout", 120))
-    params = {"params": {"model": "smollm2", "dtype": "float32", "inputs": inputs, "storage": storage, **settings}}
+    params = {"params": {"model": "smollm2", "dtype": FLOW_DTYPE, "inputs": inputs, "storage": storage, **settings}}
 
     def schedule() -> list:  # the deployment and its run, while the CLI searches: no worker takes the run yet
         return [run("work-pool", "create", "knnssd-process", "--type", "process", "--overwrite"),
@@ -165,7 +167,7 @@ def test_a_workers_clusters_take_the_model_in_turn(smollm2, data_dir, tmp_path):
 
     from knnssd.routing import router
 
-    spec = steps.ModelSpec("smollm2", "float32")
+    spec = steps.ModelSpec("smollm2", FLOW_DTYPE)
     lm, _ = steps.runtime(spec)
     texts = [r.prompt for r in steps.load_prompts(small_inputs(data_dir, tmp_path / "in", ("translation",), n=2))]
     cluster = router.Cluster(0, "translation", np.zeros((1, 4), np.float32), ["a"], {"translation": 1})

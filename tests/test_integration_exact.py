@@ -9,21 +9,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knnssd.engine import exactness
+from knnssd.engine import exactness, native
 from knnssd.engine.decode import GenerationConfig, generate
 from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.models import cpu_has_fast_bf16
 from test_exact_step import STRADDLE, _drafters, _packed_equals_own, exact_or_skip
 
 pytestmark = pytest.mark.integration
 
 
-# SmolLM2 in bf16: real prompts, 64 tokens; on a CPU without avx512_bf16 or AMX, where bf16 runs
-# several times slower than fp32 (--dtype auto picks fp32 there), 24 tokens after each prompt's first
-# 256: on a 2-core Zen 1, these tests took 124 s with 64 tokens and whole prompts, 97 s with 24, and
-# the 774-token summarization prompt's plain decoding alone took 26 s of that, twice.
+# SmolLM2 in bf16: real prompts, 64 tokens where the CPU has avx512_bf16 (or AMX); elsewhere 24 tokens after
+# each prompt's first 256: on a 2-core Zen 1, when bf16 ran on torch ops there, these tests took 124 s with 64
+# tokens and whole prompts, 97 s with 24, and the 774-token summarization prompt's plain decoding alone took
+# 26 s of that, twice; the native AVX2 step decodes a few times faster, still a third of a Zen 5's speed.
 
-SMOL_NEW, SMOL_PROMPT = (64, None) if cpu_has_fast_bf16() else (24, 256)
+SMOL_NEW, SMOL_PROMPT = (64, None) if any(f in native.processor() for f in ("avx512_bf16", "amx_bf16")) else (24, 256)
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,12 @@ from knnssd.engine.skip import SkipMask
 from knnssd.routing import bank as banks
 from knnssd.search import steps
 from knnssd.search.steps import ModelSpec
+from conftest import FLOW_DTYPE
 from test_integration_calibrate import fixed_bank, small_inputs
 from servers import PREFECT, ROOT, KnnssdServer, free_port, wait_http
 
 pytestmark = pytest.mark.integration
-SPEC = ModelSpec("smollm2", "float32")
+SPEC = ModelSpec("smollm2", FLOW_DTYPE)
 TINY = {"k_per_domain": 2, "proxy_trials": 2, "real_candidates": 1, "proxy_prompts": 1, "real_prompts": 1,
         "max_new_tokens": 12}
 
@@ -78,7 +79,7 @@ def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank,
     out = run("--no-prompt", "deploy", "-n", "watch-drop-folder-smollm2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     inputs = [str(data_dir / "reasoning.jsonl"), str(data_dir / "translation.jsonl")]
-    params = {"params": {"drop": str(drop), "min_prompts": 5, "dtype": "float32", "use_unmatched": False,
+    params = {"params": {"drop": str(drop), "min_prompts": 5, "dtype": FLOW_DTYPE, "use_unmatched": False,
                          "search": {**TINY, "storage": str(tmp_path / "studies.journal")},
                          "promote": {"inputs": inputs, "per_file": 1, "max_new_tokens": 12,
                                      "tolerance": 0.99}}}  # timed beside a server that streams: only a 100x loss refuses
@@ -144,7 +145,7 @@ def _serve_through_the_swap(uri: str, tmp_path: Path, sql: Path, worker: subproc
     """`knnssd serve` on the champion (version 1), streaming requests all through the running ``worker``'s
     add-domain and promote, until it serves version 2: each request's (is the SQL prompt, finish reason,
     ``knnssd`` figures)."""
-    server = KnnssdServer(uri, tmp_path, "--dtype", "float32", "--reload-s", "1")  # passive waits: conftest.py
+    server = KnnssdServer(uri, tmp_path, "--dtype", FLOW_DTYPE, "--reload-s", "1")  # passive waits: conftest.py
     if server.info()["knnssd"]["bank_version"] != "1":
         server.stop()
         pytest.fail("the worker promoted version 2 before the server answered: the test's overlap is too tight here")
@@ -195,7 +196,7 @@ def test_two_workers_share_one_study_then_one_version(data_dir, prefect_api, pre
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     journal = tmp_path / "studies.journal"
     inputs = small_inputs(data_dir, tmp_path / "in", domains=("translation",), n=4)
-    common = ["--model", "smollm2", "--dtype", "float32", "--input", inputs[0], "--k-per-domain", "2", "--trials", "4",
+    common = ["--model", "smollm2", "--dtype", FLOW_DTYPE, "--input", inputs[0], "--k-per-domain", "2", "--trials", "4",
               "--candidates", "1", "--proxy-prompts", "1", "--real-prompts", "1", "--max-new-tokens", "12",
               "--storage", str(journal), "--tracking-uri", uri]
     env = {**os.environ, **prefect_api, "KNNSSD_WORK": str(tmp_path / "work")}
@@ -213,7 +214,7 @@ def test_two_workers_share_one_study_then_one_version(data_dir, prefect_api, pre
 
     os.environ["KNNSSD_WORK"] = str(tmp_path / "work")
     try:
-        reg = calibrate(CalibrateParams(model="smollm2", dtype="float32", inputs=inputs, k_per_domain=2, proxy_trials=4,
+        reg = calibrate(CalibrateParams(model="smollm2", dtype=FLOW_DTYPE, inputs=inputs, k_per_domain=2, proxy_trials=4,
                                         real_candidates=1, proxy_prompts=1, real_prompts=1, max_new_tokens=12,
                                         storage=str(journal), tracking_uri=uri))
     finally:
@@ -240,7 +241,7 @@ def test_against_a_real_mlflow_server(base_bank, tmp_path):
         from knnssd.engine.params import GenerateParams
         from knnssd.serving.routed import RoutedGenerator
 
-        gen = RoutedGenerator.from_model_uri("models:/knnssd-smollm2@champion", dtype="float32", tracking_uri=uri)
+        gen = RoutedGenerator.from_model_uri("models:/knnssd-smollm2@champion", dtype=FLOW_DTYPE, tracking_uri=uri)
         res = gen.generate("Translate German to English: Guten Morgen.", GenerateParams(max_new_tokens=4))
         assert res.tokens and res.label in ("reasoning", "translation")
         run_id = tracking.log_run("knnssd-generation", {"k": 1}, {"m": 1.0}, uri=uri)

@@ -16,11 +16,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+import knnssd
+import knnssd.flows
+import knnssd.tasks
 from knnssd import prompts, tracking
 from knnssd.routing import bank as banks
 from knnssd.engine.drafters import DrafterConfig
 from knnssd.engine.skip import SkipMask
 from knnssd.search import steps
+from conftest import FLOW_DTYPE
 from test_integration_calibrate import fixed_bank
 from cli_cases import run_cli
 from servers import free_port, wait_http
@@ -58,9 +62,9 @@ def cli_env(registered, prefect_env: dict) -> dict:
 
 
 def generate_argv(inp: Path, out: Path, max_new_tokens: int, batch_size: str = "auto") -> list[str]:
-    """`knnssd generate` of the registered champion, fp32, as a subprocess command line."""
+    """`knnssd generate` of the registered champion, in ``FLOW_DTYPE``, as a subprocess command line."""
     return [sys.executable, "-m", "knnssd.cli", "generate", "--model-uri", "models:/knnssd-smollm2@champion",
-            "--input", str(inp), "--output", str(out), "--max-new-tokens", str(max_new_tokens), "--dtype", "float32",
+            "--input", str(inp), "--output", str(out), "--max-new-tokens", str(max_new_tokens), "--dtype", FLOW_DTYPE,
             "--batch-size", batch_size]
 
 
@@ -73,7 +77,7 @@ def test_batch_flow_routes_each_domain(registered, data_dir, prefect_harness, tm
     inp = eval_file(data_dir, tmp_path / "eval.jsonl")
     out = tmp_path / "out.parquet"
     request = GenerateRequest("models:/knnssd-smollm2@champion", str(inp), str(out), GenerateParams(max_new_tokens=16),
-                              dtype="float32", tracking_uri=registered["uri"])
+                              dtype=FLOW_DTYPE, tracking_uri=registered["uri"])
     summary = generate(request)
     table = pq.read_table(out).to_pylist()
     assert summary["rows"] == len(table) == 6 and summary["generated"] == 6
@@ -189,10 +193,10 @@ def test_generate_bad_input_is_one_line(registered, data_dir, tmp_path, prefect_
 
 @pytest.fixture(scope="module")
 def routed(registered):
-    """The registered champion's generator in fp32: the one the generate flow called in this process uses."""
+    """The registered champion's generator in ``FLOW_DTYPE``: the one the generate flow called in this process uses."""
     from knnssd.serving.request import GenerateRequest
 
-    return GenerateRequest("models:/knnssd-smollm2@champion", "-", "-", dtype="float32",
+    return GenerateRequest("models:/knnssd-smollm2@champion", "-", "-", dtype=FLOW_DTYPE,
                            tracking_uri=registered["uri"]).generator()
 
 
@@ -234,7 +238,7 @@ def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registere
 
     before = out.read_bytes()
     argv = ["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp), "--output", str(out),
-            "--dtype", "float32", "--tracking-uri", registered["uri"]]
+            "--dtype", FLOW_DTYPE, "--tracking-uri", registered["uri"]]
     res, = run_cli([argv + ["--max-new-tokens", "24", "--temperature", "0.9"]],
                    cli_env(registered, {**os.environ, **prefect_api}))
     assert res.code == 2 and len(res.stderr) == 1, res
@@ -396,7 +400,7 @@ def test_foreign_bank_is_refused(registered):
     b.fingerprint = "0000"
     b.save(folder)
     with pytest.raises(banks.BankError, match="fingerprint"):
-        RoutedGenerator.from_bank_dir(folder, dtype="float32")
+        RoutedGenerator.from_bank_dir(folder, dtype=FLOW_DTYPE)
 
 
 UNMATCHED = "Lorem ipsum dolor sit amet"  # far from every anchor of the test bank (similarity 0.20, the bar 0.33)
@@ -426,14 +430,16 @@ def test_mlflow_models_serve_refuses_bad_settings_in_one_line(registered, tmp_pa
     assert [x for x in lines if x.startswith("knnssd")] == [
         "knnssd: error: KNNSSD_DTYPE='float16' is not one of auto, bfloat16, float32, gguf, q4_1, q8_0"], run.stderr[-3000:]
     frames = [x for x in lines if x.strip().startswith('File "')]
-    assert not [x for x in frames if "uvicorn" in x or "/knnssd/" in x], run.stderr[-3000:]  # MLflow's report alone
+    # knnssd's own code by its folders: a checkout named knnssd (what git clone makes) holds MLflow's frames too
+    own = tuple(f'File "{Path(m.__file__).parent}{os.sep}' for m in (knnssd, knnssd.flows, knnssd.tasks))
+    assert not [x for x in frames if "uvicorn" in x or x.strip().startswith(own)], run.stderr[-3000:]  # MLflow's alone
     assert not any("Loading weights" in x for x in lines)
 
 
 def test_mlflow_models_serve_answers_invocations(registered, tmp_path):
     port = free_port()
     bin_dir = str(Path(sys.executable).parent)  # mlflow starts uvicorn from PATH
-    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "KNNSSD_DTYPE": "float32", "KNNSSD_BATCH_SIZE": "4",
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registered["uri"], "KNNSSD_DTYPE": FLOW_DTYPE, "KNNSSD_BATCH_SIZE": "4",
            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     mlflow_bin = str(Path(bin_dir) / "mlflow")
     log = open(tmp_path / "serve.log", "w")

@@ -14,6 +14,7 @@ from knnssd.bench.bank import BenchConfig
 from knnssd.bench.bank import run as bench
 from knnssd.bench.planted import plant, save
 from knnssd.routing import bank as banks
+from conftest import FLOW_DTYPE
 from test_integration_calibrate import small_inputs
 
 pytestmark = pytest.mark.integration
@@ -26,7 +27,7 @@ def test_calibration_skips_the_planted_sublayers(smollm2, data_dir, prefect_harn
     folder = save(planted, smollm2.tokenizer, tmp_path / "smollm2-planted")
     monkeypatch.setenv("KNNSSD_WORK", str(tmp_path / "work"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    params = CalibrateParams(model=str(folder), dtype="float32", inputs=small_inputs(data_dir, tmp_path / "in", ("reasoning",), n=4),
+    params = CalibrateParams(model=str(folder), dtype=FLOW_DTYPE, inputs=small_inputs(data_dir, tmp_path / "in", ("reasoning",), n=4),
                              k_per_domain=1, proxy_trials=8, real_candidates=2, proxy_prompts=2, real_prompts=1,
                              max_new_tokens=24, kinds=["layer_skip", "hybrid"], storage=str(tmp_path / "studies.journal"),
                              tracking_uri=uri)
@@ -44,7 +45,7 @@ def test_calibration_skips_the_planted_sublayers(smollm2, data_dir, prefect_harn
     shown = MlflowClient(uri).get_model_version(reg["name"], reg["version"]).description  # what the UI shows
     assert "pictures%2Fskip_heatmap.png" in shown and f"{mask.n_skipped}/76" in shown
 
-    rep = bench(BenchConfig(bank=str(bank_dir), dtype="float32", data=data_dir, domains=("reasoning",), ood=(),
+    rep = bench(BenchConfig(bank=str(bank_dir), dtype=FLOW_DTYPE, data=data_dir, domains=("reasoning",), ood=(),
                             prompts=2, ood_prompts=0, max_new_tokens=24, repeats=1, ratios=(0.0,), hf=False,
                             out=tmp_path / "bench", tracking_uri=uri), log=lambda msg: None)
     (row,) = rep["mask_ablation"]
