@@ -1,4 +1,5 @@
 import json
+import math
 import re
 
 import numpy as np
@@ -185,3 +186,61 @@ def test_prompt_vectors_under_another_config_are_not_taken_from_the_cache(monkey
         monkeypatch.setattr(steps, "runtime", lambda spec, lm=lm: (lm, lm.decoder))
         got.append(steps.embed(steps.ModelSpec("tiny", "auto"), rows, cache_dir=tmp_path))
     assert got[0] != got[1]
+
+
+def _candidate(cfg: DrafterConfig, speedup: float, ar_ms: float = 10.0) -> dict:
+    return {"config": cfg.to_dict(), "speedup": speedup, "ar_ms_per_token": ar_ms, "ms_per_token": ar_ms / speedup,
+            "acceptance": 0.5, "mean_accepted": 2.0, "proxy_speedup": speedup}
+
+
+def test_a_tuned_configuration_must_beat_the_fixed_drafters_by_the_timing_noise():
+    from knnssd.engine.drafters import untuned
+    from knnssd.search.objective import choose, timing_noise
+
+    tuned = DrafterConfig(kind="ngram", max_len=5, ngram_sizes=[4, 3], adaptive=True)
+    steady = [_candidate(untuned("suffix"), 1.50), _candidate(untuned("ngram"), 1.40), _candidate(tuned, 1.52)]
+    assert timing_noise(steady) == 0.0  # plain decoding timed alike beside every candidate: no noise
+    assert choose(steady)["config"] == tuned.to_dict()  # faster, and the timings can tell
+    # plain decoding's ms per token 9.4-10.6 beside the candidates: about 6% noise, so 1.52 cannot beat 1.50
+    noisy = [_candidate(untuned("suffix"), 1.50, 9.4), _candidate(untuned("ngram"), 1.40, 10.0),
+             _candidate(tuned, 1.52, 10.6)]
+    best = choose(noisy)
+    assert best["config"] == untuned("suffix").to_dict() and best["best_fixed_speedup"] == 1.50
+    assert 0.05 < best["timing_noise"] < 0.07
+    clear = [*noisy[:2], _candidate(tuned, 1.90, 10.6)]  # beyond the noise: the tuned one
+    assert choose(clear)["config"] == tuned.to_dict()
+    slow = [_candidate(untuned("suffix"), 0.9), _candidate(untuned("ngram"), 0.95)]
+    assert choose(slow)["config"]["kind"] == "none"  # plain decoding where nothing is faster
+    assert math.isnan(choose([_candidate(tuned, 1.3)])["best_fixed_speedup"])
+
+
+def test_unmatched_prompts_take_the_fixed_drafter_fastest_over_every_cluster(tmp_path):
+    from knnssd.engine.drafters import untuned
+
+    x, labels = blobs(n_per=6, dim=8)
+    clusters = router.build_clusters([str(i) for i in range(len(x))], labels, x, k_per_domain=2)
+    tuned = DrafterConfig(kind="ngram", max_len=5, ngram_sizes=[4, 3]).to_dict()
+    # suffix wins one cluster by a little and loses the others by more: over every prompt, n-gram is faster
+    fixed = {0: (1.6, 1.5), 1: (1.2, 1.4), 2: (1.1, 1.3)}
+    results = []
+    for c in clusters:
+        sfx, ngr = fixed[c.id]
+        cands = [_candidate(untuned("suffix"), sfx), _candidate(untuned("ngram"), ngr),
+                 _candidate(DrafterConfig.from_dict(tuned), 1.7)]
+        results.append(banks.ClusterResult(c.id, tuned, speedup=1.7, candidates=cands,
+                                           best_fixed_speedup=max(sfx, ngr)))
+    b = banks.from_clusters(clusters, results, "tiny", "abc", 4, "float32", router.Pooling(), 0.2, "now")
+    assert b.fallback_config == untuned("ngram").to_dict() and 1.3 < b.fallback_speedup < 1.5
+    assert b.cluster(None).config == untuned("ngram").to_dict() and b.cluster(None).label == "unmatched"
+    assert b.clusters[0].search["margin_over_fixed"] == pytest.approx(1.7 / 1.6)
+    assert b.clusters[0].search["fixed"]["suffix"]["speedup"] == 1.6
+    loaded = banks.load(b.save(tmp_path / "bank"))
+    assert loaded.cluster(None).config == untuned("ngram").to_dict()
+    # a bank whose searches did not time the fixed drafters keeps its fallback cluster
+    old, _ = make_bank(tmp_path / "old")
+    assert old.fallback_config is None and old.cluster(None).id == old.fallback
+    d = b.to_json()
+    d["router"]["fallback_config"] = {"kind": "ngram", "max_len": -1}
+    (tmp_path / "bank" / "bank.json").write_text(json.dumps(d))
+    with pytest.raises(banks.BankError, match="router.fallback_config"):
+        banks.load(tmp_path / "bank")

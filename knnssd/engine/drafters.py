@@ -312,6 +312,10 @@ class DrafterConfig:
         return " ".join(parts)
 
 
+# the lookup drafters that run untuned, one configuration for every prompt: what routing must beat (issue 64)
+FIXED = ("ngram", "suffix")
+
+
 def untuned(kind: str) -> DrafterConfig:
     """A lookup drafter's settings with nothing searched: bench-engine's and ``knnssd bench``'s rows, and a
     candidate of every search's real timing that may draft by lookup, beside the search's own choice."""
@@ -320,6 +324,13 @@ def untuned(kind: str) -> DrafterConfig:
     if kind == "suffix":
         return DrafterConfig(kind="suffix", max_len=8)
     raise ValueError(f"no untuned settings for drafter kind '{kind}' (ngram, suffix)")
+
+
+def fixed_kind(config: dict) -> str | None:
+    """Which of ``FIXED`` a configuration (``DrafterConfig.to_dict()``) is, with its untuned settings; None for
+    a tuned one, another kind or plain decoding."""
+    cfg = DrafterConfig.from_dict(config)
+    return next((k for k in FIXED if cfg == untuned(k)), None)
 
 
 def build(cfg: DrafterConfig, n_layers: int, can_skip: bool = True, cache: suffix.SuffixCache | None = None

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from knnssd import __version__
-from knnssd.engine.drafters import DrafterConfig
+from knnssd.engine.drafters import FIXED, DrafterConfig, fixed_kind, untuned
 from knnssd.engine.skip import MaskError, SkipMask
 from knnssd.routing.router import Cluster, Pooling, Router, stack_anchors
 
@@ -68,6 +68,8 @@ class ClusterResult:
     real_trials: int = 0
     search_s: float = 0.0
     candidates: list[dict] = field(default_factory=list)  # every measured candidate
+    best_fixed_speedup: float = math.nan  # the fastest fixed drafter's (``drafters.FIXED``), NaN: none measured
+    timing_noise: float = math.nan  # ``objective.timing_noise``
 
 
 @dataclass
@@ -81,13 +83,15 @@ class Bank:
     anchor_cluster: np.ndarray  # (N,) cluster id per anchor
     pooling: Pooling = Pooling()
     router_k: int = 3
-    min_similarity: float = -1.0  # below: unmatched, use the fallback cluster
-    fallback: int | None = None  # cluster whose configuration serves unmatched prompts
+    min_similarity: float = -1.0  # below: unmatched, use the fallback
+    fallback: int | None = None  # cluster whose configuration serves unmatched prompts, without ``fallback_config``
     created: str = ""
     knnssd_version: str = __version__
     extra: dict = field(default_factory=dict)
     center: np.ndarray | None = None  # subtracted from prompt vectors before routing (router.center_of)
     digest: str = ""  # of the files it was loaded from (``load``): what an output row records of its bank
+    fallback_config: dict | None = None  # what serves them where every cluster timed the fixed drafters
+    fallback_speedup: float = 1.0  # its speedup over every cluster's calib prompts
 
     def router(self) -> Router:
         return Router(self.anchors, self.anchor_cluster, self.router_k, self.min_similarity, self.center)
@@ -100,8 +104,16 @@ class Bank:
         """The same bank with every mask cleared (the mask ablation: same drafters, no skipped sub-layers)."""
         return replace(self, clusters=[replace(c, config={**c.config, "mask": None}) for c in self.clusters])
 
+    @cached_property
+    def unmatched(self) -> BankCluster:
+        """What drafts for a prompt no anchor is close to: ``fallback_config``, else the fallback cluster."""
+        if self.fallback_config is not None:
+            return BankCluster(-1, "unmatched", self.fallback_config, self.fallback_speedup)
+        return self.cluster(self.fallback) if self.fallback is not None else self.cluster(-1)
+
     def cluster(self, cid: int | None) -> BankCluster:
-        cid = self.fallback if cid is None else cid
+        if cid is None:
+            return self.unmatched
         for c in self.clusters:
             if c.id == cid:
                 return c
@@ -120,6 +132,7 @@ class Bank:
             "model": {"name": self.model, "fingerprint": self.fingerprint, "n_layers": self.n_layers, "dtype": self.dtype},
             "pooling": asdict(self.pooling),
             "router": {"k": self.router_k, "min_similarity": self.min_similarity, "fallback": self.fallback,
+                       "fallback_config": self.fallback_config, "fallback_speedup": self.fallback_speedup,
                        "center": None if self.center is None else [float(x) for x in self.center]},
             "clusters": [asdict(c) for c in self.clusters],
             "extra": self.extra,
@@ -174,6 +187,7 @@ def from_json(d: dict, anchors: np.ndarray, owner: np.ndarray) -> Bank:
         return Bank(model=m["name"], fingerprint=m["fingerprint"], n_layers=int(m["n_layers"]), dtype=m["dtype"],
                     clusters=clusters, anchors=anchors, anchor_cluster=owner, pooling=Pooling(**d["pooling"]),
                     router_k=r["k"], min_similarity=float(r["min_similarity"]), fallback=r.get("fallback"),
+                    fallback_config=r.get("fallback_config"), fallback_speedup=float(r.get("fallback_speedup", 1.0)),
                     created=d.get("created", ""), knnssd_version=d.get("knnssd_version", "?"), extra=d.get("extra", {}),
                     center=None if r.get("center") is None else np.asarray(r["center"], dtype=np.float32))
     except BankError:
@@ -207,6 +221,13 @@ def validate(bank: Bank) -> None:
         raise BankError(f"router.min_similarity must be a finite number, got {bank.min_similarity!r}")
     if bank.fallback is not None and bank.fallback not in ids:
         raise BankError(f"fallback cluster {bank.fallback} is not in the bank")
+    if bank.fallback_config is not None:
+        try:
+            cfg = DrafterConfig.from_dict(bank.fallback_config)
+            if cfg.mask is not None:
+                SkipMask.from_dict(cfg.mask).validate(bank.n_layers)
+        except (MaskError, ValueError, TypeError) as e:
+            raise BankError(f"router.fallback_config is not a drafting configuration for this model: {e}") from None
     for c in bank.clusters:
         try:
             cfg = c.drafter
@@ -229,13 +250,50 @@ def from_clusters(clusters: list[Cluster], results: list[ClusterResult], model: 
         bcs.append(BankCluster(
             id=c.id, label=c.label, config=r.config, speedup=r.speedup, acceptance_rate=r.acceptance_rate,
             mean_accepted=r.mean_accepted, members=len(c.members), domains=c.domains,
-            search={k: v for k, v in (("proxy_speedup", r.proxy_speedup), ("proxy_trials", r.proxy_trials),
-                                      ("real_trials", r.real_trials), ("search_s", r.search_s),
-                                      ("ms_per_token", r.ms_per_token), ("ar_ms_per_token", r.ar_ms_per_token))
-                    if not math.isnan(v)}))  # NaN: not measured (a JSON round trip would not keep it equal)
+            search=_search_record(r)))
     anchors, owner = stack_anchors(clusters)
     return Bank(model, fingerprint, n_layers, dtype, bcs, anchors, owner, pooling, 3, min_similarity,
-                fallback_cluster(bcs), created, extra=extra or {}, center=center)
+                fallback_cluster(bcs), created, extra=extra or {}, center=center, **fallback_fields(bcs))
+
+
+def _search_record(r: ClusterResult) -> dict:
+    """What a bank cluster keeps of its search: trials, seconds, speedups, the fixed drafters' timings and the
+    choice's margin over the fastest of them (NaN, not measured, is left out: a JSON round trip would not keep
+    it equal)."""
+    out = {k: v for k, v in (("proxy_speedup", r.proxy_speedup), ("proxy_trials", r.proxy_trials),
+                             ("real_trials", r.real_trials), ("search_s", r.search_s),
+                             ("ms_per_token", r.ms_per_token), ("ar_ms_per_token", r.ar_ms_per_token),
+                             ("best_fixed_speedup", r.best_fixed_speedup), ("timing_noise", r.timing_noise),
+                             ("margin_over_fixed", r.speedup / r.best_fixed_speedup))
+           if not math.isnan(v)}
+    fixed = {}
+    for c in r.candidates:
+        kind = fixed_kind(c["config"])
+        if kind and all(math.isfinite(c.get(k, math.nan)) for k in ("ms_per_token", "ar_ms_per_token")):
+            fixed[kind] = {"speedup": c["speedup"], "ms_per_token": c["ms_per_token"],
+                           "ar_ms_per_token": c["ar_ms_per_token"]}
+    if fixed:
+        out["fixed"] = fixed
+    return out
+
+
+def fallback_fields(clusters: list[BankCluster]) -> dict:
+    """``fallback_config`` and ``fallback_speedup``: the fixed drafter fastest over every cluster's calib
+    prompts (each cluster's measured times weighted by its members), or plain decoding where none is faster.
+    An unmatched prompt is like none of the clusters, so their own configurations, each measured on its own
+    prompts only, say nothing of it. Empty where some cluster did not time the fixed drafters (a search
+    without lookups, or a bank from before them): the fallback cluster serves then."""
+    speed = {}
+    for kind in FIXED:
+        got = [(c.members or 1, c.search["fixed"][kind]) for c in clusters if kind in c.search.get("fixed", {})]
+        if got and len(got) == len(clusters):
+            speed[kind] = sum(w * f["ar_ms_per_token"] for w, f in got) / sum(w * f["ms_per_token"] for w, f in got)
+    if not speed:
+        return {}
+    kind, sp = max(speed.items(), key=lambda kv: kv[1])
+    if sp <= 1.0:
+        return {"fallback_config": DrafterConfig(kind="none").to_dict(), "fallback_speedup": 1.0}
+    return {"fallback_config": untuned(kind).to_dict(), "fallback_speedup": sp}
 
 
 def fallback_cluster(clusters: list[BankCluster]) -> int:

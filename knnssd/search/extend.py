@@ -70,7 +70,8 @@ def merged(bank: banks.Bank, clusters: list[router.Cluster], results: list[banks
     out = banks.Bank(bank.model, bank.fingerprint, bank.n_layers, bank.dtype, all_clusters,
                      np.concatenate([bank.anchors, add.anchors]), np.concatenate([bank.anchor_cluster, add.anchor_cluster]),
                      bank.pooling, bank.router_k, bank.min_similarity, banks.fallback_cluster(all_clusters),
-                     dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), extra=extra, center=bank.center)
+                     dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), extra=extra, center=bank.center,
+                     **banks.fallback_fields(all_clusters))
     banks.validate(out)
     return out
 

@@ -8,18 +8,21 @@ speedup of a stage-2 candidate, and the choice among the measured ones (``optimi
 - **measured** (``measure``): a candidate's decode-only time against plain decoding's, prompt by
   prompt, alternating which goes first so both see the same drift of the machine; speedup = plain
   time / candidate time, reported after each prompt so that a hopeless candidate is pruned.
-- **choice** (``choose``): the fastest measured candidate, or plain decoding (speedup 1.0) where none
-  is faster: no cluster is slower than plain decoding as measured.
+- **choice** (``choose``): the fastest measured candidate, but a tuned one only where it beats the best
+  fixed drafter (``drafters.FIXED``, untuned, always measured) by more than the timing's noise, and plain
+  decoding (speedup 1.0) where none is faster: no cluster is slower than plain decoding as measured, and
+  none takes a tuned configuration that its own measurements cannot tell from a fixed one.
 """
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.decoder import Decoder
-from knnssd.engine.drafters import Drafter, DrafterConfig
+from knnssd.engine.drafters import Drafter, DrafterConfig, fixed_kind
 from knnssd.search import cancel
 from knnssd.search.costs import Costs
 from knnssd.search.proxy import Sample, best_policy, trace
@@ -88,12 +91,28 @@ def measure(dec: Decoder, drafter: Drafter, prompt_ids: list[list[int]], gen: Ge
     return m
 
 
+def timing_noise(results: list[dict]) -> float:
+    """The relative spread (standard deviation / mean) of plain decoding's ms per token over the measured
+    candidates: each timed plain decoding on the same prompts beside itself, so these differ only by the
+    machine's noise. 0.0 with fewer than three."""
+    plain = [r["ar_ms_per_token"] for r in results if math.isfinite(r.get("ar_ms_per_token", math.nan))]
+    return statistics.stdev(plain) / statistics.mean(plain) if len(plain) >= 3 else 0.0
+
+
 def choose(results: list[dict]) -> dict:
-    """The fastest measured candidate (``config``, ``speedup`` and its ``Measured.attrs``); plain decoding
-    where none is faster than 1.0."""
+    """The chosen candidate (``config``, ``speedup`` and its ``Measured.attrs``), with ``best_fixed_speedup``
+    (NaN: no fixed drafter measured) and ``timing_noise`` added.
+
+    The fastest, unless it is tuned and beats the best fixed drafter by less than twice the noise (a speedup
+    is a ratio of two timings, and two speedups are compared): then that fixed drafter, which holds on any
+    prompt. Plain decoding where the choice is not faster than 1.0."""
+    noise = timing_noise(results)
+    fixed = max((r for r in results if fixed_kind(r["config"])), key=lambda r: r["speedup"], default=None)
     best = max(results, key=lambda r: r["speedup"], default=None)
+    if best is not None and fixed is not None and best["speedup"] < fixed["speedup"] * (1 + 2 * noise):
+        best = fixed
     if best is None or best["speedup"] <= 1.0:
         plain_ms = (best or {}).get("ar_ms_per_token", math.nan)
         best = {"config": DrafterConfig(kind="none").to_dict(), "speedup": 1.0, "acceptance": 0.0,
                 "mean_accepted": 1.0, "ms_per_token": plain_ms, "ar_ms_per_token": plain_ms, "proxy_speedup": 1.0}
-    return best
+    return {**best, "best_fixed_speedup": fixed["speedup"] if fixed else math.nan, "timing_noise": noise}

@@ -9,12 +9,15 @@ default):
    Replaying the speculative loop on those traces with measured step costs (``costs.py``)
    predicts the speedup of every drafting policy (kind, confidence threshold, max draft length,
    adaptive length, n-gram sizes) at once; the trial keeps the best policy.
-2. **real** (measured): the best distinct configurations of stage 1, the best pure lookup
-   policies (n-gram, suffix), each lookup drafter untuned (``drafters.untuned``) and plain AR are
-   timed with the real engine on calib prompts, interleaved prompt by prompt with plain AR; the
-   objective is measured speedup = AR time / candidate time (equivalently, time per generated
-   token). Plain AR (speedup 1.0) and the untuned lookups are always candidates, so no cluster's
-   result is slower than them as measured.
+2. **real** (measured): the fixed drafters (``drafters.FIXED``: n-gram and suffix lookup, untuned,
+   whatever kinds are searched, and even past ``--minutes``), the best pure lookup policies of the
+   kinds searched, and the best distinct configurations of stage 1 are timed with the real engine on
+   calib prompts, interleaved prompt by prompt with plain AR (suffix drafters with a cache of the
+   earlier prompts' outputs, as a bank serves them); the objective is measured speedup = AR time /
+   candidate time (equivalently, time per generated token). Plain AR (speedup 1.0) and the fixed
+   drafters are always candidates, so no cluster's result is slower than them as measured, and a
+   tuned configuration is chosen only where it beats them by more than the timing's noise
+   (``objective.choose``).
 
 This module runs the two stages for one cluster (``search_cluster``); what each stage maximises is
 ``objective.py``'s, and the terms are defined in ``proxy.py`` and ``costs.py``.
@@ -28,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from knnssd.engine.decode import GenerationConfig
-from knnssd.engine.drafters import SKIPPING, DrafterConfig, build, untuned
+from knnssd.engine.drafters import FIXED, SKIPPING, DrafterConfig, build, fixed_kind, untuned
+from knnssd.engine.suffix import SuffixCache
 from knnssd.engine.decoder import Decoder
 from knnssd.engine.skip import SkipMask
 from knnssd.routing.bank import ClusterResult
@@ -89,9 +93,8 @@ def proxy_stage(m: SearchModel, job: ClusterJob, budget: Budget, progress=None, 
     samples = teacher_samples(dec, m.tokenizer, job.texts[: budget.proxy_prompts], budget.max_new_tokens, m.eos)
     proposals: dict = {sizes: [ngram_proposals(s, sizes, max(MAX_LENS)) for s in samples] for sizes in NGRAM_SIZES}
     proposals.update({(TREE_KEY, sizes): Trees(samples, max(MAX_LENS), sizes) for sizes in NGRAM_SIZES})
-    if "suffix" in budget.kinds:
-        proposals["suffix"] = [suffix_proposals(s, max(MAX_LENS)) for s in samples]
-        proposals[(TREE_KEY, "suffix")] = Trees(samples, max(MAX_LENS))
+    proposals["suffix"] = [suffix_proposals(s, max(MAX_LENS)) for s in samples]  # the fixed suffix drafter's too
+    proposals[(TREE_KEY, "suffix")] = Trees(samples, max(MAX_LENS))
     n = dec.n_layers
     kinds = tuple(k for k in SKIPPING if k in budget.kinds) if dec.can_skip else ()
     proxy = job.study("proxy", budget.seed)
@@ -150,19 +153,18 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
     stage1 = proxy_stage(m, job, budget, progress, deadline=deadline)
     proxy, samples, proposals, kinds, costs = stage1.study, stage1.samples, stage1.proposals, stage1.kinds, stage1.costs
 
-    # candidates for stage 2: the best pure lookup policies (n-gram, suffix), each lookup untuned (so no bank is
-    # measured slower than it here), then the best distinct proxy configurations
+    # candidates for stage 2: the fixed drafters (so no bank is measured slower than them here), the best pure
+    # lookup policies of the kinds searched, then the best distinct proxy configurations
     cands: list[tuple[DrafterConfig, float]] = []
-    lookups = [k for k in LOOKUPS if k in budget.kinds]
-    for kind in lookups:
-        pol, (sp, _, _) = best_policy(samples, None, costs, 0.0, proposals, (kind,))
-        cands.append((to_config(pol, None, False), sp))
-    for kind in lookups:
+    for kind in FIXED:
         cfg = untuned(kind)
         pol = Policy(kind, cfg.max_len, cfg.threshold, cfg.adaptive, tuple(cfg.ngram_sizes))
         sp = simulate(samples, None, pol, costs, 0.0, proposals_for(pol, proposals))[0]
         cands.append((cfg, sp))
-    unique: dict[str, tuple[DrafterConfig, float]] = {}  # the best policy may be the untuned one
+    for kind in (k for k in LOOKUPS if k in budget.kinds):
+        pol, (sp, _, _) = best_policy(samples, None, costs, 0.0, proposals, (kind,))
+        cands.append((to_config(pol, None, False), sp))
+    unique: dict[str, tuple[DrafterConfig, float]] = {}  # the best policy may be the fixed one
     for c, sp in cands:
         unique.setdefault(json.dumps(c.to_dict(), sort_keys=True), (c, sp))
     cands, seen = list(unique.values()), set(unique)
@@ -189,9 +191,10 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
     for cfg, proxy_sp in cands:
         cancel.check()
         key = json.dumps(cfg.to_dict(), sort_keys=True)
-        if key in measured or (deadline is not None and time.perf_counter() > deadline):
+        late = deadline is not None and time.perf_counter() > deadline
+        if key in measured or (late and not fixed_kind(cfg.to_dict())):  # the fixed drafters: past it too
             continue
-        drafter = build(cfg, n, dec.can_skip)
+        drafter = build(cfg, n, dec.can_skip, SuffixCache() if cfg.kind == "suffix" else None)
         trial = real.ask()
         trial.set_user_attr("config", key)
         trial.set_user_attr("proxy_speedup", proxy_sp)
@@ -224,7 +227,7 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
         mean_accepted=best["mean_accepted"], ms_per_token=best["ms_per_token"],
         ar_ms_per_token=best["ar_ms_per_token"], proxy_speedup=best["proxy_speedup"],
         proxy_trials=len(finished(proxy)), real_trials=len(finished(real)), search_s=time.perf_counter() - t0,
-        candidates=results,
+        candidates=results, best_fixed_speedup=best["best_fixed_speedup"], timing_noise=best["timing_noise"],
     )
 
 

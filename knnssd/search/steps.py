@@ -212,8 +212,9 @@ def register(bank_dir: Path, params: dict, uri: str | None = None, alias: str = 
         tag = tracking.metric_tag(c.label)
         metrics[f"speedup_{tag}"] = c.speedup
         metrics[f"acceptance_{tag}"] = c.acceptance_rate
-        if "search_s" in c.search:
-            metrics[f"search_s_{tag}"] = c.search["search_s"]
+        for key in ("search_s", "margin_over_fixed"):
+            if key in c.search:
+                metrics[f"{key}_{tag}"] = c.search[key]
     total = sum(c.members for c in bank.clusters)
     metrics["speedup_weighted"] = sum(c.speedup * c.members for c in bank.clusters) / max(1, total)
     reg = tracking.register_bank(bank_dir, bank.model, params, metrics, uri, alias=alias)

@@ -74,7 +74,7 @@ class RoutedGenerator:
         self.static = lm.static
         if self.static is not None and any(c.drafter.int8 for c in bank.clusters):
             log.info("the static step has no int8 weights: clusters that draft on them draft on the full weights")
-        self.drafters = {c.id: self.build(c) for c in bank.clusters}
+        self.drafters = {c.id: self.build(c) for c in [*bank.clusters, bank.unmatched]}
         if self.static is not None and self.static.runner.graphs:
             masks = tuple({c.mask for c in bank.clusters if c.mask is not None})
             try:
