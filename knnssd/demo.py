@@ -1,5 +1,6 @@
 """The main job (`make demo`): calibrate a small bank on the bundled prompts, register it, then
-generate a mixed stream with routed drafting next to plain decoding and print what happened."""
+generate a mixed stream with routed drafting next to plain decoding and the fixed drafters (n-gram and
+suffix lookup, untuned: what routing must beat), and print what happened."""
 from __future__ import annotations
 
 import random
@@ -20,9 +21,10 @@ class DemoConfig:
     candidates: int = 2
     max_new_tokens: int = 64
     seed: int = 0
-    # a cluster's search stops taking new candidates after this (--minutes): the demo's searches took 5-20 s a
-    # cluster on a 2-core Zen 5 and 46 s on an AVX2-only Zen 3, which put its run past 4 minutes there
-    search_s: float = 20.0
+    # a cluster's search stops taking new candidates after this (--minutes), but for the fixed drafters: the
+    # demo's searches took 5-20 s a cluster on a 2-core Zen 5 and 46 s on an AVX2-only Zen 3, which put its run
+    # past 4 minutes there
+    search_s: float = 15.0
 
 
 def say(msg: str) -> None:
@@ -43,7 +45,9 @@ def run(cfg: DemoConfig) -> dict:
     from knnssd.flows.calibrate import calibrate
 
     from knnssd.engine.decode import GenerationConfig, decode, prefill
+    from knnssd.engine.drafters import FIXED, build, untuned
     from knnssd.engine.params import GenerateParams
+    from knnssd.engine.suffix import SuffixCache
     from knnssd.serving.routed import RoutedGenerator
 
     t0 = time.time()
@@ -55,7 +59,8 @@ def run(cfg: DemoConfig) -> dict:
     t1 = time.time()
     say(f"      registered {reg['name']} version {reg['version']} (aliases: {', '.join(reg['aliases'])}) in {t1 - t0:.0f} s")
 
-    say("[2/3] generating a mixed stream: routed speculative decoding vs plain decoding, prompt by prompt ...")
+    say("[2/3] generating a mixed stream: routed speculative decoding vs plain decoding and the fixed drafters "
+        f"({', '.join(FIXED)}), prompt by prompt ...")
     gen = RoutedGenerator.from_model_uri(reg["uri"], dtype=cfg.dtype, device=cfg.device)
     rows = prompts.load_domains(prompts.samples_dir(), tuple(domains), "eval", None)
     random.Random(cfg.seed).shuffle(rows)
@@ -63,19 +68,25 @@ def run(cfg: DemoConfig) -> dict:
     per: dict[str, dict] = {}
     g = GenerationConfig(max_new_tokens=p.max_new_tokens, eos_ids=gen.eos)
 
-    def plain_run(text):
+    n, can = gen.decoder.n_layers, gen.decoder.can_skip
+    fixed = {k: build(untuned(k), n, can, SuffixCache()) for k in FIXED}  # suffix: its own cache, as the bank's
+
+    def plain_run(text, drafter=None):
         ts = time.perf_counter()
         ids = gen.tokenize(text, p)[0]
         seq, logits, _ = prefill(gen.decoder_for(len(ids) + p.max_new_tokens), ids, g)  # the form routed runs on
-        return decode(seq, logits, None, g)[0], time.perf_counter() - ts
+        return decode(seq, logits, drafter, g)[0], time.perf_counter() - ts
 
-    for i, r in enumerate(rows):  # alternate which goes first, so neither always runs on a warmer cache
-        if i % 2:
-            plain, ar_s = plain_run(r.prompt)
-            res = gen.generate(r.prompt, p)
-        else:
-            res = gen.generate(r.prompt, p)
-            plain, ar_s = plain_run(r.prompt)
+    fixed_s = dict.fromkeys(FIXED, 0.0)
+    for i, r in enumerate(rows):  # rotate which goes first, so none always runs on a warmer cache
+        runs = ["routed", "plain", *FIXED]
+        for what in runs[i % len(runs):] + runs[: i % len(runs)]:
+            if what == "routed":
+                res = gen.generate(r.prompt, p)
+            elif what == "plain":
+                plain, ar_s = plain_run(r.prompt)
+            else:
+                fixed_s[what] += plain_run(r.prompt, fixed[what])[1]
         d = per.setdefault(r.domain, {"n": 0, "spec_s": 0.0, "ar_s": 0.0, "drafted": 0, "accepted": 0, "same": 0,
                                       "routes": {}})
         d["n"] += 1
@@ -84,7 +95,8 @@ def run(cfg: DemoConfig) -> dict:
         d["drafted"] += res.stats.drafted
         d["accepted"] += sum(res.stats.accepted)
         d["same"] += plain == res.tokens
-        where = res.label if res.cluster is not None else f"unmatched→{res.label}"
+        # unmatched: the bank's fallback (its "unmatched" drafter, or in older banks a cluster's)
+        where = res.label if res.cluster is not None or res.label == "unmatched" else f"unmatched→{res.label}"
         d["routes"][where] = d["routes"].get(where, 0) + 1
     t2 = time.time()
 
@@ -97,8 +109,12 @@ def run(cfg: DemoConfig) -> dict:
         routed = f"{label} ({d['routes'][label]}/{d['n']})"
         lines.append(f"{dom:<14} {routed:<22} {c.drafter.describe()[:44]:<44} {d['ar_s'] / d['spec_s']:>7.2f}x "
                      f"{d['accepted'] / d['drafted'] if d['drafted'] else 0:>7.2f} {d['same']:>8}/{d['n']}")
-    total = sum(d["ar_s"] for d in per.values()) / sum(d["spec_s"] for d in per.values())
+    ar_total, spec_total = sum(d["ar_s"] for d in per.values()), sum(d["spec_s"] for d in per.values())
+    total = ar_total / spec_total
     lines.append(f"{'all':<14} {'':<22} {'':<44} {total:>7.2f}x")
+    best = min(fixed_s, key=fixed_s.get)
+    lines.append("\nfixed drafters on the same stream: " + ", ".join(f"{k} {ar_total / s:.2f}x" for k, s in fixed_s.items())
+                 + f"; routed / best fixed ({best}): {fixed_s[best] / spec_total:.2f}")
     print("\n".join(lines))
     print(f"\n{cfg.model} · {gen.lm.dtype_name} · {len(rows)} eval prompts x {cfg.max_new_tokens} tokens · "
           f"calibration {t1 - t0:.0f} s, stream {t2 - t1:.0f} s")
@@ -107,4 +123,6 @@ def run(cfg: DemoConfig) -> dict:
         print(f"verify pass: {ex.describe()}" + ("" if ex.exact else f" — {ex.note}"))
     print("Browse the bank (masks, speedups, pictures) in the MLflow UI:  .venv/bin/knnssd ui   "
           "then open http://127.0.0.1:5000")
-    return {"registered": reg, "per_domain": per, "speedup": total}
+    return {"registered": reg, "per_domain": per, "speedup": total,
+            "fixed": {k: ar_total / s for k, s in fixed_s.items()},
+            "routed_over_best_fixed": fixed_s[best] / spec_total}

@@ -52,6 +52,9 @@ def test_reduced_bench_through_flow(banks, data_dir, prefect_harness, tmp_path):
     assert 0 <= rep["targets"]["routing_overhead_pct"] < 5
     assert summary["mlflow_run_id"] == rep["mlflow_run_id"]
     assert "| **mixed** |" in (out / "bench.md").read_text()
+    assert rep["versus_best_fixed"]["mixed"]["best_fixed"] in ("ngram", "suffix")  # routed over the best fixed
+    assert rep["targets"]["routed_over_best_fixed"] == rep["versus_best_fixed"]["mixed"]["routed_over_best_fixed"]
+    assert "| set | best fixed | its speedup | routed | routed / best fixed |" in (out / "bench.md").read_text()
     tp = rep["throughput"]  # bench-throughput's table: every setting's tokens equal routed b=1's (fp32)
     assert [r["setting"] for r in tp["table"]] == ["routed b=1", "plain b=2", "routed b=2", "routed auto"]
     assert tp["prompts"] == 3 and all(r["same_as_b1"] == 1.0 and r["tokens_per_s"] > 0 for r in tp["table"])

@@ -15,9 +15,11 @@ Terms, defined once:
   with its skip mask cleared (same kind, precision, lengths); the ablation table compares the two
   cluster by cluster, on the eval prompts routed there (run when the bank has a mask).
 
-No method keeps state from one prompt to the next (the router is a pure function of the prompt),
-so a stream's speedup depends on which prompts it holds, not on their order; the per-``r`` numbers
-are measured anyway, each on its own pass.
+The router is a pure function of the prompt. The one state kept from prompt to prompt is suffix
+drafting's cache of earlier outputs (``suffix.SuffixCache``): the routed bank's, shared by its suffix
+clusters, and the fixed suffix drafter's own, as a server keeps them. So a stream's speedup depends
+mostly on which prompts it holds, and a little on their order; the per-``r`` numbers are each
+measured on their own pass.
 
 Measurements are appended to ``<out>/measurements-<key>.jsonl`` as they are taken, so a killed bench
 resumes where it stopped (same settings) and a finished one just re-summarises.
@@ -45,7 +47,8 @@ from knnssd.bench.hf import hf_generate
 from knnssd.bench.throughput import SIZES, ThroughputBench
 from knnssd.engine import exactness
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
-from knnssd.engine.drafters import build, untuned
+from knnssd.engine.drafters import FIXED, build, untuned
+from knnssd.engine.suffix import SuffixCache
 from knnssd.routing import bank as banks
 
 # ngram and suffix: the untuned lookup drafters (``drafters.untuned``, bench-engine's too), every prompt the same
@@ -155,7 +158,8 @@ class Runner:
             if len(static.clusters) != 1:
                 raise banks.BankError(f"static bank must hold one cluster, it holds {len(static.clusters)}")
         n, can = self.dec.n_layers, self.dec.can_skip
-        self.drafters = {"ar": None, **{m: build(untuned(m), n, can) for m in ("ngram", "suffix")}}
+        # the fixed suffix drafter keeps its own cache of earlier outputs, as the routed bank keeps one
+        self.drafters = {"ar": None, **{m: build(untuned(m), n, can, SuffixCache()) for m in FIXED}}
         if static is not None:
             self.drafters["static_ssd"] = self.routed.build(static.clusters[0])
         self.oracle = {}  # domain -> drafter of its largest own-domain cluster
@@ -318,8 +322,29 @@ def summarise(done: dict, cfg: BenchConfig, runner: Runner) -> dict:
         if rs:
             report["ood"][s]["routed_labels"] = {lab: sum(x["label"] == lab for x in rs) for lab in {x["label"] for x in rs}}
     report["mask_ablation"] = mask_ablation(eval_ms, ids, runner.bank) if runner.unmasked is not None else None
+    report["versus_best_fixed"] = versus_best_fixed(report)
     report["targets"] = targets(report)
     return report
+
+
+def best_fixed(row: dict) -> tuple[str, float] | None:
+    """The fastest of ``FIXED`` in one row of speedups (a method's ``_agg``, or a stream pass's speedup),
+    as (method, speedup vs own AR); None where none of them ran."""
+    sp = {m: row[m] if isinstance(row.get(m), float) else (row.get(m) or {}).get("speedup_vs_ar") for m in FIXED}
+    sp = {m: v for m, v in sp.items() if v}
+    return max(sp.items(), key=lambda kv: kv[1]) if sp else None
+
+
+def versus_best_fixed(rep: dict) -> dict:
+    """Routed decoding over the best fixed drafter of each set (mixed stream, each domain, each OOD set):
+    {set: {"best_fixed": method, "best_fixed_speedup", "routed_speedup", "routed_over_best_fixed"}}."""
+    out = {}
+    for name, row in [("mixed", rep["mixed"]), *rep["per_domain"].items(), *rep["ood"].items()]:
+        fixed, routed = best_fixed(row), (row.get("knn_routed") or {}).get("speedup_vs_ar")
+        if fixed and routed:
+            out[name] = {"best_fixed": fixed[0], "best_fixed_speedup": fixed[1], "routed_speedup": routed,
+                         "routed_over_best_fixed": routed / fixed[1]}
+    return out
 
 
 def mask_ablation(eval_ms: dict, ids: list[str], bank) -> list[dict]:
@@ -345,6 +370,7 @@ def targets(rep: dict) -> dict:
     sp = lambda m: (mix.get(m) or {}).get("speedup_vs_ar")  # noqa: E731
     worst = min(((v.get("knn_routed") or {}).get("speedup_vs_ar", 0) for v in rep["per_domain"].values()), default=None)
     r1 = rep["streams"].get("1.0", {})
+    vs = rep.get("versus_best_fixed", {})
     r1_gap = None
     if r1:
         p = next(iter(r1.values()))
@@ -355,6 +381,9 @@ def targets(rep: dict) -> dict:
         "routed_over_pld": sp("knn_routed") / sp("hf_pld") if sp("knn_routed") and sp("hf_pld") else None,
         "routed_minus_static_r1": r1_gap,
         "routed_over_oracle": sp("knn_routed") / sp("oracle") if sp("knn_routed") and sp("oracle") else None,
+        "routed_over_best_fixed": (vs.get("mixed") or {}).get("routed_over_best_fixed"),
+        "routed_over_best_fixed_worst_set": min((v["routed_over_best_fixed"] for k, v in vs.items() if k != "mixed"),
+                                                default=None),
         "routing_overhead_pct": kr.get("routing_overhead_pct"), "masks_only_mixed_speedup": sp("knn_masks"),
     }
 
@@ -373,9 +402,10 @@ def markdown(rep: dict) -> str:
              f"{rep['settings']['max_new_tokens']} new tokens, {rep['settings']['threads']} threads", "",
              _exactness_line(rep.get("exactness")), "",
              "## Speedup vs own AR (eval prompts; mixed = all domains)", "",
-             "| domain | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+             "| domain | " + " | ".join(methods) + " | best fixed |", "|---" * (len(methods) + 2) + "|"]
     for d, row in [("**mixed**", rep["mixed"]), *rep["per_domain"].items()]:
-        lines.append(f"| {d} | " + " | ".join(f((row.get(m) or {}).get("speedup_vs_ar")) for m in methods) + " |")
+        lines.append(f"| {d} | " + " | ".join(f((row.get(m) or {}).get("speedup_vs_ar")) for m in methods)
+                     + f" | {_fixed_cell(row)} |")
     lines += ["", "## Mixed stream details", "", "| method | tok/s | vs HF generate | mean accepted | acceptance | agreement | routing overhead % |",
               "|---|---|---|---|---|---|---|"]
     for m in methods:
@@ -383,17 +413,23 @@ def markdown(rep: dict) -> str:
         lines.append(f"| {m} | {f(x.get('tokens_per_s'), 1)} | {f(x.get('speedup_vs_hf'))} | {f(x.get('mean_accepted'))} | "
                      f"{f(x.get('acceptance_rate'))} | {f(x.get('agreement_with_ar'))} | {f(x.get('routing_overhead_pct'), 3)} |")
     lines += ["", "## Streams by mix ratio r (speedup vs own AR, each its own pass)", "",
-              "| r | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+              "| r | " + " | ".join(methods) + " | best fixed |", "|---" * (len(methods) + 2) + "|"]
     for r, passes in rep["streams"].items():
         for name, row in passes.items():
-            lines.append(f"| {r} ({name}) | " + " | ".join(f(row.get(m)) for m in methods) + " |")
+            lines.append(f"| {r} ({name}) | " + " | ".join(f(row.get(m)) for m in methods) + f" | {_fixed_cell(row)} |")
     if rep["ood"]:
         om = rep["settings"]["ood_methods"]
         lines += ["", "## Out of domain (bank calibrated on the five domains only)", "",
-                  "| set | " + " | ".join(om) + " | routed to |", "|---" * (len(om) + 2) + "|"]
+                  "| set | " + " | ".join(om) + " | best fixed | routed to |", "|---" * (len(om) + 3) + "|"]
         for s, row in rep["ood"].items():
             lines.append(f"| {s} | " + " | ".join(f((row.get(m) or {}).get("speedup_vs_ar")) for m in om)
-                         + f" | {row.get('routed_labels', {})} |")
+                         + f" | {_fixed_cell(row)} | {row.get('routed_labels', {})} |")
+    if rep.get("versus_best_fixed"):
+        lines += ["", "## Routed against the best fixed drafter (" + ", ".join(FIXED) + ", untuned), per set", "",
+                  "| set | best fixed | its speedup | routed | routed / best fixed |", "|---|---|---|---|---|"]
+        for name, v in rep["versus_best_fixed"].items():
+            lines.append(f"| {name} | {v['best_fixed']} | {f(v['best_fixed_speedup'])} | {f(v['routed_speedup'])} | "
+                         f"{f(v['routed_over_best_fixed'], 3)} |")
     if rep.get("mask_ablation"):
         lines += ["", "## Mask ablation (each masked cluster's drafter, with vs without its mask; eval prompts routed there)",
                   "", "| cluster | drafter | skipped | prompts | speedup with mask | without | gain | mean accepted with / without |",
@@ -408,6 +444,11 @@ def markdown(rep: dict) -> str:
     lines += ["", f"routing accuracy (eval): {f(rep['routing_accuracy'], 3)}", "",
               "## Targets", "", *[f"- {k}: {f(v, 3)}" for k, v in rep["targets"].items()]]
     return "\n".join(lines) + "\n"
+
+
+def _fixed_cell(row: dict) -> str:
+    fixed = best_fixed(row)
+    return f"{fixed[1]:.2f} ({fixed[0]})" if fixed else "–"
 
 
 def plots(rep: dict, out: Path) -> list[Path]:
