@@ -99,20 +99,25 @@ def timing_noise(results: list[dict]) -> float:
     return statistics.stdev(plain) / statistics.mean(plain) if len(plain) >= 3 else 0.0
 
 
-def choose(results: list[dict]) -> dict:
-    """The chosen candidate (``config``, ``speedup`` and its ``Measured.attrs``), with ``best_fixed_speedup``
-    (NaN: no fixed drafter measured) and ``timing_noise`` added.
+def choose(results: list[dict], kinds: tuple[str, ...] | None = None) -> dict:
+    """The chosen candidate (``config``, ``speedup`` and its ``Measured.attrs``) among those of ``kinds`` (None:
+    any), with ``best_fixed_speedup`` (the fastest fixed drafter's, chosen or not; NaN: none measured) and
+    ``timing_noise`` added.
 
-    The fastest, unless it is tuned and beats the best fixed drafter by less than twice the noise (a speedup
-    is a ratio of two timings, and two speedups are compared): then that fixed drafter, which holds on any
-    prompt. Plain decoding where the choice is not faster than 1.0."""
+    The fastest, unless it is tuned and beats the best fixed drafter it may take by less than twice the
+    noise (a speedup is a ratio of two timings, and two speedups are compared): then that fixed drafter,
+    which holds on any prompt. Plain decoding where the choice is not faster than 1.0."""
     noise = timing_noise(results)
-    fixed = max((r for r in results if fixed_kind(r["config"])), key=lambda r: r["speedup"], default=None)
-    best = max(results, key=lambda r: r["speedup"], default=None)
+    speed = lambda r: r["speedup"]  # noqa: E731
+    fixed_all = [r for r in results if fixed_kind(r["config"])]
+    allowed = [r for r in results if kinds is None or r["config"].get("kind") in kinds]
+    fixed = max((r for r in fixed_all if r in allowed), key=speed, default=None)
+    best = max(allowed, key=speed, default=None)
     if best is not None and fixed is not None and best["speedup"] < fixed["speedup"] * (1 + 2 * noise):
         best = fixed
     if best is None or best["speedup"] <= 1.0:
         plain_ms = (best or {}).get("ar_ms_per_token", math.nan)
         best = {"config": DrafterConfig(kind="none").to_dict(), "speedup": 1.0, "acceptance": 0.0,
                 "mean_accepted": 1.0, "ms_per_token": plain_ms, "ar_ms_per_token": plain_ms, "proxy_speedup": 1.0}
-    return {**best, "best_fixed_speedup": fixed["speedup"] if fixed else math.nan, "timing_noise": noise}
+    top = max(fixed_all, key=speed, default=None)
+    return {**best, "best_fixed_speedup": top["speedup"] if top else math.nan, "timing_noise": noise}

@@ -10,7 +10,8 @@ default):
    predicts the speedup of every drafting policy (kind, confidence threshold, max draft length,
    adaptive length, n-gram sizes) at once; the trial keeps the best policy.
 2. **real** (measured): the fixed drafters (``drafters.FIXED``: n-gram and suffix lookup, untuned,
-   whatever kinds are searched, and even past ``--minutes``), the best pure lookup policies of the
+   whatever kinds are searched, and even past ``--minutes``; chosen only where their kind is searched,
+   so that ``--kinds layer_skip`` still makes a bank of masks), the best pure lookup policies of the
    kinds searched, and the best distinct configurations of stage 1 are timed with the real engine on
    calib prompts, interleaved prompt by prompt with plain AR (suffix drafters with a cache of the
    earlier prompts' outputs, as a bank serves them); the objective is measured speedup = AR time /
@@ -221,7 +222,7 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
 
     results = [{**t.user_attrs, "config": json.loads(key), "speedup": t.value}
                for key, t in measured.items() if t.state == optuna.trial.TrialState.COMPLETE]
-    best = objective.choose(results)
+    best = objective.choose(results, budget.kinds)
     return ClusterResult(
         cluster=job.cluster, config=best["config"], speedup=best["speedup"], acceptance_rate=best["acceptance"],
         mean_accepted=best["mean_accepted"], ms_per_token=best["ms_per_token"],
