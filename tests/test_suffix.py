@@ -88,6 +88,10 @@ def test_the_cache_keeps_the_last_outputs_and_drafts_from_them():
     for out in ([1, 2, 3], [4, 5, 6], [7, 8], list(range(10, 20))):
         small.add(out)
     assert len(small) == 2 and small.index.node([1]) is None and small.index.node([4, 5]).count == 1
+    cache.clear()  # a bench's next pass: nothing of the last one's outputs
+    assert len(cache) == 0 and propose(_own([0, 5, 6]), cache, 4, 0.0, 2.0) == []
+    cache.add([5, 6, 7, 8])
+    assert propose(_own([0, 5, 6]), cache, 4, 0.0, 2.0) == [7, 8]
 
 
 def test_suffix_settings_are_checked():

@@ -17,9 +17,10 @@ Terms, defined once:
 
 The router is a pure function of the prompt. The one state kept from prompt to prompt is suffix
 drafting's cache of earlier outputs (``suffix.SuffixCache``): the routed bank's, shared by its suffix
-clusters, and the fixed suffix drafter's own, as a server keeps them. So a stream's speedup depends
-mostly on which prompts it holds, and a little on their order; the per-``r`` numbers are each
-measured on their own pass.
+clusters, and the fixed suffix drafter's own, as a server keeps them. Both are emptied at the start of
+each pass, which would otherwise find its own prompts' outputs of the last pass there. So a stream's
+speedup depends mostly on which prompts it holds, and a little on their order; the per-``r`` numbers
+are each measured on their own pass.
 
 Measurements are appended to ``<out>/measurements-<key>.jsonl`` as they are taken, so a killed bench
 resumes where it stopped (same settings) and a finished one just re-summarises.
@@ -169,6 +170,12 @@ class Runner:
         self.methods = [m for m in METHODS if self.available(m)]
         self.ood_methods = [m for m in OOD_METHODS if self.available(m)]
 
+    def forget(self) -> None:
+        """Empty every suffix cache of earlier outputs: the fixed suffix drafter's and the routed banks'."""
+        gens = (self.routed, self.masks, self.unmasked)
+        for cache in [self.drafters["suffix"].cache, *(g.suffix_cache for g in gens if g is not None)]:
+            cache.clear()
+
     def available(self, method: str) -> bool:
         return {"hf_generate": self.cfg.hf, "hf_pld": self.cfg.hf, "static_ssd": "static_ssd" in self.drafters,
                 "knn_masks": self.masks is not None, "knn_unmasked": self.unmasked is not None}.get(method, True)
@@ -233,7 +240,11 @@ def run(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
         plan += [("eval", j, p, runner.methods) for p in order]
         plan += [("ood", j, p, runner.ood_methods) for p in ood_rows] if j < 3 else []
     with open(jpath, "a") as fh:
+        current = None
         for phase, j, p, methods in tqdm(plan, desc="bench", file=sys.stderr, mininterval=5):
+            if j != current:  # each pass from empty suffix caches (the warm-up's output too)
+                runner.forget()
+                current = j
             rot = j % len(methods)
             for m in methods[rot:] + methods[:rot]:
                 if (phase, j, p.id, m) in done:

@@ -138,6 +138,12 @@ class SuffixCache:
     def __len__(self) -> int:
         return len(self._held)
 
+    def clear(self) -> None:
+        """Forget every output (a bench's next pass must not find its own prompts' outputs of the last)."""
+        self.index = SuffixIndex(self.index.depth)
+        self._held.clear()
+        self._size = 0
+
 
 def draft_length(k: int, m: int, factor: float) -> int:
     """A draft after a match of ``m`` tokens: at most ``factor`` times ``m`` (at least 1), and ``k``."""
