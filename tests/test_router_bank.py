@@ -212,7 +212,9 @@ def test_a_tuned_configuration_must_beat_the_fixed_drafters_by_the_timing_noise(
     slow = [_candidate(untuned("suffix"), 0.9), _candidate(untuned("ngram"), 0.95)]
     assert choose(slow)["config"]["kind"] == "none"  # plain decoding where nothing is faster
     assert math.isnan(choose([_candidate(tuned, 1.3)])["best_fixed_speedup"])
-    # kinds without lookups (a bank of masks): the fixed drafters are timed and recorded, not chosen
+    # kinds without lookups (a bank of masks): the fixed drafters are not taken
+    assert choose(steady, kinds=("ngram",))["config"] == tuned.to_dict()  # a lookup kind: both may be
+    assert choose(steady[:2], kinds=("ngram", "layer_skip"))["config"] == untuned("suffix").to_dict()
     skip = DrafterConfig(kind="layer_skip", mask=SkipMask.from_layers(4, mlp=[1]).to_dict())
     masks_only = choose([*noisy[:2], _candidate(skip, 1.2, 10.0)], kinds=("layer_skip", "hybrid"))
     assert masks_only["config"] == skip.to_dict() and masks_only["best_fixed_speedup"] == 1.50

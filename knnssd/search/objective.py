@@ -25,7 +25,7 @@ from knnssd.engine.decoder import Decoder
 from knnssd.engine.drafters import Drafter, DrafterConfig, fixed_kind
 from knnssd.search import cancel
 from knnssd.search.costs import Costs
-from knnssd.search.proxy import Sample, best_policy, trace
+from knnssd.search.proxy import LOOKUPS, Sample, best_policy, trace
 from knnssd.search.study import trial_mask
 
 
@@ -99,10 +99,16 @@ def timing_noise(results: list[dict]) -> float:
     return statistics.stdev(plain) / statistics.mean(plain) if len(plain) >= 3 else 0.0
 
 
+def takes_fixed(kinds: tuple[str, ...]) -> bool:
+    """Whether a search of ``kinds`` times and may take the fixed drafters: where it may draft by lookup at all
+    (``--kinds layer_skip`` makes a bank of masks, the paper's method, and stays one)."""
+    return any(k in LOOKUPS for k in kinds)
+
+
 def choose(results: list[dict], kinds: tuple[str, ...] | None = None) -> dict:
-    """The chosen candidate (``config``, ``speedup`` and its ``Measured.attrs``) among those of ``kinds`` (None:
-    any), with ``best_fixed_speedup`` (the fastest fixed drafter's, chosen or not; NaN: none measured) and
-    ``timing_noise`` added.
+    """The chosen candidate (``config``, ``speedup`` and its ``Measured.attrs``) among those of ``kinds`` and
+    the fixed drafters where ``takes_fixed(kinds)`` (None: any), with ``best_fixed_speedup`` (the fastest
+    fixed drafter's; NaN: none measured) and ``timing_noise`` added.
 
     The fastest, unless it is tuned and beats the best fixed drafter it may take by less than twice the
     noise (a speedup is a ratio of two timings, and two speedups are compared): then that fixed drafter,
@@ -110,7 +116,8 @@ def choose(results: list[dict], kinds: tuple[str, ...] | None = None) -> dict:
     noise = timing_noise(results)
     speed = lambda r: r["speedup"]  # noqa: E731
     fixed_all = [r for r in results if fixed_kind(r["config"])]
-    allowed = [r for r in results if kinds is None or r["config"].get("kind") in kinds]
+    allowed = [r for r in results if kinds is None or r["config"].get("kind") in kinds
+               or (fixed_kind(r["config"]) and takes_fixed(kinds))]
     fixed = max((r for r in fixed_all if r in allowed), key=speed, default=None)
     best = max(allowed, key=speed, default=None)
     if best is not None and fixed is not None and best["speedup"] < fixed["speedup"] * (1 + 2 * noise):

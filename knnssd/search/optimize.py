@@ -10,15 +10,15 @@ default):
    predicts the speedup of every drafting policy (kind, confidence threshold, max draft length,
    adaptive length, n-gram sizes) at once; the trial keeps the best policy.
 2. **real** (measured): the fixed drafters (``drafters.FIXED``: n-gram and suffix lookup, untuned,
-   whatever kinds are searched, and even past ``--minutes``; chosen only where their kind is searched,
-   so that ``--kinds layer_skip`` still makes a bank of masks), the best pure lookup policies of the
+   even past ``--minutes``, wherever a lookup kind is searched: ``--kinds layer_skip`` still makes a
+   bank of masks), the best pure lookup policies of the
    kinds searched, and the best distinct configurations of stage 1 are timed with the real engine on
    calib prompts, interleaved prompt by prompt with plain AR (suffix drafters with a cache of the
    earlier prompts' outputs, as a bank serves them); the objective is measured speedup = AR time /
-   candidate time (equivalently, time per generated token). Plain AR (speedup 1.0) and the fixed
-   drafters are always candidates, so no cluster's result is slower than them as measured, and a
-   tuned configuration is chosen only where it beats them by more than the timing's noise
-   (``objective.choose``).
+   candidate time (equivalently, time per generated token). Plain AR (speedup 1.0) is always a
+   candidate, and the fixed drafters are wherever a lookup kind is searched, so no cluster's result is
+   slower than them as measured; a tuned configuration is chosen only where it beats them by more
+   than the timing's noise (``objective.choose``).
 
 This module runs the two stages for one cluster (``search_cluster``); what each stage maximises is
 ``objective.py``'s, and the terms are defined in ``proxy.py`` and ``costs.py``.
@@ -157,7 +157,7 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
     # candidates for stage 2: the fixed drafters (so no bank is measured slower than them here), the best pure
     # lookup policies of the kinds searched, then the best distinct proxy configurations
     cands: list[tuple[DrafterConfig, float]] = []
-    for kind in FIXED:
+    for kind in FIXED if objective.takes_fixed(budget.kinds) else ():
         cfg = untuned(kind)
         pol = Policy(kind, cfg.max_len, cfg.threshold, cfg.adaptive, tuple(cfg.ngram_sizes))
         sp = simulate(samples, None, pol, costs, 0.0, proposals_for(pol, proposals))[0]
