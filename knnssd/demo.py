@@ -45,9 +45,8 @@ def run(cfg: DemoConfig) -> dict:
     from knnssd.flows.calibrate import calibrate
 
     from knnssd.engine.decode import GenerationConfig, decode, prefill
-    from knnssd.engine.drafters import FIXED, build, untuned
+    from knnssd.engine.drafters import FIXED, fixed_drafters
     from knnssd.engine.params import GenerateParams
-    from knnssd.engine.suffix import SuffixCache
     from knnssd.serving.routed import RoutedGenerator
 
     t0 = time.time()
@@ -68,10 +67,9 @@ def run(cfg: DemoConfig) -> dict:
     per: dict[str, dict] = {}
     g = GenerationConfig(max_new_tokens=p.max_new_tokens, eos_ids=gen.eos)
 
-    n, can = gen.decoder.n_layers, gen.decoder.can_skip
-    fixed = {k: build(untuned(k), n, can, SuffixCache()) for k in FIXED}  # suffix: its own cache, as the bank's
+    fixed = fixed_drafters(gen.decoder.n_layers, gen.decoder.can_skip)
 
-    def plain_run(text, drafter=None):
+    def timed_run(text, drafter=None):  # plain decoding, or a fixed drafter's
         ts = time.perf_counter()
         ids = gen.tokenize(text, p)[0]
         seq, logits, _ = prefill(gen.decoder_for(len(ids) + p.max_new_tokens), ids, g)  # the form routed runs on
@@ -84,9 +82,9 @@ def run(cfg: DemoConfig) -> dict:
             if what == "routed":
                 res = gen.generate(r.prompt, p)
             elif what == "plain":
-                plain, ar_s = plain_run(r.prompt)
+                plain, ar_s = timed_run(r.prompt)
             else:
-                fixed_s[what] += plain_run(r.prompt, fixed[what])[1]
+                fixed_s[what] += timed_run(r.prompt, fixed[what])[1]
         d = per.setdefault(r.domain, {"n": 0, "spec_s": 0.0, "ar_s": 0.0, "drafted": 0, "accepted": 0, "same": 0,
                                       "routes": {}})
         d["n"] += 1

@@ -244,13 +244,7 @@ def cpu_has_fast_bf16() -> bool:
     bytes), or the CPU has avx512_bf16 or AMX, which torch's own bf16 kernels use?"""
     from knnssd.engine import native
 
-    if native.kernel_path() != "torch":
-        return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+    return native.kernel_path() != "torch" or native.cpu_bf16_dot()
 
 
 @functools.cache

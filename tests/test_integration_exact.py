@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 # tokens and whole prompts, 97 s with 24, and the 774-token summarization prompt's plain decoding alone took
 # 26 s of that, twice; the native AVX2 step decodes a few times faster, still a third of a Zen 5's speed.
 
-SMOL_NEW, SMOL_PROMPT = (64, None) if any(f in native.processor() for f in ("avx512_bf16", "amx_bf16")) else (24, 256)
+SMOL_NEW, SMOL_PROMPT = (64, None) if native.cpu_bf16_dot() else (24, 256)
 
 
 @pytest.fixture(scope="module")

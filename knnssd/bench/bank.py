@@ -48,8 +48,7 @@ from knnssd.bench.hf import hf_generate
 from knnssd.bench.throughput import SIZES, ThroughputBench
 from knnssd.engine import exactness
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
-from knnssd.engine.drafters import FIXED, build, untuned
-from knnssd.engine.suffix import SuffixCache
+from knnssd.engine.drafters import FIXED, fixed_drafters
 from knnssd.routing import bank as banks
 
 # ngram and suffix: the untuned lookup drafters (``drafters.untuned``, bench-engine's too), every prompt the same
@@ -159,8 +158,7 @@ class Runner:
             if len(static.clusters) != 1:
                 raise banks.BankError(f"static bank must hold one cluster, it holds {len(static.clusters)}")
         n, can = self.dec.n_layers, self.dec.can_skip
-        # the fixed suffix drafter keeps its own cache of earlier outputs, as the routed bank keeps one
-        self.drafters = {"ar": None, **{m: build(untuned(m), n, can, SuffixCache()) for m in FIXED}}
+        self.drafters = {"ar": None, **fixed_drafters(n, can)}
         if static is not None:
             self.drafters["static_ssd"] = self.routed.build(static.clusters[0])
         self.oracle = {}  # domain -> drafter of its largest own-domain cluster

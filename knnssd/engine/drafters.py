@@ -326,6 +326,12 @@ def untuned(kind: str) -> DrafterConfig:
     raise ValueError(f"no untuned settings for drafter kind '{kind}' (ngram, suffix)")
 
 
+def fixed_drafters(n_layers: int, can_skip: bool = True) -> dict[str, "Drafter"]:
+    """One drafter of each of ``FIXED``, the suffix one with a cache of its own earlier outputs (as a bank's
+    suffix clusters share one): what ``knnssd bench`` and the demo put routing beside."""
+    return {k: build(untuned(k), n_layers, can_skip, suffix.SuffixCache()) for k in FIXED}
+
+
 def fixed_kind(config: dict) -> str | None:
     """Which of ``FIXED`` a configuration (``DrafterConfig.to_dict()``) is, with its untuned settings; None for
     a tuned one, another kind or plain decoding."""

@@ -365,6 +365,13 @@ def _has_amx() -> bool:
     return "amx_bf16" in processor()
 
 
+@functools.cache
+def cpu_bf16_dot() -> bool:
+    """Whether the CPU has bf16 dot products (avx512_bf16 or AMX): torch's own bf16 kernels use them, and the
+    native linears run on ``vdpbf16ps`` rather than widened to fp32."""
+    return "avx512_bf16" in processor() or _has_amx()
+
+
 def linear_preferred(lib: Kernels) -> bool:
     """Is ``Linear`` the GEMM to use here? Not on a CPU with AMX running the library built for it (oneDNN's
     tile kernels should verify 12 rows for about the cost of one, where this kernel's 12 rows cost about 1.3x

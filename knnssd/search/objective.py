@@ -118,7 +118,7 @@ def choose(results: list[dict], kinds: tuple[str, ...] | None = None) -> dict:
     fixed_all = [r for r in results if fixed_kind(r["config"])]
     allowed = [r for r in results if kinds is None or r["config"].get("kind") in kinds
                or (fixed_kind(r["config"]) and takes_fixed(kinds))]
-    fixed = max((r for r in fixed_all if r in allowed), key=speed, default=None)
+    fixed = max((r for r in allowed if fixed_kind(r["config"])), key=speed, default=None)
     best = max(allowed, key=speed, default=None)
     if best is not None and fixed is not None and best["speedup"] < fixed["speedup"] * (1 + 2 * noise):
         best = fixed
