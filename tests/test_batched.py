@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from knnssd.engine import batch_plan, draft_lengths, prefixes
+from knnssd.engine import batch_plan, draft_lengths, pass_costs, prefixes
 from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
 from knnssd.engine.batch_plan import BatchPlan
 from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
-from knnssd.engine.draft_lengths import PassCosts, choose_lengths
+from knnssd.engine.draft_lengths import choose_lengths
+from knnssd.engine.pass_costs import PassCosts
 from knnssd.engine.decode import GenerationConfig, Reused, generate, prefill, reusable, reuse_unit_of
 from knnssd.engine.drafters import DrafterConfig, build
 from knnssd.engine.sampling import Warp
@@ -291,7 +292,7 @@ def test_pass_costs_interpolate_and_slot_memory():
     j = PassCosts((16, 64), (0.03, 0.08)).joined(PassCosts((1, 12), (0.02, 0.025)))
     assert j.rows == (1, 12, 16, 64) and j(1) == 0.02 and abs(j(14) - 0.0275) < 1e-12  # not flat below 16
     dec = decoder("llama", "float32")
-    measured = draft_lengths.measure_pass_costs(dec, slots=2, per_seq=(1, 4), repeats=1)
+    measured = pass_costs.measure_pass_costs(dec, slots=2, per_seq=(1, 4), repeats=1)
     assert measured.rows == (2, 8) and all(s > 0 for s in measured.seconds)
     per = batch_plan.slot_bytes(dec, 100)
     assert per == 2 * dec.n_layers * dec.stack.n_kv * dec.stack.head_dim * 128 * 4  # fp32 K/V, 2 buckets

@@ -99,7 +99,7 @@ def test_a_batched_step_reads_the_host_once(pooled):
     """Every sequence's verdict of a packed pass comes to the host in one copy."""
     from knnssd.engine.batch_plan import BatchPlan
     from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
-    from knnssd.engine.draft_lengths import PassCosts
+    from knnssd.engine.pass_costs import PassCosts
 
     dec = make_decoder(tiny("llama"))
     plan = BatchPlan(3, PassCosts((1, 64), (0.01, 0.01)), True, pooled)

@@ -71,7 +71,7 @@ def test_smollm2_bf16_a_batch_of_lookup_trees_gives_own_plain_decoding(smol_bf16
     gets its own plain decoding's tokens."""
     from knnssd.engine import batch_plan, batched, decoder, tree
     from knnssd.engine.batched import PromptJob, decode_batch
-    from knnssd.engine.draft_lengths import PassCosts
+    from knnssd.engine.pass_costs import PassCosts
 
     dec, ids, cfg, ref = smol_bf16
     exact_or_skip(dec, "bfloat16")

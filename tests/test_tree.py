@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from knnssd.engine import batched, exactness, tree
 from knnssd.engine.batch_plan import BatchPlan
 from knnssd.engine.batched import PromptJob, decode_batch
-from knnssd.engine.draft_lengths import PassCosts
+from knnssd.engine.pass_costs import PassCosts
 from knnssd.engine.attention import NATIVE
 from knnssd.engine.decoder import Decoder
 from knnssd.engine.decode import GenerationConfig, Run, generate, prefill
@@ -178,7 +178,7 @@ class Oracle:
     """A tree drafter that knows plain decoding's tokens: their next few sit on a drawn branch of a drawn tree,
     every other node a random token, so steps accept down any branch and leave the rest behind."""
 
-    max_len, adaptive, tree = 11, False, 11
+    max_len, adaptive, tree, goodput = 11, False, 11, None
 
     def __init__(self, truth: list[int], n_prompt: int, pick: Drawn):
         self.truth, self.n_prompt, self.pick = truth, n_prompt, pick

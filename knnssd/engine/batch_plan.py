@@ -13,7 +13,7 @@ import torch
 
 from knnssd.engine import exactness
 from knnssd.engine.cache import BUCKET, SPAN, KVCache
-from knnssd.engine.draft_lengths import PassCosts, measure_pass_costs, packed_passes
+from knnssd.engine.pass_costs import PassCosts, measure_pass_costs, packed_passes
 from knnssd.engine.params import KV_MEMORY, too_many_slots
 from knnssd.engine.prefixes import prefix_exact
 from knnssd.engine.decoder import Decoder, forward_slots
@@ -227,7 +227,7 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
 
 
 def plan_costs(decoder, slots: int, max_t: int, pooled: bool) -> PassCosts:
-    """v(R) of a batched run of ``slots`` sequences (``draft_lengths.measure_pass_costs``): packed passes of 1,
+    """v(R) of a batched run of ``slots`` sequences (``pass_costs.measure_pass_costs``): packed passes of 1,
     4 and ``max_t`` rows a sequence, and of one sequence alone."""
     costs = measure_pass_costs(decoder, slots, tuple(sorted({1, min(4, max_t), max_t})), repeats=2, pooled=pooled)
     if slots > 1:  # and one sequence alone, as at low load: below ``slots`` rows v would be flat at v(slots)

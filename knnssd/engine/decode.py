@@ -25,6 +25,7 @@ from knnssd.engine import draft_policy, tree
 from knnssd.engine.attention import PREFILL_ROWS, reuse_unit
 from knnssd.engine.cache import KVCache
 from knnssd.engine.drafters import Draft, Drafter
+from knnssd.engine.pass_costs import sequence_costs
 from knnssd.engine.sampling import Verdict, Warp, accept_greedy, accept_sampled, draw, probs
 from knnssd.engine.sequence import Sequence
 from knnssd.engine.timing import sync
@@ -211,6 +212,9 @@ class Run:
         self.stopper = _Stopper(config, tokenizer)
         self.max_draft = ex.max_t - 1 if ex else 1 << 30  # longer passes were not probed
         self.k = drafter.max_len if drafter is not None else 0  # draft length; the drafter's feedback adapts it
+        self.goodput = drafter.goodput if drafter is not None else None  # cuts each draft to what pays
+        self._offer: tuple[tuple[int, int], list[int], int] | None = None  # this step's: state, draft, kept
+        self._last: tuple[int, int] | None = None  # (reached, accepted): how the last draft on offer fared
         # token trees where this sequence decodes alone and greedily, on a decoder that verifies them (tree.py)
         self.trees = (getattr(drafter, "tree", 0) > 0 and config.warp.greedy
                       and hasattr(seq.decoder, "forward_tree"))
@@ -260,6 +264,27 @@ class Run:
         self.stats.draft_s += time.perf_counter() - t0
         return Call(ids, len(seq.tokens) - 1, draft)
 
+    def priced(self, call: Call) -> Call:
+        """``call`` with its chain draft cut to the length that pays (``draft_policy.Goodput``: 0, a plain step),
+        where the drafter prices its drafts and this decoder's passes can be timed. The cut draft is a
+        prefix of the draft, so the step verifies what a drafter of that length would have drafted."""
+        g, draft = self.goodput, call.draft
+        if g is None or draft is None or draft.parents is not None or draft.q is not None:
+            return call
+        costs = sequence_costs(self.seq.decoder)
+        if costs is None:
+            return call
+        t0 = time.perf_counter()
+        offered = draft.tokens.tolist()
+        state = draft_policy.goodput_state(len(offered), self._last)
+        kept = g.length(state, len(offered), costs)
+        self._offer = state, offered, kept
+        self.stats.draft_s += time.perf_counter() - t0  # the rule's time is the draft's
+        if kept == len(offered):
+            return call
+        cut = Draft(draft.tokens[:kept]) if kept else None
+        return Call(call.ids[: 1 + kept], call.start, cut)
+
     def accept(self, call: Call, logits: torch.Tensor) -> int:
         """Verify ``call``'s draft against the full model's ``logits`` (one row per id, or only the last
         when nothing was drafted), emit the accepted tokens and the next one, roll the cache back.
@@ -286,6 +311,10 @@ class Run:
         add_at(stats.accepted_at, [1] * n)
         if self.drafter is not None:
             self.k = self.drafter.next_len(self.k, verdict.heard, n)
+        if self._offer is not None:
+            state, offered, kept = self._offer
+            self.goodput.heard(state, offered, kept, verdict.emitted)
+            self._last, self._offer = draft_policy.verified(offered, kept, verdict.emitted), None
         before = len(self.new)
         for tok in verdict.emitted:
             self.new.append(tok)
@@ -333,7 +362,7 @@ class Run:
         if self.drafter is None and self.config.warp.greedy and getattr(dec, "runs_ahead", False):
             return self._complete_ahead(dec)
         while not self.done:
-            call = self.propose(as_tree=self.trees)
+            call = self.priced(self.propose(as_tree=self.trees))
             t1 = time.perf_counter()
             if call.draft is not None and call.draft.parents is not None:
                 self.accept_tree(call)

@@ -1,5 +1,5 @@
 """How many tokens each sequence of a batch drafts at a step: the goodput rule (``choose_lengths``), over
-measured pass costs (``PassCosts``) and each sequence's drafting so far (``DraftModel``).
+measured pass costs (``pass_costs.PassCosts``) and each sequence's drafting so far (``DraftModel``).
 
 Terms:
     s_b(j)     sequence b's chance that the first j tokens of a draft are all accepted, given that it
@@ -19,73 +19,14 @@ Terms:
 """
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 
 from knnssd.engine.decode import Run, add_at
-from knnssd.engine.decoder import Decoder, forward_slots
-from knnssd.engine.timing import median_ms
+from knnssd.engine.pass_costs import PassCosts
 
 EXPLORE = 16  # a sequence the rule has not let draft for EXPLORE steps per active sequence drafts once, and
 # is measured again (figures that once said "not worth it" would otherwise never change)
-
-
-@dataclass(frozen=True)
-class PassCosts:
-    """v(R): seconds of one packed full-model pass over R rows, measured at a few row counts and
-    interpolated linearly between them (extrapolated past the last)."""
-
-    rows: tuple[int, ...]
-    seconds: tuple[float, ...]
-
-    def __call__(self, rows: int) -> float:
-        r, s = self.rows, self.seconds
-        i = bisect.bisect_left(r, rows)
-        if i < len(r) and r[i] == rows:
-            return s[i]
-        lo, hi = (max(0, min(i - 1, len(r) - 2)), max(1, min(i, len(r) - 1)))
-        slope = (s[hi] - s[lo]) / (r[hi] - r[lo])
-        return max(s[0], s[lo] + slope * (rows - r[lo]))
-
-    def joined(self, other: "PassCosts") -> "PassCosts":
-        """Both sets of measurements, by row count (``self``'s where both have one)."""
-        both = dict(sorted({**dict(zip(other.rows, other.seconds)), **dict(zip(self.rows, self.seconds))}.items()))
-        return PassCosts(tuple(both), tuple(both.values()))
-
-    def describe(self) -> str:
-        return ", ".join(f"v({r})={1e3 * s:.1f} ms" for r, s in zip(self.rows, self.seconds))
-
-
-def measure_pass_costs(decoder: Decoder, slots: int, per_seq: tuple[int, ...] = (1, 2, 4, 8, 12),
-                       context: int = 64, repeats: int = 3, pooled: bool = False) -> PassCosts:
-    """Time packed passes of ``slots`` sequences with t rows each (R = slots * t), after ``context``
-    positions, on slots of their own (the decoder's caches are not touched); ``pooled``: with the
-    slots' caches in one ``SlotPool`` and attention batched over them."""
-    out = []
-    for t, run in packed_passes(decoder, slots, per_seq, context, pooled):
-        out.append((slots * t, median_ms(run, decoder.device, repeats) / 1e3))
-    return PassCosts(tuple(r for r, _ in out), tuple(s for _, s in out))
-
-
-def packed_passes(decoder: Decoder, slots: int, per_seq: tuple[int, ...], context: int, pooled: bool
-                   ) -> list[tuple[int, Callable[[], object]]]:
-    """(t, a packed pass of t rows per slot) for each t in ``per_seq``, over ``slots`` new slots that hold
-    the same ``context`` random tokens."""
-    ss, pool = decoder.pooled_slots(slots) if pooled else ([decoder.slot() for _ in range(slots)], None)
-    vocab = decoder.stack.embed.shape[0]
-    g = torch.Generator().manual_seed(0)
-    top = max(per_seq)
-    ids = torch.randint(0, vocab, (context + top,), generator=g).to(decoder.device)
-    for s in ss:
-        s.reserve(context + top)
-    ss[0].forward(ids[:context], 0)
-    for s in ss[1:]:  # the same K/V: copied, not computed again
-        s.cache.copy_from(ss[0].cache, context)
-    return [(t, lambda calls=[(ids[context : context + t], context)] * slots: forward_slots(ss, calls, pool))
-            for t in sorted(set(per_seq))]
 
 
 def choose_lengths(caps: list[int], survival: list[list[float]], draft_s: list[float], costs: PassCosts) -> list[int]:

@@ -63,6 +63,7 @@ class Drafter(Protocol):
 
     max_len: int  # most tokens per draft
     adaptive: bool  # shorten/lengthen drafts after rejections/full acceptances
+    goodput: draft_policy.Goodput | None  # a lookup drafter's: keep the part of each draft that pays (None: all)
 
     def propose(self, seq: "Sequence", k: int) -> Draft: ...
 
@@ -76,6 +77,7 @@ class _Feedback:
 
     max_len: int
     adaptive = False
+    goodput: draft_policy.Goodput | None = None
 
     def next_len(self, k: int, drafted: int, accepted: int) -> int:
         """The next draft length after a step that drafted ``drafted`` tokens and accepted ``accepted``."""
@@ -251,6 +253,7 @@ class DrafterConfig:
     suffix_min_prob: float = 0.1  # a suffix draft stops before its first token less likely than this
     suffix_factor: float = 4.0  # a suffix draft is at most this times its match's length (docs/benchmarks.md)
     tree: int = 0  # ngram, suffix: nodes of a token tree where one greedy sequence decodes (0: chains only)
+    goodput: bool = False  # ngram, suffix: keep the part of each draft that pays (``draft_policy.Goodput``)
 
     def __post_init__(self):
         """One-line ``ValueError``s: a draft length under 1 silently turned drafting off, and a NaN
@@ -279,6 +282,12 @@ class DrafterConfig:
             raise ValueError(f"tree must be an integer >= 0 (0: chains only), got {n!r}")
         if n and self.kind not in ("ngram", "suffix"):
             raise ValueError(f"tree is for the ngram and suffix drafters, not {self.kind}")
+        if not isinstance(self.goodput, bool):
+            raise ValueError(f"goodput must be true or false, got {self.goodput!r}")
+        if self.goodput and (self.kind not in ("ngram", "suffix") or self.adaptive or n):
+            raise ValueError("goodput lengths are for the ngram and suffix drafters' chains, without adaptive "
+                             f"lengths or a tree (got {self.kind}{', adaptive' if self.adaptive else ''}"
+                             f"{', tree' if n else ''})")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -309,6 +318,8 @@ class DrafterConfig:
             parts.append(f"tree {self.tree}")
         if self.adaptive:
             parts.append("adaptive")
+        if self.goodput:
+            parts.append("goodput")
         return " ".join(parts)
 
 
@@ -347,11 +358,12 @@ def build(cfg: DrafterConfig, n_layers: int, can_skip: bool = True, cache: suffi
         return None
     if cfg.kind == "suffix":
         d = Suffix(cfg.max_len, cfg.suffix_min_prob, cfg.suffix_factor, cache, cfg.tree)
-        d.adaptive = cfg.adaptive
+        d.adaptive, d.goodput = cfg.adaptive, draft_policy.Goodput() if cfg.goodput else None
         return d
     ngram = NGram(tuple(cfg.ngram_sizes), cfg.ngram_max_len or cfg.max_len)
     if cfg.kind == "ngram":
         ngram.adaptive, ngram.tree = cfg.adaptive, cfg.tree
+        ngram.goodput = draft_policy.Goodput() if cfg.goodput else None
         return ngram
     mask = SkipMask.from_dict(cfg.mask) if cfg.mask is not None else SkipMask.none(n_layers)
     mask.validate(n_layers, can_skip)

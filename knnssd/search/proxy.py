@@ -4,7 +4,7 @@ One teacher-forced pass of a draft (a skip mask and precision) over prompts and 
 continuations gives, per position, whether the draft's top token matches and how confident it
 was (``Trace``). ``simulate`` replays the speculative loop on those traces with measured step
 costs (``costs.Costs``) and predicts the speedup of a drafting policy (kind, confidence threshold,
-max draft length, adaptive length, n-gram sizes, a lookup drafter's tree size); ``best_policy`` tries
+max draft length, adaptive or goodput lengths, n-gram sizes, a lookup drafter's tree size); ``best_policy`` tries
 them all. The first masks tried skip the least influential sub-layers (``influence``).
 
 Terms: a policy's ``k`` is its max draft length (a tree's depth); its ``tree`` the nodes of a lookup
@@ -83,6 +83,7 @@ class Policy:
     adaptive: bool = False
     ngram_sizes: tuple[int, ...] = (3, 2, 1)
     tree: int = 0  # ngram, suffix: nodes of their token trees (0: chains)
+    goodput: bool = False  # ngram, suffix: each draft cut to what pays (``draft_policy.Goodput``)
 
 
 def ngram_proposals(sample: Sample, sizes: tuple[int, ...], max_len: int) -> list[list[int]]:
@@ -151,9 +152,11 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
     lookup drafter's, for a policy with ``tree`` > 0 (the suffix drafter's chain where it has none)."""
     spec_t = ar_t = 0.0
     drafted = accepted = steps = 0
+    priced = draft_policy.Goodput() if policy.goodput else None  # one per drafter, as ``drafters.build`` makes
     for si, s in enumerate(samples):
         n = len(s.cont)
         j, k = 1, policy.max_len  # cont[0] comes from the prefill in both AR and speculative decoding
+        last = None  # the goodput rule's: how the last draft on offer fared
         while j < n:
             prop = proposals[si][j] if proposals is not None and policy.kind in PROPOSING else []
             kk = draft_policy.cap(k, n - j, PROBED)
@@ -167,8 +170,14 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
             else:
                 d_tokens: list[bool] = []
                 cost = 0.0
+                offer = None
                 if kk > 0 and draft_policy.hybrid_uses_ngram(prop):
                     prop = prop[:kk]
+                    offer = None
+                    if priced is not None:  # as ``decode.Run.priced``
+                        state = draft_policy.goodput_state(len(prop), last)
+                        offer = state, prop, priced.length(state, len(prop), costs.verify_ms)
+                        prop = prop[: offer[2]]
                     d_tokens = [prop[i] == s.cont[j + i] for i in range(len(prop))]
                 elif policy.kind not in LOOKUPS and kk > 0:
                     tr = traces[si]
@@ -178,6 +187,10 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
                 a = 0
                 while a < len(d_tokens) and d_tokens[a]:
                     a += 1
+                if priced is not None and offer is not None:
+                    emitted = s.cont[j : j + a + 1]
+                    priced.heard(*offer, emitted)
+                    last = draft_policy.verified(offer[1], offer[2], emitted)
                 n_drafted = heard = len(d_tokens)  # as ``sampling.Verdict.heard``
                 step_ms = cost + costs.verify_ms(len(d_tokens) + 1)
             spec_t += step_ms
@@ -202,11 +215,14 @@ def best_policy(samples, traces, costs, draft_ms, proposals_by_sizes, kinds) -> 
     for kind in kinds:
         sizes_opts = NGRAM_SIZES if kind in ("ngram", "hybrid") else (NGRAM_SIZES[0],)
         thr_opts = THRESHOLDS if kind not in LOOKUPS else (0.0,)
-        for sizes, thr, k, adaptive, nodes in itertools.product(sizes_opts, thr_opts, MAX_LENS, (False, True), TREES):
-            pol = Policy(kind, k, thr, adaptive, sizes, nodes)
+        for sizes, thr, k, adaptive, nodes, priced in itertools.product(sizes_opts, thr_opts, MAX_LENS, (False, True),
+                                                                        TREES, (False, True)):
+            pol = Policy(kind, k, thr, adaptive, sizes, nodes, priced)
             trees = trees_for(pol, proposals_by_sizes)
             if nodes and (kind not in LOOKUPS or trees is None or not costs.tree):
                 continue  # trees are the lookups', where their pass was measured
+            if priced and (kind not in LOOKUPS or adaptive or nodes):
+                continue  # goodput cuts the lookups' chains, in place of the adaptive rule
             res = simulate(samples, traces, pol, costs, draft_ms, proposals_for(pol, proposals_by_sizes), trees)
             if res[0] > best_res[0]:
                 best, best_res = pol, res
@@ -216,9 +232,10 @@ def best_policy(samples, traces, costs, draft_ms, proposals_by_sizes, kinds) -> 
 def to_config(policy: Policy, mask: SkipMask | None, int8: bool) -> DrafterConfig:
     if policy.kind == "ngram":
         return DrafterConfig(kind="ngram", max_len=policy.max_len, adaptive=policy.adaptive,
-                             ngram_sizes=list(policy.ngram_sizes), tree=policy.tree)
+                             ngram_sizes=list(policy.ngram_sizes), tree=policy.tree, goodput=policy.goodput)
     if policy.kind == "suffix":
-        return DrafterConfig(kind="suffix", max_len=policy.max_len, adaptive=policy.adaptive, tree=policy.tree)
+        return DrafterConfig(kind="suffix", max_len=policy.max_len, adaptive=policy.adaptive, tree=policy.tree,
+                             goodput=policy.goodput)
     return DrafterConfig(kind=policy.kind, mask=mask.to_dict(), max_len=policy.max_len, threshold=policy.threshold,
                          int8=int8, ngram_sizes=list(policy.ngram_sizes), adaptive=policy.adaptive)
 

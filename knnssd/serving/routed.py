@@ -22,6 +22,7 @@ from knnssd.engine.batched import BatchStats, decode_batch
 from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Run, prefill
 from knnssd.engine.drafters import build
 from knnssd.engine.graphs import CAPTURE_ROWS
+from knnssd.engine.pass_costs import sequence_costs
 from knnssd.engine.suffix import SuffixCache
 from knnssd.engine.params import GenerateParams, prompt_ids
 from knnssd.engine.decoder import Decoder
@@ -83,6 +84,8 @@ class RoutedGenerator:
                 log.warning("the static step's buckets could not all be captured now (%s)", console.first_line(e))
         self.eos = models.eos_ids(lm)
         self._int8_weights()
+        if any(c.drafter.goodput for c in [*bank.clusters, bank.unmatched]):
+            sequence_costs(self.decoder)  # timed now, not in the first request that cuts a draft
 
     def decoder_for(self, positions: int):
         """The decoder one sequence of ``positions`` (prompt and new tokens) runs on (``LoadedModel.decoder_for``:
