@@ -105,6 +105,13 @@ def takes_fixed(kinds: tuple[str, ...]) -> bool:
     return any(k in LOOKUPS for k in kinds)
 
 
+def worth_timing(predicted: float, fixed_predicted: float | None, noise: float) -> bool:
+    """Whether a tuned candidate is worth its real timing: its predicted speedup (the simulator's) beats the best
+    predicted for the fixed drafters (None: none is timed) by more than the timing's noise. ``choose`` would not
+    take it for less, so a cluster whose candidates cannot beat the fixed drafters stops its search there."""
+    return fixed_predicted is None or predicted > fixed_predicted * (1 + noise)
+
+
 def choose(results: list[dict], kinds: tuple[str, ...] | None = None) -> dict:
     """The chosen candidate (``config``, ``speedup`` and its ``Measured.attrs``) among those of ``kinds`` and
     the fixed drafters where ``takes_fixed(kinds)`` (None: any), with ``best_fixed_speedup`` (the fastest

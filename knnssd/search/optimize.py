@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from knnssd.engine.decode import GenerationConfig
 from knnssd.engine.drafters import FIXED, SKIPPING, DrafterConfig, build, fixed_kind, untuned
+from knnssd.engine.pass_costs import sequence_costs
 from knnssd.engine.suffix import SuffixCache
 from knnssd.engine.decoder import Decoder
 from knnssd.engine.skip import SkipMask
@@ -189,12 +190,21 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
     measured = {t.user_attrs["config"]: t for t in finished(real) if "config" in t.user_attrs}
     prompt_ids = [m.tokenizer(x).input_ids for x in job.texts[: budget.real_prompts]]
     gen = GenerationConfig(max_new_tokens=budget.max_new_tokens, eos_ids=m.eos)
+    if any(cfg.goodput for cfg, _ in cands):
+        sequence_costs(dec)  # timed once, outside every candidate's timing
+    fixed_predicted = max((sp for cfg, sp in cands if fixed_kind(cfg.to_dict())), default=None)
+    skipped = 0
     for cfg, proxy_sp in cands:
         cancel.check()
         key = json.dumps(cfg.to_dict(), sort_keys=True)
         late = deadline is not None and time.perf_counter() > deadline
         if key in measured or (late and not fixed_kind(cfg.to_dict())):  # the fixed drafters: past it too
             continue
+        if not fixed_kind(cfg.to_dict()):  # the fixed drafters come first, so the noise is theirs and more
+            noise = objective.timing_noise([t.user_attrs for t in measured.values()])
+            if not objective.worth_timing(proxy_sp, fixed_predicted, noise):
+                skipped += 1
+                continue
         drafter = build(cfg, n, dec.can_skip, SuffixCache() if cfg.kind == "suffix" else None)
         trial = real.ask()
         trial.set_user_attr("config", key)
@@ -220,6 +230,9 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
         if progress:
             progress(real, real.trials[trial.number])
 
+    if skipped:
+        log.info("cluster %s: %d candidate(s) not timed, predicted no faster than the fixed drafters (%.2fx) by the "
+                 "timing's noise", job.cluster, skipped, fixed_predicted)
     results = [{**t.user_attrs, "config": json.loads(key), "speedup": t.value}
                for key, t in measured.items() if t.state == optuna.trial.TrialState.COMPLETE]
     best = objective.choose(results, budget.kinds)
