@@ -401,9 +401,13 @@ def cmd_serve(a) -> int:
     from knnssd.engine.params import batch_size
     from knnssd.reachable import listen_error
     from knnssd.routing import bank as banks
-    from knnssd.serving import openai_server
+    from knnssd.serving import access, openai_server
     from knnssd.serving.batcher import Batcher
 
+    keys = access.Keys.gather(a.api_key, a.api_key_file)
+    refused = access.bind_error(a.host, keys, a.insecure_no_auth)
+    if refused is not None:
+        raise ValueError(refused)
     _counts(a, "max_queue")
     for name in ("request_timeout", "grace_s"):
         if not (math.isfinite(getattr(a, name)) and getattr(a, name) > 0):
@@ -434,9 +438,12 @@ def cmd_serve(a) -> int:
     if not batcher.batching:
         raise ValueError(f"{bank.model} runs on the plain HF fallback, which knnssd serve cannot batch")
     batcher.version = version
+    guard = (f"an API key asked on /v1 ({len(keys.digests)} taken)" if keys else
+             "no API key asked" + ("" if access.loopback(a.host) else ": anyone who reaches it may use it"))
     print(f"knnssd: serving {a.model_uri} (bank version {batcher.version or folder}) with {batcher.slots} slots on "
-          f"{_url(a.host, a.port)}/v1", file=sys.stderr, flush=True)
-    openai_server.run(batcher, a.model_uri, a.host, a.port, a.tracking_uri, a.request_timeout, a.reload_s, a.grace_s)
+          f"{_url(a.host, a.port)}/v1, {guard}", file=sys.stderr, flush=True)
+    openai_server.run(batcher, a.model_uri, a.host, a.port, a.tracking_uri, a.request_timeout, a.reload_s, a.grace_s,
+                      keys, a.open_metrics)
     return 0
 
 
@@ -447,7 +454,11 @@ def cmd_ui(a) -> int:
     from knnssd.settings import tracking_uri
 
     from knnssd.reachable import listen_error
+    from knnssd.serving.access import loopback
 
+    if not (loopback(a.host) or a.insecure_no_auth):
+        raise ValueError(f"--host {a.host} lets other machines in, and the MLflow UI asks for no password: give "
+                         "--insecure-no-auth if anyone who reaches it may read and change the runs and models")
     uri = tracking_uri(a.tracking_uri)
     reason = listen_error(a.host, a.port)
     if reason is not None:
@@ -643,6 +654,13 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds between checks of the alias for a new version to swap in (0: never)")
     v.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, seconds requests in flight may finish in")
     v.add_argument("--no-draft", action="store_true", help="route, but decode without drafting (a baseline)")
+    v.add_argument("--api-key", action="append", metavar="KEY",
+                   help="a key /v1 asks for as Authorization: Bearer KEY (repeat for several; also $KNNSSD_API_KEY)")
+    v.add_argument("--api-key-file", metavar="PATH", help="a file of keys, one a line (# starts a comment)")
+    v.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve beyond loopback (--host 0.0.0.0) with no API key: anyone who reaches it may use it")
+    v.add_argument("--open-metrics", action="store_true",
+                   help="/metrics without the key from any address (default: only from loopback)")
     _tracking_arg(v)
     v.set_defaults(fn=cmd_serve)
 
@@ -652,6 +670,8 @@ def parser() -> argparse.ArgumentParser:
     _tracking_arg(u)
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=5000)
+    u.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve beyond loopback: the UI asks for no password, so anyone who reaches it may use it")
     u.set_defaults(fn=cmd_ui)
 
     from knnssd.prompts import OOD

@@ -66,13 +66,18 @@ class PrefectServer:
 
 
 class KnnssdServer:
-    """`knnssd serve` in a process group of its own, on a free port, answering /health."""
+    """`knnssd serve` in a process group of its own, on a free port, answering /health; with ``key``, one that asks
+    for it (given through $KNNSSD_API_KEY), which ``client``, ``post`` and ``info`` send."""
 
-    def __init__(self, tracking_uri: str, tmp: Path, *args: str, model_uri: str = "models:/knnssd-smollm2@champion"):
-        self.port = free_port()
+    def __init__(self, tracking_uri: str, tmp: Path, *args: str, model_uri: str = "models:/knnssd-smollm2@champion",
+                 key: str | None = None):
+        self.port, self.key = free_port(), key
         self.log_path = tmp / f"serve-{self.port}.log"
         self.log = open(self.log_path, "w")
         env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri}
+        env.pop("KNNSSD_API_KEY", None)
+        if key is not None:
+            env["KNNSSD_API_KEY"] = key
         self.proc = subprocess.Popen([sys.executable, "-m", "knnssd.cli", "serve", "--model-uri", model_uri,
                                       "--port", str(self.port), *args], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
@@ -81,15 +86,20 @@ class KnnssdServer:
         except BaseException:
             self.stop()
             raise
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=300)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, timeout=300)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def headers(self) -> dict:
+        """What a request sends for the key (none without one)."""
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
     def post(self, path: str, body) -> tuple[int, dict, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json", **self.headers})
         try:
             with urllib.request.urlopen(req, timeout=300) as r:
                 return r.status, json.loads(r.read()), dict(r.headers)
@@ -97,7 +107,8 @@ class KnnssdServer:
             return e.code, json.loads(e.read()), dict(e.headers)
 
     def info(self) -> dict:
-        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=30) as r:
+        with urllib.request.urlopen(urllib.request.Request(f"{self.url}/v1/models", headers=self.headers),
+                                    timeout=30) as r:
             return json.loads(r.read())["data"][0]
 
     def stop(self) -> int:

@@ -24,12 +24,13 @@ from test_integration_generate import cli_env, registered  # noqa: F401 - the mo
 
 pytestmark = pytest.mark.integration
 MODEL = "knnssd-smollm2"  # the id `knnssd serve` gives the champion of knnssd-smollm2
-COUNTING = "Count from 1 to 500: 1, 2, 3, 4, 5, 6, 7, 8,"  # the n-gram drafter accepts long blocks of it
+COUNTING = "Count from 1 to 500: 1, 2, 3, 4, 5, 6, 7, 8,"
+KEY = "sk-test-7f3a9c1e"  # the module's server asks for it: every request of these tests sends it  # the n-gram drafter accepts long blocks of it
 
 
 @pytest.fixture(scope="module")
 def server(registered, tmp_path_factory):  # noqa: F811
-    s = Server(registered["uri"], tmp_path_factory.mktemp("serve"), "--max-queue", "64")
+    s = Server(registered["uri"], tmp_path_factory.mktemp("serve"), "--max-queue", "64", key=KEY)
     yield s
     s.stop()
 
@@ -183,7 +184,7 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
     big = json.dumps({"model": MODEL, "max_tokens": 2, "prompt": "hello " * (3 << 20)}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n")
         for i in range(0, len(big), 1 << 20):
             sock.sendall(b"%x\r\n" % len(big[i:i + (1 << 20)]) + big[i:i + (1 << 20)] + b"\r\n")
         sock.sendall(b"0\r\n\r\n")
@@ -197,7 +198,8 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
         assert got.count(b"HTTP/1.1 200") == 2
     for method, path, status in (("GET", "/v1/completions", 405), ("GET", "/v1/nothing", 404)):  # D7
         with pytest.raises(urllib.error.HTTPError) as e:  # a 2xx would not raise: it fails the test
-            urllib.request.urlopen(urllib.request.Request(server.url + path, method=method), timeout=30)
+            urllib.request.urlopen(urllib.request.Request(server.url + path, method=method, headers=server.headers),
+                                   timeout=30)
         assert e.value.code == status and set(json.loads(e.value.read())["error"]) == {
             "message", "type", "param", "code"}
     assert server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
@@ -218,6 +220,33 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
                  'knnssd_served_info{bank_version="1"'):
         assert name in text, name
     assert 'knnssd_requests_total{status="400"}' in text
+
+
+def test_a_keyed_server_answers_401_without_its_key_and_never_shows_it(server):
+    """The module's server asks for ``KEY`` (issue 68): with the real client, no key, a wrong key and the right
+    one get 401, 401 and 200, the 401s in OpenAI's shape; streams run with the key; /health and, from
+    loopback, /metrics need none; the key is in neither the server's log nor /metrics."""
+    bare = urllib.request.Request(server.url + "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi"}).encode(),
+                                  {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(bare, timeout=30)
+    body = json.loads(e.value.read())["error"]
+    assert e.value.code == 401 and e.value.headers["WWW-Authenticate"] == "Bearer"
+    assert set(body) == {"message", "type", "param", "code"} and "no API key given" in body["message"]
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0, timeout=60)
+    for call in (lambda c: c.completions.create(model=MODEL, prompt="hi", max_tokens=2), lambda c: c.models.list()):
+        with pytest.raises(openai.AuthenticationError) as e:
+            call(wrong)
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    ok = server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    text, _, last = streamed(server.client, model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert text == ok.choices[0].text and last.choices[0].finish_reason == ok.choices[0].finish_reason
+    with urllib.request.urlopen(f"{server.url}/health", timeout=30) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    assert 'knnssd_requests_total{status="401"}' in metrics and KEY not in metrics
+    assert KEY not in server.log_path.read_text()
 
 
 def until_gauge(s: Server, name: str, value: float, within_s: float = 60) -> None:
@@ -333,6 +362,11 @@ def test_serve_refuses_what_cannot_work_in_one_line(registered, tmp_path):  # no
              ([*uri, "--batch-size", "100000"], "--batch-size"),
              ([*uri, "--max-model-len", "1"], "--max-model-len must be an integer from 2 to 8192 (the model's "
                                                 "context of 8192 tokens), got 1"),
-             ([*uri, "--max-model-len", "9000"], "--max-model-len must be an integer from 2 to 8192")]
+             ([*uri, "--max-model-len", "9000"], "--max-model-len must be an integer from 2 to 8192"),
+             # a bind that lets other machines in, with no key: refused before the model loads (issue 68)
+             ([*uri, "--host", "0.0.0.0"], "--host 0.0.0.0 lets other machines in, and no API key is set: give "
+                                           "--api-key"),
+             ([*uri, "--api-key-file", str(tmp_path / "nosuch")], "--api-key-file"),
+             (["ui", "--host", "0.0.0.0"], "give --insecure-no-auth")]
     for (args, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
         assert res.code == 2 and len(res.stderr) == 1 and message in res.stderr[0], (args, res)

@@ -102,3 +102,65 @@ def test_the_api_keeps_the_whole_prompt_or_refuses_it():
     with pytest.raises(ContextTooLong, match="needs 100 tokens of prompt and 1 of completion") as e:
         whole_prompt_ids(Words(), "w " * 100, GenerateParams(max_prompt_tokens=200), limits, fit=True)
     assert e.value.param == "prompt"
+
+
+def test_api_keys_from_flags_the_environment_and_a_file_admit_only_a_bearer_of_one(tmp_path):
+    from knnssd.serving.access import ENV, Keys
+
+    f = tmp_path / "keys"
+    f.write_text("# rotated on the 1st\nsk-new\n\n  sk-old  \n")
+    keys = Keys.gather(["sk-flag"], str(f), {ENV: "sk-env"})
+    assert len(keys.digests) == 4 and keys
+    for good in ("Bearer sk-flag", "bearer sk-env", "Bearer sk-new", "Bearer  sk-old "):
+        assert keys.admits(good), good
+    for bad in (None, "", "Bearer", "Bearer sk-ne", "Basic sk-new", "sk-new", "Bearer sk-new2"):
+        assert not keys.admits(bad), bad
+    assert not Keys.gather([], None, {}) and not Keys().admits("Bearer x")
+    for given, file, message in ((["a b"], None, "no spaces"), ([""], None, "one word")):
+        with pytest.raises(ValueError, match=message):
+            Keys.gather(given, file, {})
+    (tmp_path / "empty").write_text("# nothing\n\n")
+    for name, message in (("empty", "holds no key"), ("nosuch", "cannot read it")):
+        with pytest.raises(ValueError, match=message):
+            Keys.gather([], str(tmp_path / name), {})
+
+
+def test_only_loopback_binds_go_without_a_key():
+    from knnssd.serving.access import Keys, bind_error, loopback
+
+    assert all(map(loopback, ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost")))
+    assert not any(map(loopback, ("0.0.0.0", "::", "10.0.0.5", "example.com", "")))
+    assert bind_error("127.0.0.1", Keys(), False) is None and bind_error("0.0.0.0", Keys(), True) is None
+    assert bind_error("0.0.0.0", Keys.gather(["k"], None, {}), False) is None
+    assert "--api-key" in bind_error("0.0.0.0", Keys(), False)
+
+
+@pytest.mark.parametrize("path, client, header, metrics_open, passes", [
+    ("/v1/completions", ("127.0.0.1", 1), None, False, False),
+    ("/v1/completions", ("127.0.0.1", 1), b"Bearer k", False, True),
+    ("/v1/models", ("127.0.0.1", 1), b"Bearer no", False, False),
+    ("/health", ("10.0.0.5", 1), None, False, True),
+    ("/metrics", ("127.0.0.1", 1), None, False, True),
+    ("/metrics", ("10.0.0.5", 1), None, False, False),
+    ("/metrics", ("10.0.0.5", 1), b"Bearer k", False, True),
+    ("/metrics", ("10.0.0.5", 1), None, True, True),
+])
+def test_the_key_guards_v1_everywhere_and_metrics_beyond_loopback(path, client, header, metrics_open, passes):
+    import asyncio
+
+    from knnssd.serving.access import Keys, RequireKey
+
+    reached, refused = [], []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+
+    def refuse(missing):
+        async def answer(scope, receive, send):
+            refused.append(missing)
+        return answer
+
+    scope = {"type": "http", "path": path, "client": client,
+             "headers": [(b"authorization", header)] if header is not None else []}
+    asyncio.run(RequireKey(inner, Keys.gather(["k"], None, {}), refuse, metrics_open)(scope, None, None))
+    assert (reached, refused) == (([path], []) if passes else ([], [header is None]))

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from knnssd.engine.params import ContextTooLong, whole_prompt_ids
+from knnssd.serving.access import CHALLENGE, Keys, RequireKey
 from knnssd.serving.batcher import Batcher, QueueFull, StreamJob
 from knnssd.serving.metrics import ServerMetrics
 from knnssd.serving.openai_protocol import (CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, FINISH, ApiError, ChatRequest,
@@ -50,9 +51,11 @@ class _Follow:
 
 
 def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_timeout_s: float = 600.0,
-               source: str = "", stopping=lambda: False) -> FastAPI:
+               source: str = "", stopping=lambda: False, keys: Keys = Keys(), metrics_open: bool = False) -> FastAPI:
     """``served``: the model id clients name; ``source``: the model URI the bank came from; ``stopping``:
-    whether the server is shutting down (a request cancelled then is told so, not cut off)."""
+    whether the server is shutting down (a request cancelled then is told so, not cut off); ``keys``: the API
+    keys ``/v1/*`` asks for (``access.RequireKey``; none: open), and ``/metrics`` from beyond loopback unless
+    ``metrics_open``."""
     app = FastAPI(title="knnssd", docs_url=None, redoc_url=None)
     tokenizer = batcher.gen.lm.tokenizer
     metrics.queue.set_function(lambda: batcher.queued)
@@ -102,6 +105,13 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
                 # keeps uvicorn from logging the cancellation as a failed application
 
     app.add_middleware(Bounded)
+
+    def refuse(missing: bool):
+        why = ("no API key given: send the header Authorization: Bearer <key>" if missing
+               else "the API key given is not one this server takes")
+        return answer_error(ApiError(401, why, code="invalid_api_key", headers=CHALLENGE))
+
+    app.add_middleware(RequireKey, keys=keys, refuse=refuse, metrics_open=metrics_open)  # outermost: before the body
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -332,9 +342,10 @@ def served_name(model_uri: str) -> str:
 
 
 def run(batcher: Batcher, model_uri: str, host: str, port: int, tracking_uri: str | None = None,
-        request_timeout_s: float = 600.0, reload_s: float = 30.0, grace_s: float = 30.0) -> None:
+        request_timeout_s: float = 600.0, reload_s: float = 30.0, grace_s: float = 30.0, keys: Keys = Keys(),
+        metrics_open: bool = False) -> None:
     """Serve until SIGTERM or Ctrl-C: then stop accepting, let requests in flight finish within
-    ``grace_s``, cancel the rest, and return."""
+    ``grace_s``, cancel the rest, and return. ``keys``, ``metrics_open``: ``create_app``'s."""
     import signal
 
     import uvicorn
@@ -346,7 +357,7 @@ def run(batcher: Batcher, model_uri: str, host: str, port: int, tracking_uri: st
     metrics.served.info({"model_uri": model_uri, "bank_version": str(batcher.version)})
     server: uvicorn.Server | None = None
     app = create_app(batcher, served_name(model_uri), metrics, request_timeout_s, model_uri,
-                     lambda: server is not None and server.should_exit)
+                     lambda: server is not None and server.should_exit, keys, metrics_open)
     watch = None
     if reload_s > 0 and follows_alias(model_uri):
         def swapped(version: str) -> None:
