@@ -221,9 +221,22 @@ def _check_calibrate(a, params) -> list:
 def cmd_calibrate(a) -> int:
     from knnssd.flows.calibrate import CalibrateParams, calibrate
 
+    import time
+
+    from knnssd import tracking
+    from knnssd.routing import bank as banks
+
     params = CalibrateParams(**_calibrate_params(a))
     _check_calibrate(a, params)
-    print(json.dumps(_flow(calibrate, params)))
+    t0 = time.perf_counter()
+    registered = _flow(calibrate, params)
+    wall = time.perf_counter() - t0
+    searched = banks.load(tracking.bank_folder(registered["uri"], a.tracking_uri)).searched()
+    margin = searched["margin_over_fixed"]
+    print(f"knnssd: calibrated in {wall:.0f} s ({searched['search_s']:.0f} s of cluster searches); the chosen drafters "
+          f"over the best fixed one on their clusters' calib prompts: "
+          f"{'not timed' if margin is None else f'{margin:.3f}x'}", file=sys.stderr)
+    print(json.dumps({**registered, "wall_s": round(wall, 1), **searched}))
     return 0
 
 
@@ -405,9 +418,6 @@ def cmd_serve(a) -> int:
     from knnssd.serving.batcher import Batcher
 
     keys = access.Keys.gather(a.api_key, a.api_key_file)
-    refused = access.bind_error(a.host, keys, a.insecure_no_auth)
-    if refused is not None:
-        raise ValueError(refused)
     _counts(a, "max_queue")
     for name in ("request_timeout", "grace_s"):
         if not (math.isfinite(getattr(a, name)) and getattr(a, name) > 0):
@@ -418,6 +428,9 @@ def cmd_serve(a) -> int:
     reason = listen_error(a.host, a.port)
     if reason is not None:
         raise ValueError(f"--host {a.host} --port {a.port}: cannot serve there ({reason})")
+    refused = access.bind_error(a.host, keys, a.insecure_no_auth)  # an address that works, beyond loopback
+    if refused is not None:
+        raise ValueError(refused)
     version = None
     if a.model_uri.startswith("models:/"):
         _check_tracking(a.tracking_uri, registered=True)
@@ -456,13 +469,13 @@ def cmd_ui(a) -> int:
     from knnssd.reachable import listen_error
     from knnssd.serving.access import loopback
 
-    if not (loopback(a.host) or a.insecure_no_auth):
-        raise ValueError(f"--host {a.host} lets other machines in, and the MLflow UI asks for no password: give "
-                         "--insecure-no-auth if anyone who reaches it may read and change the runs and models")
     uri = tracking_uri(a.tracking_uri)
     reason = listen_error(a.host, a.port)
     if reason is not None:
         raise ValueError(f"--host {a.host} --port {a.port}: cannot serve there ({reason})")
+    if not (loopback(a.host) or a.insecure_no_auth):
+        raise ValueError(f"--host {a.host} lets other machines in, and the MLflow UI asks for no password: give "
+                         "--insecure-no-auth if anyone who reaches it may read and change the runs and models")
     _check_tracking(uri)  # a mistyped sqlite path is an error, not a new database
     print(f"MLflow UI for {uri} on {_url(a.host, a.port)}  (Ctrl-C stops it)", file=sys.stderr)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", a.host, "--port", str(a.port)]

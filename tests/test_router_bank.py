@@ -250,3 +250,25 @@ def test_unmatched_prompts_take_the_fixed_drafter_fastest_over_every_cluster(tmp
     (tmp_path / "bank" / "bank.json").write_text(json.dumps(d))
     with pytest.raises(banks.BankError, match="router.fallback_config"):
         banks.load(tmp_path / "bank")
+
+
+def test_a_bank_says_what_its_searches_cost_and_bought(tmp_path):
+    """``Bank.searched``: the searches' seconds summed, and the choices over the best fixed drafter weighted by
+    members (calibrate's last line); None where no search timed the fixed drafters."""
+    x, labels = blobs(n_per=6, dim=8)
+    clusters = router.build_clusters([str(i) for i in range(len(x))], labels, x, k_per_domain=1)
+    cfg = DrafterConfig(kind="ngram").to_dict()
+
+    def bank(fixed: list[float]):
+        results = [banks.ClusterResult(c.id, cfg, speedup=1.2, search_s=10.0 + c.id, best_fixed_speedup=f)
+                   for c, f in zip(clusters, fixed)]
+        return banks.load(banks.from_clusters(clusters, results, "tiny", "abc", 4, "float32", router.Pooling(), 0.2,
+                                              "now").save(tmp_path / str(len(list(tmp_path.iterdir())))))
+
+    b = bank([1.0, 1.2, 1.5][: len(clusters)])
+    members = [c.members for c in b.clusters]
+    got = b.searched()
+    margins = [1.2 / f for f in [1.0, 1.2, 1.5][: len(clusters)]]
+    assert got["search_s"] == pytest.approx(sum(10.0 + c.id for c in clusters))
+    assert got["margin_over_fixed"] == pytest.approx(sum(m * x for m, x in zip(members, margins)) / sum(members))
+    assert bank([math.nan] * len(clusters)).searched()["margin_over_fixed"] is None

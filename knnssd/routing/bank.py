@@ -100,6 +100,15 @@ class Bank:
         """The clusters whose drafter skips sub-layers."""
         return [c for c in self.clusters if c.mask is not None and c.mask.n_skipped]
 
+    def searched(self) -> dict:
+        """What its searches cost and bought: ``search_s``, their seconds summed, and ``margin_over_fixed``, each
+        cluster's choice over the best fixed drafter on its own calib prompts, weighted by members (None where no
+        search timed the fixed drafters)."""
+        timed = [(c.members, c.search["margin_over_fixed"]) for c in self.clusters if "margin_over_fixed" in c.search]
+        weight = sum(m for m, _ in timed)
+        return {"search_s": sum(c.search.get("search_s", 0.0) for c in self.clusters),
+                "margin_over_fixed": sum(m * x for m, x in timed) / weight if weight else None}
+
     def unmasked(self) -> "Bank":
         """The same bank with every mask cleared (the mask ablation: same drafters, no skipped sub-layers)."""
         return replace(self, clusters=[replace(c, config={**c.config, "mask": None}) for c in self.clusters])
