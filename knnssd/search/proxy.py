@@ -173,7 +173,6 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
                 offer = None
                 if kk > 0 and draft_policy.hybrid_uses_ngram(prop):
                     prop = prop[:kk]
-                    offer = None
                     if priced is not None:  # as ``decode.Run.priced``
                         state = draft_policy.goodput_state(len(prop), last)
                         offer = state, prop, priced.length(state, len(prop), costs.verify_ms)
