@@ -419,7 +419,8 @@ def cmd_serve(a) -> int:
 
     keys = access.Keys.gather(a.api_key, a.api_key_file)
     _counts(a, "max_queue")
-    for name in ("request_timeout", "grace_s"):
+    _counts(a, "max_connections")
+    for name in ("request_timeout", "grace_s", "head_timeout"):
         if not (math.isfinite(getattr(a, name)) and getattr(a, name) > 0):
             raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {getattr(a, name)}")
     if not (math.isfinite(a.reload_s) and a.reload_s >= 0):
@@ -456,7 +457,7 @@ def cmd_serve(a) -> int:
     print(f"knnssd: serving {a.model_uri} (bank version {batcher.version or folder}) with {batcher.slots} slots on "
           f"{_url(a.host, a.port)}/v1, {guard}", file=sys.stderr, flush=True)
     openai_server.run(batcher, a.model_uri, a.host, a.port, a.tracking_uri, a.request_timeout, a.reload_s, a.grace_s,
-                      keys, a.open_metrics)
+                      keys, a.open_metrics, a.head_timeout, a.max_connections)
     return 0
 
 
@@ -674,6 +675,10 @@ def parser() -> argparse.ArgumentParser:
                    help="serve beyond loopback (--host 0.0.0.0) with no API key: anyone who reaches it may use it")
     v.add_argument("--open-metrics", action="store_true",
                    help="/metrics without the key from any address (default: only from loopback)")
+    v.add_argument("--head-timeout", type=float, default=10.0,
+                   help="seconds a request's line and headers may take to arrive; a slower connection is closed")
+    v.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections past which a request gets 503 (slow clients cannot hold every socket)")
     _tracking_arg(v)
     v.set_defaults(fn=cmd_serve)
 

@@ -30,7 +30,7 @@ KEY = "sk-test-7f3a9c1e"  # the module's server asks for it: every request of th
 
 @pytest.fixture(scope="module")
 def server(registered, tmp_path_factory):  # noqa: F811
-    s = Server(registered["uri"], tmp_path_factory.mktemp("serve"), "--max-queue", "64", key=KEY)
+    s = Server(registered["uri"], tmp_path_factory.mktemp("serve"), "--max-queue", "64", "--head-timeout", "2", key=KEY)
     yield s
     s.stop()
 
@@ -247,6 +247,28 @@ def test_a_keyed_server_answers_401_without_its_key_and_never_shows_it(server):
         metrics = r.read().decode()
     assert 'knnssd_requests_total{status="401"}' in metrics and KEY not in metrics
     assert KEY not in server.log_path.read_text()
+
+
+def test_clients_that_trickle_their_request_heads_are_closed_while_others_are_answered(server):
+    """uvicorn closes no connection whose request head is still arriving: in a hostile trial, 200 clients sending
+    header bytes at 1 byte/s held their sockets for 70 s. With ``--head-timeout 2`` each of 8 such clients, sending
+    a header line every 0.3 s, is closed within 15 s, and /health is answered meanwhile."""
+    socks = [socket.create_connection(("127.0.0.1", server.port), timeout=15) for _ in range(8)]
+    for sock in socks:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+    open_, deadline = set(range(len(socks))), time.monotonic() + 15
+    while open_ and time.monotonic() < deadline:
+        for i in list(open_):
+            try:
+                socks[i].sendall(b"X-Slow: 1\r\n")
+            except OSError:  # closed by the server: a reset or a broken pipe
+                open_.discard(i)
+        time.sleep(0.3)
+        with urllib.request.urlopen(f"{server.url}/health", timeout=30) as r:
+            assert r.status == 200
+    for sock in socks:
+        sock.close()
+    assert not open_, f"{len(open_)} of {len(socks)} trickling connections still open after 15 s"
 
 
 def until_gauge(s: Server, name: str, value: float, within_s: float = 60) -> None:

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from knnssd.engine.params import ContextTooLong, whole_prompt_ids
 from knnssd.serving.access import CHALLENGE, Keys, RequireKey
 from knnssd.serving.batcher import Batcher, QueueFull, StreamJob
+from knnssd.serving.connections import with_head_deadline
 from knnssd.serving.metrics import ServerMetrics
 from knnssd.serving.openai_protocol import (CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, FINISH, ApiError, ChatRequest,
                                             CompletionRequest, Reply, error_body, figures, usage)
@@ -343,9 +344,11 @@ def served_name(model_uri: str) -> str:
 
 def run(batcher: Batcher, model_uri: str, host: str, port: int, tracking_uri: str | None = None,
         request_timeout_s: float = 600.0, reload_s: float = 30.0, grace_s: float = 30.0, keys: Keys = Keys(),
-        metrics_open: bool = False) -> None:
+        metrics_open: bool = False, head_timeout_s: float = 10.0, max_connections: int = 1024) -> None:
     """Serve until SIGTERM or Ctrl-C: then stop accepting, let requests in flight finish within
-    ``grace_s``, cancel the rest, and return. ``keys``, ``metrics_open``: ``create_app``'s."""
+    ``grace_s``, cancel the rest, and return. ``keys``, ``metrics_open``: ``create_app``'s; a connection whose
+    request head takes longer than ``head_timeout_s`` is closed (``connections.with_head_deadline``), and past
+    ``max_connections`` open connections a request gets uvicorn's 503."""
     import signal
 
     import uvicorn
@@ -367,7 +370,8 @@ def run(batcher: Batcher, model_uri: str, host: str, port: int, tracking_uri: st
 
         watch = ChampionWatch(batcher, model_uri, tracking_uri, reload_s, swapped).start()
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
-                                           timeout_graceful_shutdown=grace_s, lifespan="off"))
+                                           timeout_graceful_shutdown=grace_s, lifespan="off",
+                                           http=with_head_deadline(head_timeout_s), limit_concurrency=max_connections))
     # uvicorn raises the signal that stopped it again once it has shut down: a handler of our own makes
     # that a normal end (exit 0) instead of the process's death by SIGTERM
     before = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
