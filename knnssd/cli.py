@@ -219,9 +219,9 @@ def _check_calibrate(a, params) -> list:
 
 
 def cmd_calibrate(a) -> int:
-    from knnssd.flows.calibrate import CalibrateParams, calibrate
-
     import time
+
+    from knnssd.flows.calibrate import CalibrateParams, calibrate
 
     from knnssd import tracking
     from knnssd.routing import bank as banks
@@ -418,8 +418,7 @@ def cmd_serve(a) -> int:
     from knnssd.serving.batcher import Batcher
 
     keys = access.Keys.gather(a.api_key, a.api_key_file)
-    _counts(a, "max_queue")
-    _counts(a, "max_connections")
+    _counts(a, "max_queue", "max_connections")
     for name in ("request_timeout", "grace_s", "head_timeout"):
         if not (math.isfinite(getattr(a, name)) and getattr(a, name) > 0):
             raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {getattr(a, name)}")

@@ -45,14 +45,6 @@ def acceptance_rate(accepted: int, drafted: int) -> float:
     return accepted / drafted if drafted else 0.0
 
 
-def add_at(counts: list[int], more: list[int]) -> None:
-    """Add ``more`` to ``counts`` position by position (``DecodeStats.drafted_at``, ``accepted_at``), longer
-    where ``more`` is."""
-    counts.extend([0] * (len(more) - len(counts)))
-    for j, c in enumerate(more):
-        counts[j] += c
-
-
 def mean_accepted(accepted: int, steps: int) -> float:
     """Tokens emitted per full-model step after the prefill: the accepted drafts plus each step's own
     token, over the steps (1.0 for plain AR, and when nothing ran)."""
@@ -307,8 +299,8 @@ class Run:
         stats.steps += 1
         stats.drafted += len(verdict.drafted)
         stats.accepted.append(n)
-        add_at(stats.drafted_at, [1] * len(verdict.drafted))
-        add_at(stats.accepted_at, [1] * n)
+        draft_policy.add_at(stats.drafted_at, [1] * len(verdict.drafted))
+        draft_policy.add_at(stats.accepted_at, [1] * n)
         if self.drafter is not None:
             self.k = self.drafter.next_len(self.k, verdict.heard, n)
         if self._offer is not None:

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-from knnssd.engine.decode import Run, add_at
+from knnssd.engine.decode import Run
+from knnssd.engine.draft_policy import add_at, count_at
 from knnssd.engine.pass_costs import PassCosts
 
 EXPLORE = 16  # a sequence the rule has not let draft for EXPLORE steps per active sequence drafts once, and
@@ -87,10 +88,6 @@ class _Drafts:
         add_at(self.kept, s.accepted_at)
 
 
-def _at(counts: list[int], j: int) -> int:
-    return counts[j] if j < len(counts) else 0
-
-
 class DraftModel:
     """s_b and d_b for ``choose_lengths``: each sequence's own measurements shrunk towards its kind's
     (the sequences with the same kind of drafter, finished and active, pooled), and its kind's towards
@@ -132,8 +129,8 @@ class DraftModel:
             seconds.append((s.draft_s + p * d_kind) / (s.draft_calls + p))
             curve, last = [], 1.0
             for j in range(cap):
-                s_kind = (_at(kind.kept, j) + p * 0.5 ** (j + 1)) / (_at(kind.tried, j) + p)  # towards 1/2^j
-                last = min(last, (_at(s.accepted_at, j) + p * s_kind) / (_at(s.drafted_at, j) + p))
+                s_kind = (count_at(kind.kept, j) + p * 0.5 ** (j + 1)) / (count_at(kind.tried, j) + p)  # towards 1/2^j
+                last = min(last, (count_at(s.accepted_at, j) + p * s_kind) / (count_at(s.drafted_at, j) + p))
                 curve.append(last)
             survival.append(curve)
         return survival, seconds

@@ -51,6 +51,19 @@ def next_len(k: int, max_len: int, adaptive: bool, drafted: int, accepted: int) 
     return adapt_length(k, max_len, drafted, accepted) if adaptive else k
 
 
+def add_at(counts: list[int], more: list[int]) -> None:
+    """Add ``more`` to ``counts`` position by position (``DecodeStats.drafted_at``, ``accepted_at``, ``Goodput``'s
+    counts), longer where ``more`` is."""
+    counts.extend([0] * (len(more) - len(counts)))
+    for j, c in enumerate(more):
+        counts[j] += c
+
+
+def count_at(counts: list[int], j: int) -> int:
+    """``counts[j]``, 0 past its end (position counts grow only as far as some step reached)."""
+    return counts[j] if j < len(counts) else 0
+
+
 PRIOR = 4  # a goodput state's counts weigh as if PRIOR steps of the figures they are shrunk towards came first
 
 
@@ -111,8 +124,8 @@ class Goodput:
         reached, accepted = self.reached.get(state, []), self.accepted.get(state, [])
         out, s = [], 1.0
         for i in range(n):
-            pooled = (_at(self.all_accepted, i) + PRIOR * 0.5) / (_at(self.all_reached, i) + PRIOR)
-            s *= (_at(accepted, i) + PRIOR * pooled) / (_at(reached, i) + PRIOR)
+            pooled = (count_at(self.all_accepted, i) + PRIOR * 0.5) / (count_at(self.all_reached, i) + PRIOR)
+            s *= (count_at(accepted, i) + PRIOR * pooled) / (count_at(reached, i) + PRIOR)
             out.append(s)
         return out
 
@@ -131,12 +144,7 @@ class Goodput:
         """A step in ``state`` verified the first ``kept`` tokens of the draft ``offered`` and emitted
         ``emitted``."""
         reached, accepted = verified(offered, kept, emitted)
-        for counts, more in ((self.reached.setdefault(state, []), reached), (self.all_reached, reached),
-                             (self.accepted.setdefault(state, []), accepted), (self.all_accepted, accepted)):
-            counts.extend([0] * (more - len(counts)))
-            for i in range(more):
-                counts[i] += 1
-
-
-def _at(counts: list[int], i: int) -> int:
-    return counts[i] if i < len(counts) else 0
+        for counts in (self.reached.setdefault(state, []), self.all_reached):
+            add_at(counts, [1] * reached)
+        for counts in (self.accepted.setdefault(state, []), self.all_accepted):
+            add_at(counts, [1] * accepted)

@@ -198,9 +198,10 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
         cancel.check()
         key = json.dumps(cfg.to_dict(), sort_keys=True)
         late = deadline is not None and time.perf_counter() > deadline
-        if key in measured or (late and not fixed_kind(cfg.to_dict())):  # the fixed drafters: past it too
+        tuned = not fixed_kind(cfg.to_dict())
+        if key in measured or (late and tuned):  # the fixed drafters: past it too
             continue
-        if not fixed_kind(cfg.to_dict()):  # the fixed drafters come first, so the noise is theirs and more
+        if tuned:  # the fixed drafters come first, so the noise is theirs and more
             noise = objective.timing_noise([t.user_attrs for t in measured.values()])
             if not objective.worth_timing(proxy_sp, fixed_predicted, noise):
                 skipped += 1
