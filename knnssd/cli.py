@@ -248,8 +248,22 @@ def cmd_search_worker(a) -> int:
     rows = _check_calibrate(a, params)
     if params.clusters and params.labelled:  # a labelled pool's clusters are its domains (the flow checks the rest)
         params.check_clusters({r.domain for r in rows if r.domain})
+    _worker_start(params)
     print(json.dumps(_flow(search_worker, params)))
     return 0
+
+
+def _worker_start(params) -> None:
+    """The worker's first line, at once: the model's load, its probe and the prompts' embedding come
+    before any trial, and a worker on a new storage said nothing for minutes (trial 6)."""
+    from knnssd.search.study import is_new
+
+    storage = params.storage_url()
+    where = (f"{storage} is new: the studies are made there, and calibrate with the same --storage takes their "
+             "trials" if is_new(storage) else f"the studies in {storage}")
+    which = ", ".join(params.clusters) if params.clusters else "each cluster"
+    print(f"knnssd search-worker: {params.trials} stage-1 trial(s) for {which}, into {where}; loading the model "
+          "and embedding the calib prompts first", file=sys.stderr, flush=True)
 
 
 def cmd_add_domain(a) -> int:
@@ -258,9 +272,10 @@ def cmd_add_domain(a) -> int:
     from knnssd import tracking
     from knnssd.prompts import load
     from knnssd.routing import bank as banks
-    from knnssd.search.extend import check_name, split_rows
+    from knnssd.search.extend import check_label, check_name, split_rows
     from knnssd.serving.promote import version_uri
 
+    check_label(a.name)
     params = AddDomainParams(name=a.name, inputs=a.input, model=a.model, model_uri=a.model_uri, dtype=a.dtype,
                              device=a.device, k_per_domain=a.k_per_domain, warm=a.warm, storage=a.storage,
                              tracking_uri=a.tracking_uri, **budget_values(a))

@@ -271,6 +271,37 @@ def test_clients_that_trickle_their_request_heads_are_closed_while_others_are_an
     assert not open_, f"{len(open_)} of {len(socks)} trickling connections still open after 15 s"
 
 
+def test_16_streams_whose_clients_leave_mid_answer_are_counted_499_and_free_their_slots(server):
+    """Trial 6 saw /metrics count 15 of 16 clients that left mid-stream as ``status="200"``. 16 streams of up to
+    2,000 tokens, each closed by its client after its first event: all 16 are counted 499, none 200, and
+    every slot and queue place is free again."""
+    was = {s: metric(server, f'knnssd_requests_total{{status="{s}"}}') for s in ("200", "499")}
+    raw = json.dumps({"model": MODEL, "prompt": COUNTING, "max_tokens": 2000, "temperature": 0, "stream": True,
+                      "stop": "zzzz"}).encode()
+    socks = []
+    for _ in range(16):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+        socks.append(sock)
+    for sock in socks:  # each stream's first event: its sequence is in a slot and has begun
+        got = b""
+        while b"data: " not in got:
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
+    for sock in socks:
+        sock.close()
+    until_gauge(server, "knnssd_active_slots", 0)
+    until_gauge(server, "knnssd_queue_depth", 0)
+    deadline = time.monotonic() + 60  # a sequence leaves at its next step, and is counted as its handler ends
+    while metric(server, 'knnssd_requests_total{status="499"}') < was["499"] + 16 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(server, 'knnssd_requests_total{status="499"}') == was["499"] + 16
+    assert metric(server, 'knnssd_requests_total{status="200"}') == was["200"]
+
+
 def until_gauge(s: Server, name: str, value: float, within_s: float = 60) -> None:
     """Wait for the server's /metrics to show ``name`` at ``value`` (a fixed sleep lost the race on a busy
     machine)."""

@@ -73,6 +73,21 @@ def test_one_writer_per_output_and_sigkill_releases_it(tmp_path):
     assert not batch.lock_path(out).exists()
 
 
+def test_a_second_generate_on_one_output_is_refused_before_any_bank_or_model_loads(tmp_path):
+    """Trial 6: a second ``generate`` on an output being written took 39 s to be refused on a loaded machine.
+    The lock is taken before the bank: here the bank URI names nothing, and the refusal names the holder."""
+    inp, out = tmp_path / "x.jsonl", tmp_path / "out.parquet"
+    inp.write_text('{"prompt": "Hello"}\n')
+    holder = _hold(out)
+    try:
+        _one_line_each([(["generate", "--model-uri", str(tmp_path / "no-bank"), "--input", str(inp), "--output",
+                          str(out)], f"being written by process {holder.pid}")], _cli_env(tmp_path), seconds=5)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert not out.exists()
+
+
 def test_the_cli_leaves_ignored_signals_and_host_handlers_alone():
     """``cli._signals_unwind`` raises ``Terminated`` only for signals left at their default: an ignored
     SIGHUP (``nohup``) stays ignored, a default SIGTERM is taken for the command, and every handler is
@@ -512,6 +527,32 @@ def test_cli_refuses_drafter_and_search_values_that_cannot_work(tmp_path):
         (["calibrate", "--alias", "v1"], "alias 'v1' is reserved by MLflow"),
     ], _cli_env(tmp_path))
     assert not (tmp_path / "no").exists()
+
+
+def test_add_domain_refuses_a_name_past_100_characters_before_anything_loads(tmp_path):
+    """Trial 6: a 3,000-character ``--name`` was taken, and its search began before anything checked it."""
+    inp = tmp_path / "x.jsonl"
+    inp.write_text('{"prompt": "Hello"}\n')
+    _one_line_each([(["add-domain", "--name", "n" * 3000, "--input", str(inp)],
+                     "domain name of 3000 characters: at most 100")], _cli_env(tmp_path), seconds=5)
+
+
+def test_search_worker_on_a_new_storage_says_so_before_the_model_loads(tmp_path):
+    """Trial 6: ``search-worker --storage out/nosuch.journal`` printed nothing for over 150 s (the model's
+    load and probe, the prompts' embedding); a user took it for hung. Its first line now comes before any
+    of that, and names the storage as new. Stopped there, no journal is made."""
+    journal = tmp_path / "nosuch.journal"
+    proc = subprocess.Popen([sys.executable, "-m", "knnssd.cli", "search-worker", "--storage", str(journal),
+                             "--worker-trials", "1"], stderr=subprocess.PIPE, text=True, env=_cli_env(tmp_path),
+                            start_new_session=True)
+    try:
+        first = proc.stderr.readline()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert first.startswith("knnssd search-worker: 1 stage-1 trial(s) for each cluster, into "), first
+    assert f"{journal} is new: the studies are made there" in first, first
+    assert not journal.exists()
 
 
 def test_usage_errors_and_unusable_prompt_files_are_one_line(tmp_path):

@@ -27,14 +27,25 @@ def new_clusters(bank: banks.Bank, vectors: Path, name: str, k_per_domain: int =
     return [router.Cluster(cid, name, anchors, list(ids), {name: len(ids)})]
 
 
+MAX_NAME = 100  # a cluster label: it names studies, runs, metrics and lines of the bench's tables
+
+
+def check_label(name: str) -> None:
+    """A new domain's name on its own (before anything loads): printable, no '/', at most ``MAX_NAME``
+    characters. A 3,000-character name was taken, and its search began before anything looked."""
+    if len(name) > MAX_NAME:
+        raise banks.BankError(f"domain name of {len(name)} characters: at most {MAX_NAME}")
+    if "/" in name or not name.isprintable():
+        raise banks.BankError(f"domain name {name!r} cannot hold '/' or control characters")
+
+
 def check_name(domains: list[str], name: str) -> None:
     """A new domain's name is refused where it would be taken for another's: promotion logs a metric
     per domain under its ``tracking.slug``, which ignores case and punctuation and keeps only what
     follows a '/'."""
     from knnssd.tracking import slug
 
-    if "/" in name or not name.isprintable():
-        raise banks.BankError(f"domain name {name!r} cannot hold '/' or control characters")
+    check_label(name)
     same = [d for d in domains if slug(d) == slug(name)]
     if same:
         also = "" if same[0] == name else f" (as '{same[0]}': names differing only in case or punctuation are one)"

@@ -82,6 +82,15 @@ def check_storage(url_or_path: str | None, timeout_s: int = 5) -> None:
         raise ValueError(f"--storage {url_or_path} cannot be opened ({reason})")
 
 
+def is_new(url_or_path: str) -> bool:
+    """Does ``storage`` name a journal or sqlite file that does not exist yet (its studies will be made)?
+    A server database's URL is taken as existing."""
+    if url_or_path.startswith("sqlite:///"):
+        name = url_or_path.removeprefix("sqlite:///").split("?")[0]
+        return name != ":memory:" and not Path(name).exists()
+    return "://" not in url_or_path and not Path(url_or_path).exists()
+
+
 SETTINGS = "settings"  # the trial user attribute that holds a study's settings (``first_settings``)
 
 
