@@ -141,6 +141,7 @@ class BatchStats:
     prefills: int = 0
     prefill_s: float = 0.0
     reused: int = 0  # prompt positions whose K/V were copied from another prompt in the batch (``Prefixes``)
+    plan_s: float = 0.0  # choosing the batch size and checking its packed passes, before the first prefill
     total_s: float = 0.0
     exact: bool = False  # packed passes measured row-invariant up to the most rows a step may have
 
@@ -162,19 +163,20 @@ class BatchStats:
         return {"slots": self.slots, "steps": self.steps, "prefills": self.prefills, "tokens": self.tokens,
                 "tokens_per_s": self.tokens_per_s, "rows_per_step": sum(self.rows) / n,
                 "draft_per_step": sum(self.drafted) / n, "active_per_step": sum(self.active) / n,
-                "prefill_s": self.prefill_s, "reused": self.reused, "exact": self.exact}
+                "prefill_s": self.prefill_s, "reused": self.reused, "plan_s": self.plan_s, "exact": self.exact}
 
 
 def decode_batch(decoder: Decoder, jobs: Iterable[Job] | JobQueue, plan: BatchPlan,
-                 stats: BatchStats | None = None,
-                 failed: Callable[[Job, Exception], None] | None = None) -> Iterator[Finished]:
+                 stats: BatchStats | None = None, failed: Callable[[Job, Exception], None] | None = None,
+                 on_step: Callable[[list[Run]], None] | None = None) -> Iterator[Finished]:
     """Generate every job, ``plan.slots`` at a time, yielding each as it finishes (not in job order).
     ``jobs``: a list or iterator, or a ``JobQueue`` that others fill while the batch runs (the batch
     ends when it is closed and drained). ``stats`` collects the per-step figures (``BatchStats``);
     each job's ``DecodeStats`` counts its own prefill, drafts and the passes it was in. ``failed``:
     where a job whose start (its prefill and routing) raises goes, its slot freed, while the others
-    go on (a server's requests are not failed by another's); without it the exception ends the batch."""
-    yield from Scheduler(decoder, jobs, plan, stats, failed).run()
+    go on (a server's requests are not failed by another's); without it the exception ends the batch.
+    ``on_step``: as ``Scheduler``'s."""
+    yield from Scheduler(decoder, jobs, plan, stats, failed, on_step).run()
 
 
 class Scheduler:

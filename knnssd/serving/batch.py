@@ -75,6 +75,7 @@ class Summary:
     throughput: float = 0.0  # tokens generated in this run / wall_s (``tokens_per_s`` is per sequence)
     rows_per_step: float = 0.0  # packed rows per full-model pass
     reused_prompt_tokens: int = 0  # prompt positions whose K/V were copied from another prompt in the batch
+    plan_s: float = 0.0  # choosing the batch size and checking its packed passes (timed once per machine)
 
     def metrics(self) -> dict:
         return {k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -378,10 +379,14 @@ def already_complete(output: Path, rows: list[Prompt], done: dict[str, dict]) ->
 
 
 def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, batch_size: int | None,
-             stats: BatchStats) -> Iterator[tuple[Prompt, Result]]:
+             stats: BatchStats, bar) -> Iterator[tuple[Prompt, Result]]:
     """(prompt, result) as each finishes: batched when the decoder can run slots and the batch size
-    (asked, or auto) is over 1, else one prompt at a time."""
+    (asked, or auto) is over 1, else one prompt at a time. ``bar``: the run's progress bar, which says
+    what comes before the first row: the plan (minutes, the first time on a machine: trial 6 saw no row
+    in 5:51), then the tokens made."""
     slots, positions = 1, 0
+    bar.set_postfix_str("choosing the batch size", refresh=True)
+    t0 = time.perf_counter()
     if gen.can_batch and todo and batch_size != 1:
         positions = gen.positions([r.prompt for r in todo], params)
         if batch_size is None:
@@ -390,7 +395,12 @@ def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, b
             slots = min(batch_size, len(todo))
             check_slots(gen.decoder, slots, positions, "--batch-size")
     stats.slots = slots
-    if slots == 1:
+    plan = gen.plan(slots, positions) if slots > 1 else None
+    stats.plan_s = time.perf_counter() - t0
+    log.info("%d slot(s), planned in %.1f s", slots, stats.plan_s)
+    planned = f"{slots} slot{'s' if slots > 1 else ''}, planned in {stats.plan_s:.0f} s"
+    bar.set_postfix_str(planned, refresh=True)
+    if plan is None:
         t0 = time.perf_counter()
         for r in todo:
             res = gen.generate(r.prompt, params)
@@ -399,7 +409,15 @@ def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, b
             stats.total_s = time.perf_counter() - t0
             yield r, res
         return
-    yield from gen.generate_many(((r, r.prompt) for r in todo), params, gen.plan(slots, positions), stats)
+
+    def stepped(_runs) -> None:
+        bar.set_postfix_str(f"{planned}, {stats.tokens} tokens", refresh=False)
+        bar.update(0)  # shown at most every ``mininterval``
+
+    yield from gen.generate_many(((r, r.prompt) for r in todo), params, plan, stats, stepped)
+
+
+PROGRESS_S = 2.0  # the progress bar's least interval between redraws
 
 
 def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, done: dict[str, dict], params: GenerateParams,
@@ -423,8 +441,8 @@ def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, done: dict[str,
     try:
         with _writes(journal_path, len(finished)):  # unbuffered: a failed write leaves nothing to flush at close
             journal = open(journal_path, "ab", buffering=0)
-        with journal, tqdm(total=len(todo), desc="generate", file=sys.stderr, mininterval=2) as bar:
-            for r, res in _results(gen, todo, params, batch_size, stats):
+        with journal, tqdm(total=len(todo), desc="generate", file=sys.stderr, mininterval=PROGRESS_S) as bar:
+            for r, res in _results(gen, todo, params, batch_size, stats, bar):
                 bar.update(1)
                 row = {"id": r.id, "domain": r.domain, **res.to_row(), "prompt_hash": prompt_hash(r.prompt),
                        "settings": settings}
@@ -507,4 +525,4 @@ def summarize(rows: list[dict], generated: int, output: Path, unmatched_log: str
         route_overhead_pct=100 * route / secs if secs else 0.0, output=str(output), unmatched_log=unmatched_log,
         batch_size=stats.slots if stats else 1, wall_s=stats.total_s if stats else 0.0,
         throughput=stats.tokens_per_s if stats else 0.0, rows_per_step=stats.summary()["rows_per_step"] if stats else 0.0,
-        reused_prompt_tokens=stats.reused if stats else 0)
+        reused_prompt_tokens=stats.reused if stats else 0, plan_s=stats.plan_s if stats else 0.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -142,15 +142,17 @@ class RoutedGenerator:
         return job.result(new, stats)
 
     def generate_many(self, prompts: Iterable[tuple[object, str]], params: GenerateParams, plan: BatchPlan,
-                      stats: BatchStats | None = None) -> Iterator[tuple[object, Result]]:
+                      stats: BatchStats | None = None, on_step: Callable[[list], None] | None = None
+                      ) -> Iterator[tuple[object, Result]]:
         """(key, Result) for each (key, prompt), ``plan.slots`` sequences decoded together
-        (``engine.batched``), yielded as each finishes; ``stats`` collects the per-step figures. Each
+        (``engine.batched``), yielded as each finishes; ``stats`` collects the per-step figures, and
+        ``on_step`` is called after each step (``engine.batched.Scheduler``). Each
         sequence drafts with its own copy of its cluster's drafter; its tokens equal its
         one-at-a-time generation's where ``plan.exact``."""
         jobs = ((key, *self.tokenize(prompt, params)) for key, prompt in prompts)
         jobs = (RoutedJob(self, ids, truncated, params, key) for key, ids, truncated in jobs)
         with self.lm.busy:  # the decoder's weights are shared by the slots; single generations wait
-            for f in decode_batch(self.decoder, jobs, plan, stats):
+            for f in decode_batch(self.decoder, jobs, plan, stats, on_step=on_step):
                 yield f.job.key, f.job.result(f.tokens, f.stats)
 
     @property
