@@ -431,9 +431,11 @@ def cmd_serve(a) -> int:
     from knnssd.routing import bank as banks
     from knnssd.serving import access, openai_server
     from knnssd.serving.batcher import Batcher
+    from knnssd.serving.quota import Caps
 
     keys = access.Keys.gather(a.api_key, a.api_key_file)
-    _counts(a, "max_queue", "max_connections")
+    _counts(a, "max_queue", "max_connections", "key_concurrency", "key_tokens_per_minute")
+    caps = Caps(a.key_concurrency, a.key_tokens_per_minute)
     for name in ("request_timeout", "grace_s", "head_timeout"):
         if not (math.isfinite(getattr(a, name)) and getattr(a, name) > 0):
             raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {getattr(a, name)}")
@@ -471,7 +473,7 @@ def cmd_serve(a) -> int:
     print(f"knnssd: serving {a.model_uri} (bank version {batcher.version or folder}) with {batcher.slots} slots on "
           f"{_url(a.host, a.port)}/v1, {guard}", file=sys.stderr, flush=True)
     openai_server.run(batcher, a.model_uri, a.host, a.port, a.tracking_uri, a.request_timeout, a.reload_s, a.grace_s,
-                      keys, a.open_metrics, a.head_timeout, a.max_connections)
+                      keys, a.open_metrics, a.head_timeout, a.max_connections, caps)
     return 0
 
 
@@ -693,6 +695,12 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a request's line and headers may take to arrive; a slower connection is closed")
     v.add_argument("--max-connections", type=int, default=1024,
                    help="open connections past which a request gets 503 (slow clients cannot hold every socket)")
+    v.add_argument("--key-concurrency", type=int, default=None, metavar="N",
+                   help="requests one API key may have running or queued at once; more get 429 (default: no cap; "
+                        "without keys, the cap is shared by all clients)")
+    v.add_argument("--key-tokens-per-minute", type=int, default=None, metavar="N",
+                   help="prompt and completion tokens one API key may use in any 60 s; more get 429 with "
+                        "Retry-After (default: no cap)")
     _tracking_arg(v)
     v.set_defaults(fn=cmd_serve)
 

@@ -164,3 +164,148 @@ def test_the_key_guards_v1_everywhere_and_metrics_beyond_loopback(path, client, 
              "headers": [(b"authorization", header)] if header is not None else []}
     asyncio.run(RequireKey(inner, Keys.gather(["k"], None, {}), refuse, metrics_open)(scope, None, None))
     assert (reached, refused) == (([path], []) if passes else ([], [header is None]))
+
+
+def test_quotas_cap_each_keys_running_requests_and_tokens_a_minute():
+    """Issue 68, point 3: per key, a request past ``concurrent`` running, or past ``tokens_per_minute`` in
+    the last 60 s (charged ``max_tokens`` on admission, then what it used), is refused with the whole seconds
+    until it would pass; another key is not held back, and a lease ends once."""
+    from knnssd.serving.quota import Caps, OverCap, Quotas
+
+    now = [1000.0]
+    q = Quotas(Caps(concurrent=2, tokens_per_minute=100), clock=lambda: now[0])
+    a1, a2 = q.take("key 1", 30), q.take("key 1", 30)
+    with pytest.raises(OverCap, match="has 2 requests running") as e:
+        q.take("key 1", 1)
+    assert (e.value.retry_after_s, e.value.kind) == (1, "requests")
+    q.take("key 2", 100).end(100)  # its own cap
+    a1.end(10)
+    a1.end(10)  # once: not a second place freed
+    assert q.running["key 1"] == 1
+    now[0] += 20
+    with pytest.raises(OverCap, match="used 40 of its 100 tokens a minute") as e:
+        q.take("key 1", 70)
+    assert (e.value.retry_after_s, e.value.kind) == (40, "tokens")  # a1's 10 leave the window 40 s on
+    with pytest.raises(OverCap, match="more than this API key's 100 tokens a minute") as e:
+        q.take("key 1", 101)
+    a2.end(0)
+    q.take("key 1", 90)  # a2 settled at 0: 10 + 90 fit
+    now[0] += 61
+    assert q.take("key 1", 100)  # the window has moved past them all
+    assert not Caps() and Caps(concurrent=1)
+
+
+class _Gate:
+    """A batch observer that holds the batch's thread at each step until ``open``."""
+
+    def __init__(self):
+        import threading
+
+        self.event = threading.Event()
+
+    def step(self, *args) -> None:
+        self.event.wait(60)
+
+
+@pytest.fixture
+def tiny_server():
+    """``create_app`` over a tiny model's batch of 2 slots, with keys "sk-a" and "sk-b" capped at one request
+    running and 60 tokens a minute each, in uvicorn on a thread; and the gate on its batch."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from knnssd.engine.drafters import DrafterConfig
+    from knnssd.reachable import free_port
+    from knnssd.serving import openai_server
+    from knnssd.serving.access import Keys
+    from knnssd.serving.batcher import Batcher, serving_plan
+    from knnssd.serving.metrics import ServerMetrics
+    from knnssd.serving.quota import Caps
+    from knnssd.serving.routed import RoutedGenerator
+    from test_graphed_generation import bank, loaded
+
+    def load():
+        gen = RoutedGenerator(loaded(), bank([DrafterConfig(kind="ngram", max_len=4)]))
+        return gen, serving_plan(gen, 2, "--batch-size", True, 128)
+
+    batcher = Batcher(load, max_len=128)
+    gate = _Gate()
+    batcher.observer = gate
+    app = openai_server.create_app(batcher, "tiny", ServerMetrics(), 60.0, keys=Keys.gather(["sk-a", "sk-b"], None, {}),
+                                   caps=Caps(concurrent=1, tokens_per_minute=60))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", gate
+    finally:
+        gate.event.set()
+        server.should_exit = True
+        thread.join(30)
+        batcher.close()
+
+
+def test_a_key_past_its_caps_gets_429_with_retry_after_and_others_go_on(tiny_server):
+    """Issue 68, point 3, through HTTP: with key A's one request held in the batch, its second gets 429
+    (``requests``, Retry-After 1) in OpenAI's shape while key B's is taken; past A's 60 tokens a minute, 429
+    (``tokens``) with the seconds until its charges leave the window; a stream whose client left before
+    its first byte frees A's place. The 429s come before the request takes a slot."""
+    import json
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, gate = tiny_server
+    prompt = " ".join(str(3 + i) for i in range(6))
+
+    def post(key: str, max_tokens: int, stream: bool = False):
+        req = urllib.request.Request(f"{url}/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}).encode(),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read(), r.headers
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), e.headers
+
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(post, "sk-a", 8)
+        time.sleep(0.5)  # A's request is in the batch, held at its first step
+        code, body, headers = post("sk-a", 8)
+        assert code == 429 and headers["Retry-After"] == "1", body
+        assert body["error"]["type"] == "requests" and body["error"]["code"] == "rate_limit_exceeded"
+        assert "its cap (--key-concurrency 1)" in body["error"]["message"]
+        other = pool.submit(post, "sk-b", 8)  # another key: admitted, and waits for the gate as A's does
+        time.sleep(0.5)
+        assert not other.done()
+        gate.event.set()
+        assert held.result()[0] == 200 and other.result()[0] == 200
+    code, body, headers = post("sk-a", 50)  # 6 + 8 used, 50 more asked: over 60
+    assert code == 429 and body["error"]["type"] == "tokens" and 1 <= int(headers["Retry-After"]) <= 60, body
+    code, body, _ = post("sk-a", 61)
+    assert code == 429 and "set max_tokens lower" in body["error"]["message"], body
+    gate.event.clear()
+    raw = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
+                 b"Bearer sk-a\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+    sock.close()  # gone before its first byte
+    gate.event.set()
+    deadline = time.monotonic() + 20
+    while (code := post("sk-a", 4)[0]) == 429 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert code == 200

@@ -59,14 +59,19 @@ class Keys:
     def __bool__(self) -> bool:
         return bool(self.digests)
 
-    def admits(self, authorization: str | None) -> bool:
-        """Does an ``Authorization`` header's value carry one of the keys (``Bearer <key>``)?"""
+    def which(self, authorization: str | None) -> int | None:
+        """Which of the keys an ``Authorization`` header's value carries (``Bearer <key>``): its place among
+        them, or None."""
         scheme, _, key = (authorization or "").strip().partition(" ")
         given = _digest(key.strip())
-        found = False
-        for d in self.digests:  # every key compared, in constant time each
-            found |= hmac.compare_digest(given, d)
-        return found and scheme.lower() == "bearer"
+        found = None
+        for i, d in enumerate(self.digests):  # every key compared, in constant time each
+            if hmac.compare_digest(given, d):
+                found = i
+        return found if scheme.lower() == "bearer" else None
+
+    def admits(self, authorization: str | None) -> bool:
+        return self.which(authorization) is not None
 
 
 def loopback(host: str) -> bool:
@@ -91,7 +96,8 @@ def bind_error(host: str, keys: Keys, insecure: bool) -> str | None:
 class RequireKey:
     """A plain ASGI layer: a request to ``/v1/*``, or to ``/metrics`` from beyond loopback unless
     ``metrics_open``, without one of ``keys`` is answered by ``refuse(missing)`` (an ASGI app: a 401; ``missing``:
-    no ``Authorization`` header at all) and goes no further."""
+    no ``Authorization`` header at all) and goes no further. One with a key goes on with the key's name
+    (``key_name``) in ``scope["state"]["api_key"]``, for its caps (``quota``)."""
 
     def __init__(self, inner, keys: Keys, refuse, metrics_open: bool = False):
         self.inner, self.keys, self.refuse, self.metrics_open = inner, keys, refuse, metrics_open
@@ -108,6 +114,14 @@ class RequireKey:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.keys and self.guarded(scope):
             given = dict(scope.get("headers") or ()).get(b"authorization")
-            if not self.keys.admits(given.decode("latin-1") if given is not None else None):
+            which = self.keys.which(given.decode("latin-1") if given is not None else None)
+            if which is None:
                 return await self.refuse(given is None)(scope, receive, send)
+            scope.setdefault("state", {})["api_key"] = key_name(which)
         await self.inner(scope, receive, send)
+
+
+def key_name(which: int | None) -> str:
+    """How caps and logs name a key: its place among the server's keys from 1 (never the key); without keys,
+    every client is "anonymous"."""
+    return "anonymous" if which is None else f"key {which + 1}"

@@ -24,10 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from knnssd.engine.params import ContextTooLong, whole_prompt_ids
-from knnssd.serving.access import CHALLENGE, Keys, RequireKey
+from knnssd.serving.access import CHALLENGE, Keys, RequireKey, key_name
 from knnssd.serving.batcher import Batcher, QueueFull, StreamJob
 from knnssd.serving.connections import with_head_deadline
 from knnssd.serving.metrics import ServerMetrics
+from knnssd.serving.quota import Caps, Lease, OverCap, Quotas
 from knnssd.serving.openai_protocol import (CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, FINISH, ApiError, ChatRequest,
                                             CompletionRequest, Reply, error_body, figures, usage)
 from knnssd.serving.text_stream import TextStream
@@ -52,15 +53,17 @@ class _Follow:
 
 
 def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_timeout_s: float = 600.0,
-               source: str = "", stopping=lambda: False, keys: Keys = Keys(), metrics_open: bool = False) -> FastAPI:
+               source: str = "", stopping=lambda: False, keys: Keys = Keys(), metrics_open: bool = False,
+               caps: Caps = Caps()) -> FastAPI:
     """``served``: the model id clients name; ``source``: the model URI the bank came from; ``stopping``:
     whether the server is shutting down (a request cancelled then is told so, not cut off); ``keys``: the API
     keys ``/v1/*`` asks for (``access.RequireKey``; none: open), and ``/metrics`` from beyond loopback unless
-    ``metrics_open``."""
+    ``metrics_open``; ``caps``: each key's (``quota``)."""
     app = FastAPI(title="knnssd", docs_url=None, redoc_url=None)
     tokenizer = batcher.gen.lm.tokenizer
     metrics.queue.set_function(lambda: batcher.queued)
     metrics.active.set_function(lambda: batcher.active)
+    quotas = Quotas(caps)
 
     def answer_error(e: ApiError) -> JSONResponse:
         metrics.requests.labels(str(e.status)).inc()
@@ -189,41 +192,60 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
     async def chat(body: ChatRequest, request: Request):
         return await _generate(body, await asyncio.to_thread(body.render, tokenizer), True, request)
 
+    def invalid(e: ValueError, body) -> ApiError:
+        if isinstance(e, ContextTooLong):
+            return ApiError(400, str(e), e.param, code="context_length_exceeded")
+        word = str(e).split(" ", 1)[0]  # the parameter a check names first ("seed must be ...")
+        return ApiError(400, str(e), word if word in type(body).model_fields else None)
+
     async def _generate(body, prompt: str, chat: bool, request: Request):
         check_served(body.model)
         try:
             params = dataclasses.replace(body.params(CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS),
                                          max_prompt_tokens=batcher.prompt_tokens)
-            follow = _Follow()
-
-            def submit():  # tokenizing a long prompt takes a while: off the event loop, which serves the others
-                # as OpenAI's API: the whole prompt, or a 400 (the CLI's policy of keeping a long prompt's last
-                # tokens would drop a chat's system and user turns unseen)
-                ids, fitted = whole_prompt_ids(tokenizer, prompt, params, batcher.limits,
-                                               fit=body.max_tokens is None, where="messages" if chat else "prompt")
-                return fitted, batcher.submit_ids(ids, False, fitted, lambda t: follow.put("tokens", t),
-                                                  lambda r: follow.put("done", r))
-
-            submitting = asyncio.ensure_future(asyncio.to_thread(submit))
-            try:
-                params, job = await asyncio.shield(submitting)
-            except asyncio.CancelledError:  # the client went away while its prompt was tokenized: drop its job
-                submitting.add_done_callback(_drop_job)
-                raise
-        except ContextTooLong as e:
-            raise ApiError(400, str(e), e.param, code="context_length_exceeded") from None
         except ValueError as e:
-            word = str(e).split(" ", 1)[0]  # the parameter a check names first ("seed must be ...")
-            raise ApiError(400, str(e), word if word in type(body).model_fields else None) from None
-        except QueueFull as e:
-            raise ApiError(503, f"the server is busy ({e}); retry later", type="server_busy",
-                           headers={"Retry-After": "1"}) from None
+            raise invalid(e, body) from None
+        try:  # before the request takes a slot or a place in the queue
+            lease = quotas.take(getattr(request.state, "api_key", key_name(None)), params.max_new_tokens)
+        except OverCap as e:
+            raise ApiError(429, str(e), type=e.kind, code="rate_limit_exceeded",
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
+        try:
+            params, job, follow = await _submit(body, prompt, chat, params)
+        except BaseException:
+            lease.end(0)  # never queued: nothing used
+            raise
         reply = Reply(chat, served)
         text = TextStream(tokenizer, params.stop)
         if body.stream:
-            return StreamingResponse(_stream(job, follow, text, reply, body.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(job, follow, text, reply, request)
+            return _Stream(_stream(job, follow, text, reply, body.include_usage, lease), (job, lease))
+        return await _whole(job, follow, text, reply, request, lease)
+
+    async def _submit(body, prompt: str, chat: bool, params) -> tuple:
+        """(params, job, follow): the request queued, its prompt tokenized off the event loop, which serves the
+        others meanwhile (a long prompt takes a while)."""
+        follow = _Follow()
+
+        def submit():
+            # as OpenAI's API: the whole prompt, or a 400 (the CLI's policy of keeping a long prompt's last
+            # tokens would drop a chat's system and user turns unseen)
+            ids, fitted = whole_prompt_ids(tokenizer, prompt, params, batcher.limits,
+                                           fit=body.max_tokens is None, where="messages" if chat else "prompt")
+            return fitted, batcher.submit_ids(ids, False, fitted, lambda t: follow.put("tokens", t),
+                                              lambda r: follow.put("done", r))
+
+        submitting = asyncio.ensure_future(asyncio.to_thread(submit))
+        try:
+            fitted, job = await asyncio.shield(submitting)
+        except asyncio.CancelledError:  # the client went away while its prompt was tokenized: drop its job
+            submitting.add_done_callback(_drop_job)
+            raise
+        except ValueError as e:
+            raise invalid(e, body) from None
+        except QueueFull as e:
+            raise ApiError(503, f"the server is busy ({e}); retry later", type="server_busy",
+                           headers={"Retry-After": "1"}) from None
+        return fitted, job, follow
 
     async def _events(job: StreamJob, follow: _Follow) -> AsyncIterator[tuple[str, object]]:
         """The request's events until it ends; a timeout cancels it (and ends with ("timeout", None))."""
@@ -253,12 +275,14 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
             if kind == "done":
                 return
 
-    def _finished(result, text: TextStream) -> tuple[str, dict]:
+    def _finished(result, lease: Lease) -> tuple[str, dict]:
         metrics.prompt_tokens.inc(result.prompt_tokens)
         metrics.completion_tokens.inc(len(result.tokens))
+        lease.end(result.prompt_tokens + len(result.tokens))  # its charge: what it used, not its max_tokens
         return FINISH.get(result.stats.stop, "stop"), usage(result.prompt_tokens, len(result.tokens))
 
-    async def _whole(job: StreamJob, follow: _Follow, text: TextStream, reply: Reply, request: Request):
+    async def _whole(job: StreamJob, follow: _Follow, text: TextStream, reply: Reply, request: Request,
+                     lease: Lease):
         checked = time.perf_counter()
         try:
             async for kind, value in _events(job, follow):
@@ -277,7 +301,7 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
                 elif kind == "done":
                     if isinstance(value, BaseException):
                         raise ApiError(500, f"generation failed: {value}", type="server_error")
-                    finish, use = _finished(value, text)
+                    finish, use = _finished(value, lease)
                     metrics.requests.labels("200").inc()
                     return reply.whole(text.text, finish, figures(value, batcher.version), use)
         except asyncio.CancelledError:
@@ -285,8 +309,11 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
             if not stopping():
                 raise
             return answer_error(ApiError(503, SHUTDOWN, type="server_shutdown"))  # past the grace period
+        finally:
+            lease.end()  # a no-op where it finished; else its charge stays as reserved
 
-    async def _stream(job: StreamJob, follow: _Follow, text: TextStream, reply: Reply, include_usage: bool):
+    async def _stream(job: StreamJob, follow: _Follow, text: TextStream, reply: Reply, include_usage: bool,
+                      lease: Lease):
         first, status = True, "200"
         try:
             async for kind, value in _events(job, follow):
@@ -304,7 +331,7 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
                         status = "500"
                         yield _sse(error_body(f"generation failed: {value}", "server_error"))
                         break
-                    finish, use = _finished(value, text)
+                    finish, use = _finished(value, lease)
                     yield _sse(reply.chunk(text.finish(), finish, figures(value, batcher.version), first=first))
                     if include_usage:
                         yield _sse(reply.usage_chunk(use))
@@ -318,9 +345,28 @@ def create_app(batcher: Batcher, served: str, metrics: ServerMetrics, request_ti
             yield "data: [DONE]\n\n"
         finally:
             job.cancelled = True  # a no-op for a finished sequence
+            lease.end()
             metrics.requests.labels(status).inc()
 
     return app
+
+
+class _Stream(StreamingResponse):
+    """A stream that frees its request however the response ends. Its generator's own ``finally`` does where
+    it ran; but a client gone before the first byte ends the response before the generator starts, and its
+    sequence would then run to its end, and its key's place stay taken."""
+
+    def __init__(self, events, held: tuple[StreamJob, Lease]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.held = held
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            job, lease = self.held
+            job.cancelled = True  # a no-op for a finished sequence
+            lease.end()
 
 
 def _drop_job(submitting: asyncio.Future) -> None:
@@ -344,11 +390,12 @@ def served_name(model_uri: str) -> str:
 
 def run(batcher: Batcher, model_uri: str, host: str, port: int, tracking_uri: str | None = None,
         request_timeout_s: float = 600.0, reload_s: float = 30.0, grace_s: float = 30.0, keys: Keys = Keys(),
-        metrics_open: bool = False, head_timeout_s: float = 10.0, max_connections: int = 1024) -> None:
+        metrics_open: bool = False, head_timeout_s: float = 10.0, max_connections: int = 1024,
+        caps: Caps = Caps()) -> None:
     """Serve until SIGTERM or Ctrl-C: then stop accepting, let requests in flight finish within
     ``grace_s``, cancel the rest, and return. ``keys``, ``metrics_open``: ``create_app``'s; a connection whose
     request head takes longer than ``head_timeout_s`` is closed (``connections.with_head_deadline``), and past
-    ``max_connections`` open connections a request gets uvicorn's 503."""
+    ``max_connections`` open connections a request gets uvicorn's 503; ``caps``: each key's (``quota``)."""
     import signal
 
     import uvicorn
@@ -360,7 +407,7 @@ def run(batcher: Batcher, model_uri: str, host: str, port: int, tracking_uri: st
     metrics.served.info({"model_uri": model_uri, "bank_version": str(batcher.version)})
     server: uvicorn.Server | None = None
     app = create_app(batcher, served_name(model_uri), metrics, request_timeout_s, model_uri,
-                     lambda: server is not None and server.should_exit, keys, metrics_open)
+                     lambda: server is not None and server.should_exit, keys, metrics_open, caps)
     watch = None
     if reload_s > 0 and follows_alias(model_uri):
         def swapped(version: str) -> None:
