@@ -29,14 +29,14 @@ device, the dtype and the model's shapes (``exactness.py`` measures it at load):
 
 and ``padded(impl, R)`` of the static ones: the queries of a call with fewer than R tokens are
 padded with zero rows to R (gpt-fast's verification at a fixed length), so one-token steps and
-short verify passes run the kernel shape of longer ones. On the dev machine's CPU (Zen 4, no
-AMX) only padded ones were row-invariant in the whole model: ``sdpa_pad4``, ``sdpa_fold_r4`` and
+short verify passes run the kernel shape of longer ones. On the CPU they were first measured on
+(docs/benchmarks.md) only padded ones were row-invariant in the whole model: ``sdpa_pad4``, ``sdpa_fold_r4`` and
 ``fp32_pad2`` in bf16 and fp32 (the kernels take another path below a few query rows), while in
 isolation, on random inputs, plain ``sdpa`` was; so the probe runs the real model.
 
 Each static one but ``sdpa_dynamic`` also has a batched form (``Attention.batch``): the same
 arithmetic over B sequences' caches at one key length, for the batched engine's packed passes.
-On the dev machine's CPU it gave rows bitwise equal to one sequence's call for any B and any
+There it gave rows bitwise equal to one sequence's call for any B and any
 padded query count, but not for a longer key length (the P @ V reduction over L rounds
 differently), so a packed pass makes one call per key length (``decoder._PooledAttention``), and
 ``batch_plan.pooled_exact`` checks it on the real model before a batch uses it.

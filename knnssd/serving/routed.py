@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -240,6 +240,3 @@ class RoutedJob:
         return Result(text, new, self.route.cluster, cluster.label, self.route.similarity,
                       "none" if g.plain else cluster.drafter.describe(),
                       stats, self.route_s, stats.total_s, len(self.ids), self.truncated, self.vector)
-
-    def config_summary(self) -> list[dict]:
-        return [{"cluster": c.id, "label": c.label, **asdict(c.drafter), "speedup": c.speedup} for c in self.bank.clusters]

@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from knnssd import prompts
@@ -140,6 +140,3 @@ def _write(state: Path, done: dict) -> None:
     tmp.write_text(json.dumps(done, indent=2))
     tmp.replace(state)
 
-
-def as_dict(item: Item) -> dict:
-    return asdict(item)
