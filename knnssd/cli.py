@@ -432,6 +432,7 @@ def cmd_serve(a) -> int:
     from knnssd.serving import access, openai_server
     from knnssd.serving.batcher import Batcher
     from knnssd.serving.quota import Caps
+    from knnssd.serving.serve_config import ServeConfig
 
     keys = access.Keys.gather(a.api_key, a.api_key_file)
     _counts(a, "max_queue", "max_connections", "key_concurrency", "key_tokens_per_minute")
@@ -472,8 +473,10 @@ def cmd_serve(a) -> int:
              "no API key asked" + ("" if access.loopback(a.host) else ": anyone who reaches it may use it"))
     print(f"knnssd: serving {a.model_uri} (bank version {batcher.version or folder}) with {batcher.slots} slots on "
           f"{_url(a.host, a.port)}/v1, {guard}", file=sys.stderr, flush=True)
-    openai_server.run(batcher, a.model_uri, a.host, a.port, a.tracking_uri, a.request_timeout, a.reload_s, a.grace_s,
-                      keys, a.open_metrics, a.head_timeout, a.max_connections, caps)
+    openai_server.run(batcher, ServeConfig(
+        a.model_uri, a.host, a.port, a.tracking_uri, request_timeout_s=a.request_timeout, reload_s=a.reload_s,
+        grace_s=a.grace_s, keys=keys, metrics_open=a.open_metrics, head_timeout_s=a.head_timeout,
+        max_connections=a.max_connections, caps=caps))
     return 0
 
 

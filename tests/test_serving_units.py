@@ -225,6 +225,7 @@ def tiny_server():
     from knnssd.serving.metrics import ServerMetrics
     from knnssd.serving.quota import Caps
     from knnssd.serving.routed import RoutedGenerator
+    from knnssd.serving.serve_config import ServeConfig
     from test_graphed_generation import bank, loaded
 
     def load():
@@ -234,8 +235,9 @@ def tiny_server():
     batcher = Batcher(load, max_len=128)
     gate = _Gate()
     batcher.observer = gate
-    app = openai_server.create_app(batcher, "tiny", ServerMetrics(), 60.0, keys=Keys.gather(["sk-a", "sk-b"], None, {}),
-                                   caps=Caps(concurrent=1, tokens_per_minute=60))
+    app = openai_server.create_app(batcher, ServerMetrics(), ServeConfig(
+        "/banks/tiny", request_timeout_s=60.0, keys=Keys.gather(["sk-a", "sk-b"], None, {}),
+        caps=Caps(concurrent=1, tokens_per_minute=60)))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -1,4 +1,5 @@
-"""Connections ``knnssd serve`` will not keep: one whose request head does not arrive in time (``with_head_deadline``).
+"""Connections ``knnssd serve`` will not keep: one whose request head does not arrive in time (``with_head_deadline``),
+and bodies it will not read past a bound (``BoundedBody``).
 
 uvicorn's h11 protocol arms a timer only between requests (``--timeout-keep-alive``), and a client that sends a
 byte of its request disarms it, so a client that sends its head a byte at a time holds its socket for as long as
@@ -54,3 +55,45 @@ def with_head_deadline(seconds: float) -> type[H11Protocol]:
                 self.transport.close()
 
     return HeadDeadline
+
+
+class BoundedBody:
+    """A plain ASGI layer (Starlette's middleware class hides a client's disconnect from handlers): a POST body
+    over ``most`` bytes is answered by ``too_large`` (an ASGI app: a 413), and a request cancelled past the
+    grace period of a shutdown (``stopping``) ends here quietly, its handler having told its client."""
+
+    def __init__(self, inner, most: int, too_large, stopping):
+        self.inner, self.most, self.too_large, self.stopping = inner, most, too_large, stopping
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            # the body is read here, up to the bound, whether or not a Content-Length announced it (a chunked
+            # body has none); the rest is read and dropped, so a client still sending gets the 413
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                more = message.get("more_body", False)
+                size += len(message.get("body", b""))
+                if size <= self.most:
+                    chunks.append(message.get("body", b""))
+            if size > self.most:
+                return await self.too_large()(scope, receive, send)
+            replayed = False
+
+            async def receive_body(receive=receive):
+                nonlocal replayed
+                if replayed:
+                    return await receive()
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+            receive = receive_body
+        try:
+            await self.inner(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.stopping():
+                raise
+            # past the grace period: the handler has told its client (an error event, or 503); ending here
+            # keeps uvicorn from logging the cancellation as a failed application
