@@ -1,7 +1,7 @@
 """Flow parameters shared by the calibration-type flows (validated by Prefect through pydantic).
 
 The search settings are not declared here: ``BudgetParams`` is made from ``search/budget.py``'s
-``Budget`` (names, types, defaults, help), as the CLI options are (``cli.budget_args``).
+``Budget`` (names, types, defaults, help), as the CLI options are (``cli.options.budget_args``).
 """
 from __future__ import annotations
 

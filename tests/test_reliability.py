@@ -729,6 +729,6 @@ def test_more_bad_values_fail_in_seconds_before_any_server(tmp_path):
 
 def test_a_server_on_an_ipv6_host_prints_a_url_that_opens():
     """Trial 7: `serve --host ::1` printed http://::1:8000/v1, which no client parses."""
-    from knnssd.cli import _url
+    from knnssd.cli.options import url as _url
 
     assert _url("::1", 8000) == "http://[::1]:8000" and _url("127.0.0.1", 80) == "http://127.0.0.1:80"

@@ -1,6 +1,6 @@
 """The search settings, declared once: ``Budget``, what one cluster's search may spend and on what.
 
-The flow parameters (``flows/params.py``) and the CLI options (``cli.budget_args``) are made from
+The flow parameters (``flows/params.py``) and the CLI options (``cli.options.budget_args``) are made from
 these fields (name, type, default, help, flag); ``prefect.yaml`` restates none of them. No heavy
 imports here: the CLI builds its options from this module before anything loads.
 """

@@ -1,0 +1,5 @@
+import sys
+
+from knnssd.cli import main
+
+sys.exit(main())

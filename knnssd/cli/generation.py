@@ -1,0 +1,107 @@
+"""`knnssd complete` (one prompt) and `knnssd generate` (a prompt file into parquet)."""
+from __future__ import annotations
+
+import json
+import sys
+
+from knnssd.cli.options import (check_tracking, device_arg, dtype_arg, model_args, read_file, run_flow, sampling_args,
+                                tracking_arg)
+
+
+def cmd_complete(a) -> int:
+    import dataclasses
+
+    from knnssd import models
+    from knnssd.engine.decode import GenerationConfig, generate
+    from knnssd.engine.drafters import SKIPPING, DrafterConfig, build
+    from knnssd.engine.params import GenerateParams, check_prompt, prompt_ids
+    from knnssd.engine.skip import SkipMask
+
+    # what the user typed is checked before the model loads, with the checks and truncation of `generate`
+    p = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                                      top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
+    check_prompt(a.prompt)
+    cfg = DrafterConfig(kind=a.drafter, max_len=a.max_draft, threshold=a.threshold, int8=a.int8)
+    mask = SkipMask.from_json(read_file(a.mask, "--mask")) if a.mask else None
+    if mask is not None and a.drafter not in SKIPPING:  # it would be ignored
+        raise ValueError(f"--mask is for the layer_skip and hybrid drafters; --drafter {a.drafter} does not skip")
+    if mask is not None:  # the model's config has its layer count: a mask for another model fails before the load
+        mask.validate(models.config(a.model).num_hidden_layers)
+    models.limits(a.model, a.dtype, a.device).check(p)
+    lm = models.load(a.model, a.dtype, a.device)
+    ids, _ = prompt_ids(lm.tokenizer, a.prompt, p, lm.limits)
+    dec = lm.decoder_for(len(ids) + p.max_new_tokens, int8=a.int8)
+    cfg = dataclasses.replace(cfg, mask=(mask or SkipMask.none(dec.n_layers)).to_dict())
+    gen = GenerationConfig(max_new_tokens=p.max_new_tokens, warp=p.warp, seed=p.seed, eos_ids=models.eos_ids(lm))
+    out, stats = generate(dec, ids, build(cfg, dec.n_layers, dec.can_skip), gen)
+    print(lm.tokenizer.decode(out, skip_special_tokens=True))
+    s = stats.to_dict()
+    s.pop("accepted")
+    print(json.dumps(s), file=sys.stderr)
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from knnssd.flows.generate import generate
+
+    from knnssd import models
+    from knnssd.engine.params import GenerateParams, batch_size
+    from knnssd.serving.batch import already_complete, check_output, check_paths, output_path, run_settings, writing
+    from knnssd.serving.request import GenerateRequest
+
+    # every check a retry cannot change runs here, in seconds, before any server starts or model loads; the
+    # prompts and the bank read here are the ones the flow's tasks take (``GenerateRequest``: once a process)
+    params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                                           top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
+    request = GenerateRequest(a.model_uri, a.input, a.output, params, a.split, a.dtype, a.device,
+                              batch_size(a.batch_size), a.overwrite, a.tracking_uri)
+    rows = request.rows()
+    output = output_path(request.output)
+    check_paths(output, [request.input])
+    with writing(output):  # one writer per output: a second run fails here, naming this process
+        check_tracking(request.tracking_uri, registered=request.model_uri.startswith(("models:/", "runs:/")))
+        bank = request.bank()
+        limits = models.limits(bank.model, request.dtype, request.device)
+        limits.check(params)
+        if request.batch_size is not None:  # each sequence takes its new tokens at least (prompts count after the load)
+            limits.check_slots(min(request.batch_size, len(rows)), params.max_new_tokens + 1, "--batch-size")
+        dtype = models.precision_name(request.dtype, request.device)
+        done = check_output(output, request.overwrite, run_settings(params, dtype, bank))  # a resume: the same settings
+        complete = None if request.overwrite else already_complete(output, rows, done)
+        if complete is not None:  # nothing to do: no Prefect server, no model load, no MLflow run
+            print(f"knnssd: every prompt of {request.input} is in {output} already", file=sys.stderr)
+            summary = complete.report(None)
+        else:
+            summary = run_flow(generate, request)
+    print(json.dumps(summary))
+    return 0
+
+
+def add(sub) -> None:
+    c = sub.add_parser("complete", help="generate for one prompt with a drafter")
+    model_args(c)
+    c.add_argument("--prompt", required=True)
+    c.add_argument("--drafter", default="hybrid", choices=["none", "layer_skip", "ngram", "hybrid", "suffix"])
+    c.add_argument("--mask", default=None, help="skip mask JSON file")
+    c.add_argument("--max-draft", type=int, default=6)
+    c.add_argument("--threshold", type=float, default=0.5)
+    c.add_argument("--int8", action="store_true", help="draft on int8 weights")
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    sampling_args(c)
+    c.set_defaults(fn=cmd_complete, mlflow=False)
+
+    g = sub.add_parser("generate", help="routed generation over a prompt file into parquet (Prefect flow, resumable)")
+    g.add_argument("--model-uri", required=True, help="models:/knnssd-<model>@<alias> | models:/<name>/<version> | bank folder")
+    g.add_argument("--input", required=True, help="jsonl/parquet/csv with a 'prompt' field (and optional 'id')")
+    g.add_argument("--output", required=True, help="parquet file; an existing one is resumed (finished ids skipped)")
+    g.add_argument("--overwrite", action="store_true", help="start the output over instead of resuming it")
+    g.add_argument("--split", default=None, help="only rows of this split (e.g. eval)")
+    dtype_arg(g)
+    device_arg(g)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    sampling_args(g)
+    g.add_argument("--batch-size", default="auto", metavar="auto|N",
+                   help="sequences decoded together, one full-model pass per step for all (default auto: measured; "
+                        "1: one at a time)")
+    tracking_arg(g)
+    g.set_defaults(fn=cmd_generate)
