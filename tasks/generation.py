@@ -17,10 +17,9 @@ def read_prompts(request: GenerateRequest) -> list[prompts.Prompt]:
 
 
 @task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=NO_CACHE)
-def generate_batch(request: GenerateRequest, rows: list[prompts.Prompt]) -> batch.Summary:
+def generate_batch(request: GenerateRequest) -> batch.Summary:
     """A retry resumes: ids already in the output (or its progress journal) are skipped."""
-    return batch.run(request.generator(), rows, request.output, request.params, request.overwrite,
-                     batch_size=request.batch_size, inputs=[request.input])
+    return batch.run(request)
 
 
 @task(retries=2, retry_condition_fn=transient, retry_delay_seconds=3, cache_policy=NO_CACHE)

@@ -553,6 +553,7 @@ def test_generate_shows_its_plan_then_its_tokens_before_its_first_row(tmp_path, 
     from knnssd.engine.params import GenerateParams
     from knnssd.prompts import Prompt
     from knnssd.serving import batch
+    from knnssd.serving.request import GenerateRequest
     from knnssd.serving.routed import RoutedGenerator
     from test_graphed_generation import bank, loaded
 
@@ -560,7 +561,9 @@ def test_generate_shows_its_plan_then_its_tokens_before_its_first_row(tmp_path, 
     monkeypatch.setattr(batch, "PROGRESS_S", 0.0)  # every step redrawn
     gen = RoutedGenerator(loaded(), bank([DrafterConfig(kind="ngram", max_len=4)]))
     rows = [Prompt(f"p{i}", " ".join(map(str, prompt_ids("llama", i)))) for i in range(4)]
-    summary = batch.run(gen, rows, tmp_path / "o.parquet", GenerateParams(max_new_tokens=16), batch_size=2)
+    request = GenerateRequest("tiny", str(tmp_path / "p.jsonl"), str(tmp_path / "o.parquet"),
+                              GenerateParams(max_new_tokens=16), batch_size=2)
+    summary = batch.run(request, gen, rows)
     shown = [x for x in capsys.readouterr().err.replace("\r", "\n").splitlines() if x.startswith("generate:")]
     first_row = next(i for i, x in enumerate(shown) if " 1/4 " in x)
     before = shown[:first_row]

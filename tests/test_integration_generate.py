@@ -205,6 +205,13 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def job(inp, out, params, batch_size: int | None = None):
+    """A ``GenerateRequest`` of ``inp`` into ``out``, for ``batch.run`` with a generator of the test's own."""
+    from knnssd.serving.request import GenerateRequest
+
+    return GenerateRequest("models:/knnssd-smollm2@champion", str(inp), str(out), params, batch_size=batch_size)
+
+
 def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registered, routed, data_dir, tmp_path,
                                                                         prefect_api, caplog):
     """Issue 40, defects 1 and 4. A prompt put in front of an input without ids is generated alone, and
@@ -218,9 +225,9 @@ def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registere
     params = GenerateParams(max_new_tokens=4)
     inp, out = tmp_path / "p.jsonl", tmp_path / "o.parquet"
     _jsonl(inp, [{"prompt": t} for t in texts[1:]])
-    assert batch.run(routed, prompts.load(inp), out, params, batch_size=1, inputs=[inp]).generated == 3
+    assert batch.run(job(inp, out, params, 1), routed, prompts.load(inp)).generated == 3
     _jsonl(inp, [{"prompt": t} for t in texts])
-    assert batch.run(routed, prompts.load(inp), out, params, batch_size=1, inputs=[inp]).generated == 1
+    assert batch.run(job(inp, out, params, 1), routed, prompts.load(inp)).generated == 1
     table = {r["id"]: r for r in pq.read_table(out).to_pylist()}
     for p in prompts.load(inp):
         assert table[p.id]["prompt_hash"] == batch.prompt_hash(p.prompt)
@@ -229,10 +236,10 @@ def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registere
 
     named = _jsonl(tmp_path / "named.jsonl", [{"id": "q1", "prompt": texts[0]}, {"id": "q2", "prompt": texts[1]}])
     out2 = tmp_path / "named.parquet"
-    batch.run(routed, prompts.load(named), out2, params, batch_size=1)
+    batch.run(job(named, out2, params, 1), routed, prompts.load(named))
     _jsonl(named, [{"id": "q1", "prompt": texts[0]}, {"id": "q2", "prompt": texts[2]}])
     with caplog.at_level("WARNING"):
-        assert batch.run(routed, prompts.load(named), out2, params, batch_size=1).generated == 1
+        assert batch.run(job(named, out2, params, 1), routed, prompts.load(named)).generated == 1
     assert "1 row(s) hold the answer to another prompt under the same id" in caplog.text
     assert {r["id"]: r["prompt_hash"] for r in pq.read_table(out2).to_pylist()}["q2"] == batch.prompt_hash(texts[2])
 
@@ -255,13 +262,13 @@ def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registere
     b.clusters[0].speedup += 1
     b.save(other)
     with pytest.raises(batch.OutputError, match=r"bank \w+ \(this run: \w+\)"):
-        batch.run(RoutedGenerator(routed.lm, banks.load(other)), prompts.load(inp), out, params)
+        batch.run(job(inp, out, params), RoutedGenerator(routed.lm, banks.load(other)), prompts.load(inp))
     assert out.read_bytes() == before
 
     link = tmp_path / "link.parquet"  # resumed through a symbolic link: its target is, the link stays
     link.symlink_to(out)
     _jsonl(inp, [{"prompt": t} for t in texts] + [{"prompt": "Translate German to English:\nDanke."}])
-    assert batch.run(routed, prompts.load(inp), link, params, batch_size=1).generated == 1
+    assert batch.run(job(inp, link, params, 1), routed, prompts.load(inp)).generated == 1
     assert link.is_symlink() and pq.read_table(out).num_rows == 5
 
 
@@ -320,7 +327,8 @@ def test_batch_size_over_the_kv_budget_is_refused(routed, tmp_path):
             check_slots(routed.decoder, 100_000, 4224, name)
     check_slots(routed.decoder, 4, 4224, "--batch-size")
     rows = [prompts.Prompt(f"p{i}", f"Translate German to English: Guten Tag {i}.") for i in range(2)]
-    summary = batch.run(routed, rows, tmp_path / "o.parquet", GenerateParams(max_new_tokens=2), batch_size=100_000)
+    summary = batch.run(job(tmp_path / "p.jsonl", tmp_path / "o.parquet", GenerateParams(max_new_tokens=2), 100_000),
+                        routed, rows)
     assert summary.batch_size == 2 and summary.rows == 2
 
 
@@ -362,7 +370,7 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(registered, routed, data_
     assert kept, lines[0]
     assert {x.name for x in small_disk.iterdir()} <= {"filler", "o.parquet", "o.parquet.progress.jsonl"}
     filler.unlink()
-    summary = batch.run(routed, prompts.load(inp), out, GenerateParams(max_new_tokens=8), batch_size=1)
+    summary = batch.run(job(inp, out, GenerateParams(max_new_tokens=8), 1), routed, prompts.load(inp))
     assert summary.rows == 10 and summary.generated == 10 - int(kept.group(1))
     assert sorted(r["id"] for r in pq.read_table(out).to_pylist()) == sorted(p.id for p in prompts.load(inp))
 

@@ -46,7 +46,7 @@ def cmd_generate(a) -> int:
 
     from knnssd import models
     from knnssd.engine.params import GenerateParams, batch_size
-    from knnssd.serving.batch import already_complete, check_output, check_paths, output_path, run_settings, writing
+    from knnssd.serving.batch import already_complete, check_output, run_settings, writing
     from knnssd.serving.request import GenerateRequest
 
     # every check a retry cannot change runs here, in seconds, before any server starts or model loads; the
@@ -56,8 +56,7 @@ def cmd_generate(a) -> int:
     request = GenerateRequest(a.model_uri, a.input, a.output, params, a.split, a.dtype, a.device,
                               batch_size(a.batch_size), a.overwrite, a.tracking_uri)
     rows = request.rows()
-    output = output_path(request.output)
-    check_paths(output, [request.input])
+    output = request.output_path()
     with writing(output):  # one writer per output: a second run fails here, naming this process
         check_tracking(request.tracking_uri, registered=request.model_uri.startswith(("models:/", "runs:/")))
         bank = request.bank()

@@ -31,9 +31,10 @@ from knnssd import locks
 from knnssd.engine.batch_plan import auto_slots, check_slots
 from knnssd.engine.batched import BatchStats
 from knnssd.engine.decode import acceptance_rate, mean_accepted
-from knnssd.engine.params import GenerateParams, check_batch_size, check_prompt
+from knnssd.engine.params import GenerateParams, check_prompt
 from knnssd.prompts import Prompt
 from knnssd.routing.bank import Bank
+from knnssd.serving.request import GenerateRequest
 from knnssd.serving.routed import Result, RoutedGenerator
 
 log = logging.getLogger(__name__)
@@ -344,24 +345,26 @@ def check(rows: list[Prompt]) -> None:
         seen.add(r.id)
 
 
-def run(gen: RoutedGenerator, rows: list[Prompt], output: str | os.PathLike, params: GenerateParams = GenerateParams(),
-        overwrite: bool = False, flush_every: int = 8, unmatched_dir: Path | None = None,
-        batch_size: int | None = None, inputs=()) -> Summary:
-    """Generate every prompt not yet in ``output``; ``batch_size`` sequences at a time (None: auto,
-    ``engine.batch_plan.auto_slots``; 1: one at a time). ``inputs``: the prompt files ``rows`` came from,
-    which ``output`` must not be."""
-    output = output_path(output)
-    check(rows)
-    check_batch_size(batch_size)
+def run(request: GenerateRequest, gen: RoutedGenerator | None = None, rows: list[Prompt] | None = None,
+        flush_every: int = 8, unmatched_dir: Path | None = None) -> Summary:
+    """Generate every prompt of ``request`` not yet in its output, ``request.batch_size`` sequences at a time
+    (None: auto, ``engine.batch_plan.auto_slots``; 1: one at a time). ``gen`` and ``rows``: the request's own
+    (``request.generator()``, ``request.rows()``, read once a process) unless given."""
+    output = request.output_path()
+    if rows is None:
+        rows = request.rows()  # checked as it was read
+    else:
+        check(rows)
+    gen = gen or request.generator()
+    params = request.params
     gen.lm.limits.check(params)
     settings = run_settings(params, gen.lm.dtype_name, gen.bank)
-    check_paths(output, inputs)
     with writing(output):  # creates the output's folder
-        done = check_output(output, overwrite, settings)  # read under the lock: no other writer is mid-flush
-        if overwrite:
+        done = check_output(output, request.overwrite, settings)  # read under the lock: no other writer is mid-flush
+        if request.overwrite:
             output.unlink(missing_ok=True)
             progress_path(output).unlink(missing_ok=True)
-        return _run(gen, rows, output, done, params, _settings_text(settings), flush_every, unmatched_dir, batch_size)
+        return _run(request, gen, rows, done, _settings_text(settings), flush_every, unmatched_dir)
 
 
 def to_generate(rows: list[Prompt], done: dict[str, dict]) -> list[Prompt]:
@@ -378,13 +381,13 @@ def already_complete(output: Path, rows: list[Prompt], done: dict[str, dict]) ->
     return summarize(in_order(list(done.values()), rows), 0, output, None)
 
 
-def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, batch_size: int | None,
-             stats: BatchStats, bar) -> Iterator[tuple[Prompt, Result]]:
+def _results(gen: RoutedGenerator, todo: list[Prompt], request: GenerateRequest, stats: BatchStats, bar
+             ) -> Iterator[tuple[Prompt, Result]]:
     """(prompt, result) as each finishes: batched when the decoder can run slots and the batch size
     (asked, or auto) is over 1, else one prompt at a time. ``bar``: the run's progress bar, which says
     what comes before the first row: the plan (minutes, the first time on a machine: trial 6 saw no row
     in 5:51), then the tokens made."""
-    slots, positions = 1, 0
+    slots, positions, params, batch_size = 1, 0, request.params, request.batch_size
     bar.set_postfix_str("choosing the batch size", refresh=True)
     t0 = time.perf_counter()
     if gen.can_batch and todo and batch_size != 1:
@@ -420,10 +423,11 @@ def _results(gen: RoutedGenerator, todo: list[Prompt], params: GenerateParams, b
 PROGRESS_S = 2.0  # the progress bar's least interval between redraws
 
 
-def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, done: dict[str, dict], params: GenerateParams,
-         settings: str, flush_every: int, unmatched_dir: Path | None, batch_size: int | None) -> Summary:
+def _run(request: GenerateRequest, gen: RoutedGenerator, rows: list[Prompt], done: dict[str, dict], settings: str,
+         flush_every: int, unmatched_dir: Path | None) -> Summary:
     from tqdm import tqdm
 
+    output = request.output_path()
     todo = to_generate(rows, done)
     changed = {r.id for r in todo if r.id in done}
     if changed:
@@ -442,7 +446,7 @@ def _run(gen: RoutedGenerator, rows: list[Prompt], output: Path, done: dict[str,
         with _writes(journal_path, len(finished)):  # unbuffered: a failed write leaves nothing to flush at close
             journal = open(journal_path, "ab", buffering=0)
         with journal, tqdm(total=len(todo), desc="generate", file=sys.stderr, mininterval=PROGRESS_S) as bar:
-            for r, res in _results(gen, todo, params, batch_size, stats, bar):
+            for r, res in _results(gen, todo, request, stats, bar):
                 bar.update(1)
                 row = {"id": r.id, "domain": r.domain, **res.to_row(), "prompt_hash": prompt_hash(r.prompt),
                        "settings": settings}

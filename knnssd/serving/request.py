@@ -37,6 +37,11 @@ class GenerateRequest:
             raise ValueError(f"dtype '{self.dtype}' is not one of {', '.join(DTYPES)}")
         check_batch_size(self.batch_size)
 
+    def output_path(self) -> Path:
+        """Where the output is written (``batch.output_path``), checked against the input (``batch.check_paths``):
+        once a process, whichever layer asks first (the CLI, the flow, the batch)."""
+        return _output(self.output, self.input)
+
     def rows(self) -> list[Prompt]:
         """The input's prompts (of ``split``), checked (``batch.check``); read once while the file is unchanged."""
         path = Path(self.input)
@@ -66,6 +71,15 @@ def _rows(path: str, split: str | None, stamp) -> tuple[Prompt, ...]:
         raise ValueError("no prompts")
     check(rows)
     return tuple(rows)
+
+
+@functools.lru_cache(maxsize=8)
+def _output(output: str, input: str) -> Path:
+    from knnssd.serving.batch import check_paths, output_path
+
+    path = output_path(output)
+    check_paths(path, [input])
+    return path
 
 
 @functools.lru_cache(maxsize=2)
