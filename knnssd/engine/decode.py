@@ -25,6 +25,7 @@ from knnssd.engine import draft_policy, tree
 from knnssd.engine.attention import PREFILL_ROWS, reuse_unit
 from knnssd.engine.cache import KVCache
 from knnssd.engine.drafters import Draft, Drafter
+from knnssd.engine.forms import DecoderForm
 from knnssd.engine.pass_costs import sequence_costs
 from knnssd.engine.sampling import Verdict, Warp, accept_greedy, accept_sampled, draw, probs
 from knnssd.engine.sequence import Sequence
@@ -145,11 +146,11 @@ def reusable(common: int, length: int, unit: int) -> int:
 class Prefill(Protocol):
     """``prefill``'s signature (``prefixes.Prefixes.prefill`` has it too)."""
 
-    def __call__(self, decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None
+    def __call__(self, decoder: DecoderForm, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None
                  ) -> tuple[Sequence, torch.Tensor, torch.Tensor]: ...
 
 
-def prefill(decoder, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None,
+def prefill(decoder: DecoderForm, prompt_ids: list[int], config: GenerationConfig, tap: int | None = None,
             reuse: Reused | None = None) -> tuple[Sequence, torch.Tensor, torch.Tensor]:
     """Run the prompt; returns the sequence, the last position's logits (V,) and the prompt's hidden
     states (T, E): final-normed, or the residual stream after layer ``tap`` when given. ``reuse``: copy
@@ -208,8 +209,7 @@ class Run:
         self._offer: tuple[tuple[int, int], list[int], int] | None = None  # this step's: state, draft, kept
         self._last: tuple[int, int] | None = None  # (reached, accepted): how the last draft on offer fared
         # token trees where this sequence decodes alone and greedily, on a decoder that verifies them (tree.py)
-        self.trees = (getattr(drafter, "tree", 0) > 0 and config.warp.greedy
-                      and hasattr(seq.decoder, "forward_tree"))
+        self.trees = getattr(drafter, "tree", 0) > 0 and config.warp.greedy and seq.decoder.can_tree
         warp = config.warp
         seq.last = (first_logits.argmax(-1) if warp.greedy else draw(probs(first_logits, warp), seq.generator)).view(1)
         first = int(seq.last)
@@ -351,7 +351,7 @@ class Run:
     def complete(self) -> tuple[list[int], DecodeStats]:
         """Decode this sequence alone to its end: one full-model pass on its decoder per step."""
         dec = self.seq.decoder
-        if self.drafter is None and self.config.warp.greedy and getattr(dec, "runs_ahead", False):
+        if self.drafter is None and self.config.warp.greedy and dec.runs_ahead:
             return self._complete_ahead(dec)
         while not self.done:
             call = self.priced(self.propose(as_tree=self.trees))
@@ -380,7 +380,8 @@ def decode(
 
 
 def generate(
-    decoder, prompt_ids: list[int], drafter: Drafter | None = None, config: GenerationConfig = GenerationConfig(),
+    decoder: DecoderForm, prompt_ids: list[int], drafter: Drafter | None = None,
+    config: GenerationConfig = GenerationConfig(),
     tokenizer=None,
 ) -> tuple[list[int], DecodeStats]:
     """Generate from ``prompt_ids``; returns (new tokens, stats). Greedy output equals plain greedy decoding."""

@@ -21,18 +21,11 @@ import torch.nn.functional as F
 from knnssd.engine import native, tree
 from knnssd.engine.attention import NATIVE, PREFILL_ROWS, SDPA, Attention, PositionMask, allowed, prefill_form
 from knnssd.engine.cache import KVCache, SlotPool, Span
+from knnssd.engine.forms import Output
+from knnssd.engine.skip import MaskError, SkipMask
 from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf, native_layers
 
-from knnssd.engine.skip import MaskError, SkipMask
-
 log = logging.getLogger(__name__)
-
-
-class Output(NamedTuple):
-    logits: torch.Tensor  # (T, V), or (1, V) with last=True; float32
-    hidden: torch.Tensor  # (T, E) final-normed hidden states
-    tapped: torch.Tensor | None = None  # (T, E) residual stream after layer ``tap``, when asked for
-    influence: torch.Tensor | None = None  # (2, L) when asked for: see ``Decoder.forward``
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -80,7 +73,7 @@ class Decoder:
     ``exactness.choose`` at load.
     """
 
-    can_skip = True
+    can_skip, can_tree, can_batch, runs_ahead = True, True, True, False  # ``forms.DecoderForm``
 
     def __init__(self, stack: Stack, attention: Attention = SDPA):
         self.stack = stack.packed()
@@ -625,7 +618,8 @@ def allowed_batch(qpos: torch.Tensor, length: int, window: int | None) -> torch.
 class HFDecoder:
     """Fallback: plain HF forwards over a DynamicCache (any causal LM; no sub-layer skipping)."""
 
-    can_skip = False
+    can_skip, can_tree, can_batch, runs_ahead = False, False, False, False  # ``forms.DecoderForm``
+    stack = None  # the model's own modules: no lean weights
 
     def __init__(self, model: torch.nn.Module):
         from transformers import DynamicCache

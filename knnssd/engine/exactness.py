@@ -51,6 +51,7 @@ from knnssd import locks
 from knnssd.engine import native
 from knnssd.engine.attention import NATIVE, Attention, implementations
 from knnssd.engine.cache import SPAN
+from knnssd.engine.forms import DecoderForm
 from knnssd.engine.stack import RowPadded, Stack, native_layers
 from knnssd.engine.timing import median_ms
 
@@ -124,7 +125,7 @@ def row_check(dec, max_t: int = MAX_T, context: int = CONTEXT, seed: int = 0, st
     return equal, total
 
 
-def _probe_rows(dec, max_t: int, contexts: tuple[int, ...] = CONTEXTS) -> tuple[int, int]:
+def _probe_rows(dec: DecoderForm, max_t: int, contexts: tuple[int, ...] = CONTEXTS) -> tuple[int, int]:
     """``row_check`` over ``contexts`` (one random token set each: rounding ties are
     data-dependent), stopping at the first set with a differing row."""
     equal = total = 0
@@ -378,11 +379,11 @@ def remember(record: Path, result: Exactness, candidates: tuple[Attention, ...] 
     write_record(record, {"step": result.step, "candidates": _names(candidates, result.max_t)})
 
 
-def probe_fixed(dec, step: str, max_t: int = MAX_T) -> "Exactness":
+def probe_fixed(dec: DecoderForm, step: str, max_t: int = MAX_T) -> "Exactness":
     """Measure a decoder whose step cannot be changed (the HF fallback, the static step)."""
     equal, total = _probe_rows(dec, max_t)
     exact = equal == total
-    p = dec.stack.embed if hasattr(dec, "stack") else next(dec.model.parameters())
+    p = dec.stack.embed if dec.stack is not None else next(dec.model.parameters())
     dtype = _dtype_name(p.dtype)
     note = "" if exact else (f"the {step} step gives {equal}/{total} rows bitwise equal to one-token steps, so "
                              "speculative output may differ from plain decoding where two tokens nearly tie")
@@ -464,6 +465,5 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _vocab(dec) -> int:
-    stack = getattr(dec, "stack", None)
-    return stack.embed.shape[0] if stack is not None else dec.model.get_input_embeddings().weight.shape[0]
+def _vocab(dec: DecoderForm) -> int:
+    return dec.stack.embed.shape[0] if dec.stack is not None else dec.model.get_input_embeddings().weight.shape[0]

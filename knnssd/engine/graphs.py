@@ -214,7 +214,7 @@ class StaticSequence:
     """What every sequence on the static step shares (``StaticDecoder``, ``static_slots.SlotView``): drafting
     with skip masks, and none of the decoder's other forms."""
 
-    can_skip = True
+    can_skip, can_tree, can_batch, runs_ahead = True, False, False, False  # ``forms.DecoderForm``
     stack: Stack
 
     def int8_stack(self) -> Stack:

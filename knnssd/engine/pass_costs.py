@@ -78,7 +78,7 @@ def sequence_costs(decoder) -> PassCosts | None:
     after one), measured at its first call (about 2 s) and kept while the decoder lives; None for a decoder
     without slots of its own to time on (the HF fallback, the static step). Made non-decreasing in R: a pass of
     more rows never costs less, so a timing that says it does is noise, and a rule would draft longer for it."""
-    if not isinstance(decoder, Decoder):
+    if not decoder.can_batch:
         return None
     if decoder not in _SEQUENCE:  # or ``price_sequences`` gave them
         max_t = min(decoder.exactness.max_t if decoder.exactness is not None else PREFILL_ROWS, PREFILL_ROWS)

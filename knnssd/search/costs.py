@@ -70,7 +70,7 @@ def measure_costs(dec: Decoder, max_t: int = 11, context: int = 128) -> Costs:
         mlp = max(0.0, (t["none"] - t["mlp"] + t["attn"] - t["all"]) / (2 * n))
         draft[name] = (t["all"], attn, mlp)
     tree, leaf = [], 0.0
-    if hasattr(dec, "forward_tree"):
+    if dec.can_tree:
         ids = torch.zeros(max_t, dtype=torch.long, device=dec.device)
         tree = [median_ms(lambda t=t: dec.forward_tree(ids[:t], context, two_branches(t - 1)), dec.device, 5)
                 for t in range(2, max_t + 1)]

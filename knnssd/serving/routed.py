@@ -25,7 +25,6 @@ from knnssd.engine.graphs import CAPTURE_ROWS
 from knnssd.engine.pass_costs import sequence_costs
 from knnssd.engine.suffix import SuffixCache
 from knnssd.engine.params import GenerateParams, prompt_ids
-from knnssd.engine.decoder import Decoder
 from knnssd.routing import bank as banks
 
 log = logging.getLogger(__name__)
@@ -158,7 +157,7 @@ class RoutedGenerator:
     @property
     def can_batch(self) -> bool:
         """The lean decoder runs sequences in slots; the HF fallback runs one at a time."""
-        return isinstance(self.decoder, Decoder)
+        return self.decoder.can_batch
 
     def plan(self, slots: int, positions: int = 0, bound: bool = True) -> BatchPlan:
         """A batched run's measured plan (``engine.batch_plan.plan``; ``positions``: the most a job reserves,
