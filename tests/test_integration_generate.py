@@ -377,6 +377,7 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(registered, routed, data_
 
 def test_bad_prompt_files_and_existing_outputs(registered, tmp_path):
     from knnssd.serving import batch
+    from knnssd.serving.request import check_rows
 
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"prompt": "caf\xe9"}\n')
@@ -389,7 +390,7 @@ def test_bad_prompt_files_and_existing_outputs(registered, tmp_path):
     with pytest.raises(prompts.PromptError, match="no rows"):
         prompts.load(bad)
     with pytest.raises(ValueError, match="prompt 'x' is empty"):
-        batch.check([prompts.Prompt("x", "  ")])
+        check_rows([prompts.Prompt("x", "  ")])
     other = tmp_path / "other.parquet"
     import pyarrow as pa
 

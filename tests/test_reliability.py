@@ -14,7 +14,7 @@ import pytest
 from knnssd import tracking
 from knnssd.engine.params import GenerateParams, check_prompt
 from knnssd.engine.sampling import Warp
-from knnssd.serving import batch
+from knnssd.serving import batch, output_paths
 from cli_cases import Stopwatch, run_cli
 
 
@@ -317,13 +317,13 @@ def test_an_output_that_is_the_input_is_refused_even_with_overwrite(tmp_path):
     os.link(inp, tmp_path / "hard.parquet")
     for out in (inp, tmp_path / "." / "x.parquet", tmp_path / "link.parquet", tmp_path / "hard.parquet"):
         with pytest.raises(batch.OutputError, match="is the input file .*choose another path, such as"):
-            batch.check_paths(out, [str(inp)])
+            output_paths.check_paths(out, [str(inp)])
     journal = tmp_path / "y.parquet.progress.jsonl"
     journal.write_text('{"prompt": "hi"}\n')
     with pytest.raises(batch.OutputError, match="is the input file"):
-        batch.check_paths(tmp_path / "y.parquet", [journal])
+        output_paths.check_paths(tmp_path / "y.parquet", [journal])
     assert inp.read_bytes() == before
-    batch.check_paths(tmp_path / "other.parquet", [inp])
+    output_paths.check_paths(tmp_path / "other.parquet", [inp])
 
 
 def test_outputs_that_are_not_parquet_files_are_refused(tmp_path):
@@ -335,11 +335,11 @@ def test_outputs_that_are_not_parquet_files_are_refused(tmp_path):
                          (tmp_path / "o.csv", "does not name a .parquet file"),
                          (tmp_path / "trail", "does not name a .parquet file")):
         with pytest.raises(batch.OutputError, match=message):
-            batch.check_paths(out)
+            output_paths.check_paths(out)
     link = tmp_path / "link.parquet"
     link.symlink_to(tmp_path / "real.parquet")
-    assert batch.output_path(link) == tmp_path / "real.parquet"  # written through the link, not over it
-    batch.check_paths(tmp_path / "o.pq")
+    assert output_paths.output_path(link) == tmp_path / "real.parquet"  # written through the link, not over it
+    output_paths.check_paths(tmp_path / "o.pq")
 
 
 def test_torn_edited_or_foreign_journal_lines_are_skipped_with_a_warning(tmp_path, caplog):

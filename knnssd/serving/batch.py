@@ -31,10 +31,11 @@ from knnssd import locks
 from knnssd.engine.batch_plan import auto_slots, check_slots
 from knnssd.engine.batched import BatchStats
 from knnssd.engine.decode import acceptance_rate, mean_accepted
-from knnssd.engine.params import GenerateParams, check_prompt
+from knnssd.engine.params import GenerateParams
 from knnssd.prompts import Prompt
 from knnssd.routing.bank import Bank
-from knnssd.serving.request import GenerateRequest
+from knnssd.serving.output_paths import OutputError, lock_path, progress_path
+from knnssd.serving.request import GenerateRequest, check_rows
 from knnssd.serving.routed import Result, RoutedGenerator
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,6 @@ _KINDS = {"id": (str,), "domain": (str, type(None)), "text": (str,), "tokens": (
           "drafter": (str,), "acceptance_rate": _NUMBER, "mean_accepted": _NUMBER, "steps": _INT, "drafted": _INT,
           "accepted": _INT, "latency_s": _NUMBER, "route_ms": _NUMBER, "tokens_per_s": _NUMBER, "prompt_tokens": _INT,
           "truncated": (bool,), "stop": (str, type(None)), "prompt_hash": (str,), "settings": (str,)}
-
-
-class OutputError(ValueError):
-    """The output path cannot be used; one line."""
 
 
 @dataclass
@@ -84,14 +81,6 @@ class Summary:
     def report(self, mlflow_run_id: str | None) -> dict:
         """What `knnssd generate` prints: every field, and the MLflow run it was logged as (None: not logged)."""
         return {**asdict(self), "mlflow_run_id": mlflow_run_id}
-
-
-def progress_path(output: Path) -> Path:
-    return output.with_name(output.name + ".progress.jsonl")
-
-
-def lock_path(output: Path) -> Path:
-    return output.with_name(output.name + ".lock")
 
 
 _held: dict[Path, int] = {}  # outputs this process holds: lock file descriptor
@@ -164,70 +153,6 @@ def run_settings(params: GenerateParams, dtype: str, bank: Bank) -> dict:
 
 def _settings_text(settings: dict) -> str:
     return json.dumps(settings, sort_keys=True)
-
-
-SUFFIXES = (".parquet", ".pq")
-
-
-def output_path(output: str | os.PathLike) -> Path:
-    """Where an output is written: the file a symbolic link names (replacing the link by the new file
-    would leave its target stale), else the path as given."""
-    output = Path(output)
-    try:
-        return output.resolve() if output.is_symlink() else output
-    except OSError:  # a name too long to look up: ``check_paths`` says so
-        return output
-
-
-def check_paths(output: Path, inputs=()) -> None:
-    """``output`` can be written as a parquet file (a regular file or none yet, named ``.parquet``),
-    and is none of ``inputs`` (nor is its journal or lock file): by the same path, a symbolic link or a
-    hard link. An ``--overwrite`` would otherwise replace the prompts with the answers."""
-    output = Path(output)
-    _check_name(output)
-    if output.is_dir():
-        raise OutputError(f"{output} is a folder; give a .parquet file path")
-    for inp in inputs:
-        if str(inp).startswith("hf:"):
-            continue
-        for own in (output, progress_path(output), lock_path(output)):
-            if _same_file(Path(inp), own):
-                what = "" if own == output else f" (its {own.name[len(output.name):]} file)"
-                other = Path(inp).with_name(f"{Path(inp).stem}.generated.parquet")
-                raise OutputError(f"--output {output}{what} is the input file {inp}; writing it would destroy the "
-                                  f"prompts: choose another path, such as {other}")
-    if output.exists() and not output.is_file():  # /dev/null, a FIFO: --overwrite would replace a device node
-        raise OutputError(f"{output} is not a regular file; give a .parquet file path")
-    if output.suffix.lower() not in SUFFIXES:
-        raise OutputError(f"--output {output} does not name a .parquet file; the output is written as parquet")
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist (yet): only the same path is the same file
-        return a.resolve() == b.resolve()
-
-
-JOURNAL_SUFFIX = ".progress.jsonl"  # the longest name written beside the output
-
-
-def _check_name(output: Path) -> None:
-    """A one-line error for a name the file system cannot hold with its journal's suffix (it failed
-    with a traceback where the file was first touched), or under a file where a folder should be."""
-    folder = output.absolute().parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():  # the lock file's creation said only "File exists"
-        raise OutputError(f"--output {output}: {folder} is a file, not a folder")
-    try:
-        name_max = os.pathconf(folder, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        name_max = 255
-    size = len(os.fsencode(output.name))
-    if size + len(JOURNAL_SUFFIX) > name_max:
-        raise OutputError(f"output file name is too long ({size} bytes; at most {name_max - len(JOURNAL_SUFFIX)} "
-                          f"here, to leave room for its {JOURNAL_SUFFIX} journal)")
 
 
 def check_output(output: Path, overwrite: bool, settings: dict | None = None) -> dict[str, dict]:
@@ -330,20 +255,6 @@ def write_parquet(rows: list[dict], output: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def check(rows: list[Prompt]) -> None:
-    """Reject the batch before generating anything if a prompt is empty or not text, or an id repeats."""
-    seen = set()
-    for r in rows:
-        if not r.prompt.strip():
-            raise ValueError(f"prompt '{r.id}' is empty")
-        try:
-            check_prompt(r.prompt)
-        except ValueError as e:
-            raise ValueError(f"prompt '{r.id}': {e}") from None
-        if r.id in seen:
-            raise ValueError(f"duplicate id '{r.id}'")
-        seen.add(r.id)
-
 
 def run(request: GenerateRequest, gen: RoutedGenerator | None = None, rows: list[Prompt] | None = None,
         flush_every: int = 8, unmatched_dir: Path | None = None) -> Summary:
@@ -354,7 +265,7 @@ def run(request: GenerateRequest, gen: RoutedGenerator | None = None, rows: list
     if rows is None:
         rows = request.rows()  # checked as it was read
     else:
-        check(rows)
+        check_rows(rows)
     gen = gen or request.generator()
     params = request.params
     gen.lm.limits.check(params)

@@ -11,9 +11,10 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from knnssd.engine.params import GenerateParams, check_batch_size
+from knnssd.engine.params import GenerateParams, check_batch_size, check_prompt
 from knnssd.prompts import Prompt
 from knnssd.routing import bank as banks
+from knnssd.serving.output_paths import check_paths, output_path
 from knnssd.settings import DTYPES
 
 
@@ -38,12 +39,12 @@ class GenerateRequest:
         check_batch_size(self.batch_size)
 
     def output_path(self) -> Path:
-        """Where the output is written (``batch.output_path``), checked against the input (``batch.check_paths``):
+        """Where the output is written (``output_paths.output_path``), checked against the input (``check_paths``):
         once a process, whichever layer asks first (the CLI, the flow, the batch)."""
         return _output(self.output, self.input)
 
     def rows(self) -> list[Prompt]:
-        """The input's prompts (of ``split``), checked (``batch.check``); read once while the file is unchanged."""
+        """The input's prompts (of ``split``), checked (``check_rows``); read once while the file is unchanged."""
         path = Path(self.input)
         try:
             st = path.stat()
@@ -61,22 +62,34 @@ class GenerateRequest:
         return _generator(self.model_uri, self.dtype, self.tracking_uri, self.device)
 
 
+def check_rows(rows: list[Prompt]) -> None:
+    """Reject the batch before generating anything if a prompt is empty or not text, or an id repeats."""
+    seen = set()
+    for r in rows:
+        if not r.prompt.strip():
+            raise ValueError(f"prompt '{r.id}' is empty")
+        try:
+            check_prompt(r.prompt)
+        except ValueError as e:
+            raise ValueError(f"prompt '{r.id}': {e}") from None
+        if r.id in seen:
+            raise ValueError(f"duplicate id '{r.id}'")
+        seen.add(r.id)
+
+
 @functools.lru_cache(maxsize=2)
 def _rows(path: str, split: str | None, stamp) -> tuple[Prompt, ...]:
     from knnssd import prompts
-    from knnssd.serving.batch import check
 
     rows = prompts.load(path, split=split)
     if not rows:
         raise ValueError("no prompts")
-    check(rows)
+    check_rows(rows)
     return tuple(rows)
 
 
 @functools.lru_cache(maxsize=8)
 def _output(output: str, input: str) -> Path:
-    from knnssd.serving.batch import check_paths, output_path
-
     path = output_path(output)
     check_paths(path, [input])
     return path

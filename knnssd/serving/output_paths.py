@@ -1,0 +1,82 @@
+"""An output file's paths (the parquet, its progress journal and its lock file) and the checks made on them
+before anything is written: ``output_path``, ``check_paths``, each failure an ``OutputError`` of one line."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class OutputError(ValueError):
+    """The output path cannot be used; one line."""
+
+
+def progress_path(output: Path) -> Path:
+    return output.with_name(output.name + ".progress.jsonl")
+
+
+def lock_path(output: Path) -> Path:
+    return output.with_name(output.name + ".lock")
+
+
+SUFFIXES = (".parquet", ".pq")
+
+
+def output_path(output: str | os.PathLike) -> Path:
+    """Where an output is written: the file a symbolic link names (replacing the link by the new file
+    would leave its target stale), else the path as given."""
+    output = Path(output)
+    try:
+        return output.resolve() if output.is_symlink() else output
+    except OSError:  # a name too long to look up: ``check_paths`` says so
+        return output
+
+
+def check_paths(output: Path, inputs=()) -> None:
+    """``output`` can be written as a parquet file (a regular file or none yet, named ``.parquet``),
+    and is none of ``inputs`` (nor is its journal or lock file): by the same path, a symbolic link or a
+    hard link. An ``--overwrite`` would otherwise replace the prompts with the answers."""
+    output = Path(output)
+    _check_name(output)
+    if output.is_dir():
+        raise OutputError(f"{output} is a folder; give a .parquet file path")
+    for inp in inputs:
+        if str(inp).startswith("hf:"):
+            continue
+        for own in (output, progress_path(output), lock_path(output)):
+            if _same_file(Path(inp), own):
+                what = "" if own == output else f" (its {own.name[len(output.name):]} file)"
+                other = Path(inp).with_name(f"{Path(inp).stem}.generated.parquet")
+                raise OutputError(f"--output {output}{what} is the input file {inp}; writing it would destroy the "
+                                  f"prompts: choose another path, such as {other}")
+    if output.exists() and not output.is_file():  # /dev/null, a FIFO: --overwrite would replace a device node
+        raise OutputError(f"{output} is not a regular file; give a .parquet file path")
+    if output.suffix.lower() not in SUFFIXES:
+        raise OutputError(f"--output {output} does not name a .parquet file; the output is written as parquet")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): only the same path is the same file
+        return a.resolve() == b.resolve()
+
+
+JOURNAL_SUFFIX = ".progress.jsonl"  # the longest name written beside the output
+
+
+def _check_name(output: Path) -> None:
+    """A one-line error for a name the file system cannot hold with its journal's suffix (it failed
+    with a traceback where the file was first touched), or under a file where a folder should be."""
+    folder = output.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():  # the lock file's creation said only "File exists"
+        raise OutputError(f"--output {output}: {folder} is a file, not a folder")
+    try:
+        name_max = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    size = len(os.fsencode(output.name))
+    if size + len(JOURNAL_SUFFIX) > name_max:
+        raise OutputError(f"output file name is too long ({size} bytes; at most {name_max - len(JOURNAL_SUFFIX)} "
+                          f"here, to leave room for its {JOURNAL_SUFFIX} journal)")
