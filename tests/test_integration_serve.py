@@ -169,6 +169,8 @@ def test_hostile_requests_get_a_4xx_in_openai_shape(server):
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "content parts"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8190}, 400,
          "tokens of messages and 8190 of completion"),
+        # trial 6, D2: named the parameter 'prompt' (null), which a chat request does not have
+        ({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages are not valid UTF-8"),
     ]
     for path, cases in (("/v1/completions", bad), ("/v1/chat/completions", chat)):
         for body, status, message in cases:

@@ -210,7 +210,8 @@ class _Gate:
 @pytest.fixture
 def tiny_server():
     """``create_app`` over a tiny model's batch of 2 slots, with keys "sk-a" and "sk-b" capped at one request
-    running and 60 tokens a minute each, in uvicorn on a thread; and the gate on its batch."""
+    running and 60 tokens a minute each, and at most 6 open connections, in uvicorn on a thread with the server's
+    protocol; and the gate on its batch."""
     import socket
     import threading
     import time
@@ -222,6 +223,7 @@ def tiny_server():
     from knnssd.serving import openai_server
     from knnssd.serving.access import Keys
     from knnssd.serving.batcher import Batcher, serving_plan
+    from knnssd.serving.connections import with_head_deadline
     from knnssd.serving.metrics import ServerMetrics
     from knnssd.serving.quota import Caps
     from knnssd.serving.routed import RoutedGenerator
@@ -235,11 +237,13 @@ def tiny_server():
     batcher = Batcher(load, max_len=128)
     gate = _Gate()
     batcher.observer = gate
+    counted: set = set()
     app = openai_server.create_app(batcher, ServerMetrics(), ServeConfig(
         "/banks/tiny", request_timeout_s=60.0, keys=Keys.gather(["sk-a", "sk-b"], None, {}),
-        caps=Caps(concurrent=1, tokens_per_minute=60)))
+        caps=Caps(concurrent=1, tokens_per_minute=60), max_connections=6), connections=counted)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning",
+                                           http=with_head_deadline(10.0, counted)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -311,3 +315,56 @@ def test_a_key_past_its_caps_gets_429_with_retry_after_and_others_go_on(tiny_ser
     while (code := post("sk-a", 4)[0]) == 429 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert code == 200
+
+
+def test_a_json_body_is_read_as_json_whatever_its_content_type(tiny_server):
+    """Trial 6, D1: a valid JSON body sent without ``Content-Type: application/json`` (as ``curl -d`` sends it, a
+    form) got 400 "the body must be a JSON object"; malformed JSON without the header got the same line."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    url, gate = tiny_server
+    gate.event.set()
+    body = json.dumps({"model": "tiny", "prompt": "3 4 5", "max_tokens": 2, "temperature": 0}).encode()
+    for kind, data, status, said in (("application/x-www-form-urlencoded", body, 200, None),  # curl -d's
+                                     ("text/plain", body, 200, None),
+                                     ("text/plain", b'{"model": "tiny", "prompt": ', 400, "the body is not valid JSON")):
+        req = urllib.request.Request(f"{url}/v1/completions", data, {"Authorization": "Bearer sk-b",
+                                                                     "Content-Type": kind})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                got, answer = r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            got, answer = e.code, json.loads(e.read())
+        assert got == status, (kind, answer)
+        assert said is None or said in answer["error"]["message"], (kind, answer)
+
+
+def test_a_request_past_the_open_connections_cap_gets_503_in_openai_shape(tiny_server):
+    """Trial 6, D3: past ``--max-connections`` uvicorn answered a plain-text 503, without Retry-After and not
+    counted in /metrics. With 6 connections held open (the cap), another's request gets OpenAI's 503 with
+    Retry-After, counted; once they close, requests are answered again."""
+    import json
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    url, gate = tiny_server
+    gate.event.set()
+    port = int(url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+    time.sleep(0.3)  # each counted as the server takes it
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{url}/v1/models", timeout=30)
+        body = json.loads(e.value.read())["error"]
+        assert e.value.code == 503 and e.value.headers["Retry-After"] == "1", body
+        assert body["type"] == "server_busy" and "(--max-connections 6)" in body["message"], body
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.3)
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        assert 'knnssd_requests_total{status="503"} 1.0' in r.read().decode()

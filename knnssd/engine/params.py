@@ -153,16 +153,17 @@ def _number(name: str, v):
     return v
 
 
-def check_prompt(prompt) -> None:
-    """A one-line ``ValueError`` for a prompt no model can take: not text, not UTF-8, or blank."""
+def check_prompt(prompt, where: str = "prompt") -> None:
+    """A one-line ``ValueError`` for a prompt no model can take: not text, not UTF-8, or blank. ``where``: what the
+    caller calls it, first in the message ("messages" for a chat's rendered prompt: the API names that field)."""
     if prompt is None or (isinstance(prompt, float) and prompt != prompt):  # JSON null (NaN in a pandas column)
-        raise ValueError("prompt must be text, got null")
+        raise ValueError(f"{where} must be text, got null")
     if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be text, got {type(prompt).__name__}")
+        raise ValueError(f"{where} must be text, got {type(prompt).__name__}")
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError("prompt is not valid UTF-8 text") from None
+        raise ValueError(f"{where} {'are' if where == 'messages' else 'is'} not valid UTF-8 text") from None
     if not prompt.strip():
         raise ValueError("empty prompt")
 
@@ -183,7 +184,7 @@ def whole_prompt_ids(tokenizer, prompt: str, params: GenerateParams, limits: Lim
     default) is lowered to what the context leaves. ``ContextTooLong`` where the prompt is over
     ``max_prompt_tokens`` (what the server's slots are planned for: ``Batcher.prompt_tokens``) or it and the
     new tokens do not fit ``limits`` (``check_fits``). ``where``: the request's name for the prompt."""
-    check_prompt(prompt)
+    check_prompt(prompt, where)
     ids = tokenizer(prompt).input_ids
     n = len(ids)
     if n > params.max_prompt_tokens:

@@ -1,5 +1,6 @@
 """Connections ``knnssd serve`` will not keep: one whose request head does not arrive in time (``with_head_deadline``),
-and bodies it will not read past a bound (``BoundedBody``).
+requests past a cap on open connections (``ConnectionCap``), and bodies it will not read past a bound
+(``BoundedBody``).
 
 uvicorn's h11 protocol arms a timer only between requests (``--timeout-keep-alive``), and a client that sends a
 byte of its request disarms it, so a client that sends its head a byte at a time holds its socket for as long as
@@ -15,8 +16,9 @@ import asyncio
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-def with_head_deadline(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol (``uvicorn.Config(http=...)``) with a deadline of ``seconds`` for each request head."""
+def with_head_deadline(seconds: float, counted: set | None = None) -> type[H11Protocol]:
+    """uvicorn's h11 protocol (``uvicorn.Config(http=...)``) with a deadline of ``seconds`` for each request head;
+    each open connection is in ``counted`` while it is open (for ``ConnectionCap``)."""
 
     class HeadDeadline(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
@@ -24,6 +26,8 @@ def with_head_deadline(seconds: float) -> type[H11Protocol]:
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if counted is not None:
+                counted.add(self)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -38,6 +42,8 @@ def with_head_deadline(seconds: float) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if counted is not None:
+                counted.discard(self)
             super().connection_lost(exc)
 
         def _arm(self) -> None:
@@ -60,7 +66,9 @@ def with_head_deadline(seconds: float) -> type[H11Protocol]:
 class BoundedBody:
     """A plain ASGI layer (Starlette's middleware class hides a client's disconnect from handlers): a POST body
     over ``most`` bytes is answered by ``too_large`` (an ASGI app: a 413), and a request cancelled past the
-    grace period of a shutdown (``stopping``) ends here quietly, its handler having told its client."""
+    grace period of a shutdown (``stopping``) ends here quietly, its handler having told its client. A POST body
+    is read as JSON whatever its ``Content-Type`` says: the API takes nothing else, and ``curl -d`` sends JSON
+    as a form (trial 6, D1: a valid body without the header was "not a JSON object")."""
 
     def __init__(self, inner, most: int, too_large, stopping):
         self.inner, self.most, self.too_large, self.stopping = inner, most, too_large, stopping
@@ -90,6 +98,8 @@ class BoundedBody:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
             receive = receive_body
+            scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
+                     + [(b"content-type", b"application/json")]}
         try:
             await self.inner(scope, receive, send)
         except asyncio.CancelledError:
@@ -97,3 +107,17 @@ class BoundedBody:
                 raise
             # past the grace period: the handler has told its client (an error event, or 503); ending here
             # keeps uvicorn from logging the cancellation as a failed application
+
+
+class ConnectionCap:
+    """A plain ASGI layer: a request that arrives while more than ``most`` connections are open (``counted`` by
+    ``with_head_deadline``'s protocol) is answered by ``busy(n)`` (an ASGI app: a 503 in OpenAI's shape, with
+    Retry-After, counted in /metrics), where uvicorn's own cap answered plain text (trial 6, D3)."""
+
+    def __init__(self, inner, counted: set, most: int, busy):
+        self.inner, self.counted, self.most, self.busy = inner, counted, most, busy
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and len(self.counted) > self.most:
+            return await self.busy(len(self.counted))(scope, receive, send)
+        await self.inner(scope, receive, send)

@@ -17,7 +17,7 @@ from knnssd.serving import errors
 from knnssd.serving.access import CHALLENGE, RequireKey
 from knnssd.serving.batcher import Batcher
 from knnssd.serving.completions import Completions
-from knnssd.serving.connections import BoundedBody, with_head_deadline
+from knnssd.serving.connections import BoundedBody, ConnectionCap, with_head_deadline
 from knnssd.serving.metrics import ServerMetrics
 from knnssd.serving.openai_protocol import ApiError, ChatRequest, CompletionRequest, error_body
 from knnssd.serving.serve_config import ServeConfig
@@ -25,9 +25,11 @@ from knnssd.serving.serve_config import ServeConfig
 MAX_BODY = 16 << 20  # bytes: far more text than a context holds, which a prompt must fit (else a 400)
 
 
-def create_app(batcher: Batcher, metrics: ServerMetrics, config: ServeConfig, stopping=lambda: False) -> FastAPI:
+def create_app(batcher: Batcher, metrics: ServerMetrics, config: ServeConfig, stopping=lambda: False,
+               connections: set | None = None) -> FastAPI:
     """The server's app over ``batcher``, as ``config`` says; ``stopping``: whether the server is shutting down
-    (a request cancelled then is told so, not cut off)."""
+    (a request cancelled then is told so, not cut off); ``connections``: the open ones, counted by the server's
+    protocol (``connections.with_head_deadline``), for ``config.max_connections`` (None: no cap)."""
     app = FastAPI(title="knnssd", docs_url=None, redoc_url=None)
     metrics.queue.set_function(lambda: batcher.queued)
     metrics.active.set_function(lambda: batcher.active)
@@ -44,8 +46,16 @@ def create_app(batcher: Batcher, metrics: ServerMetrics, config: ServeConfig, st
                else "the API key given is not one this server takes")
         return answer_error(ApiError(401, why, code="invalid_api_key", headers=CHALLENGE))
 
-    # outermost: before the body is read
+    # before the body is read
     app.add_middleware(RequireKey, keys=config.keys, refuse=refuse, metrics_open=config.metrics_open)
+
+    def busy(n: int):
+        return answer_error(ApiError(503, f"the server has {n} open connections, more than its cap "
+                                          f"(--max-connections {config.max_connections}); retry later",
+                                     type="server_busy", headers={"Retry-After": "1"}))
+
+    if connections is not None:  # outermost: before the key (a flood of connections needs none)
+        app.add_middleware(ConnectionCap, counted=connections, most=config.max_connections, busy=busy)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health():
@@ -91,7 +101,7 @@ def run(batcher: Batcher, config: ServeConfig) -> None:
     """Serve until SIGTERM or Ctrl-C: then stop accepting, let requests in flight finish within
     ``config.grace_s``, cancel the rest, and return. A connection whose request head takes longer than
     ``config.head_timeout_s`` is closed (``connections.with_head_deadline``), and past ``config.max_connections``
-    open connections a request gets uvicorn's 503."""
+    open connections a request gets a 503 (``connections.ConnectionCap``)."""
     import signal
 
     import uvicorn
@@ -102,7 +112,8 @@ def run(batcher: Batcher, config: ServeConfig) -> None:
     batcher.observer = metrics
     metrics.served.info({"model_uri": config.model_uri, "bank_version": str(batcher.version)})
     server: uvicorn.Server | None = None
-    app = create_app(batcher, metrics, config, lambda: server is not None and server.should_exit)
+    connections: set = set()
+    app = create_app(batcher, metrics, config, lambda: server is not None and server.should_exit, connections)
     watch = None
     if config.reload_s > 0 and follows_alias(config.model_uri):
         def swapped(version: str) -> None:
@@ -113,8 +124,7 @@ def run(batcher: Batcher, config: ServeConfig) -> None:
         watch = ChampionWatch(batcher, config.model_uri, config.tracking_uri, config.reload_s, swapped).start()
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                            access_log=False, timeout_graceful_shutdown=config.grace_s,
-                                           lifespan="off", http=with_head_deadline(config.head_timeout_s),
-                                           limit_concurrency=config.max_connections))
+                                           lifespan="off", http=with_head_deadline(config.head_timeout_s, connections)))
     # uvicorn raises the signal that stopped it again once it has shut down: a handler of our own makes
     # that a normal end (exit 0) instead of the process's death by SIGTERM
     before = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
