@@ -76,3 +76,21 @@ def check_work_dir() -> None:
     except OSError as e:
         raise ValueError(f"work folder {path} cannot be written ({e.strerror or e}); set KNNSSD_WORK to a "
                          "writable folder") from None
+
+
+def check_cache_dir() -> None:
+    """A one-line ``ValueError`` when the cache folder holds nothing yet and cannot be made or written: the
+    first model load converts and compiles into it (a read-only one gave a warning, then an error that spoke
+    of room to make: trial 6, D7). A cache made beforehand may be read-only: it is not written again."""
+    import tempfile
+
+    path = cache_dir()
+    if path.is_dir() and any(path.iterdir()):
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"cache folder {path} cannot be written ({e.strerror or e}); set KNNSSD_CACHE to a "
+                         "writable folder") from None

@@ -216,11 +216,14 @@ def test_cli_rejects_bad_sampling_and_prompts_before_loading(tmp_path):
         (["bench", "--bank", str(tmp_path), "--ratios", ""], "--ratios takes one or more numbers"),
         (["bench", "--bank", str(tmp_path), "--out", "/proc/x/y"], "cannot make the results folder /proc/x/y (--out)"),
         (["calibrate", "--device", "gpu0"], "unknown device 'gpu0'"),
+        # trial 6, D6: a bench that failed on its bank left an empty artifacts/bench in the folder it ran from
+        (["bench", "--bank", str(tmp_path / "no-bank")], "no-bank"),
     ]
     for (args, message), res in zip(cases, run_cli([args for args, _ in cases], env)):
         assert res.code == 2 and len(res.stderr) == 1 and message in res.stderr[0], (args, res)
         assert res.seconds < 30, args
     assert not list(tmp_path.glob("*.progress.jsonl")) and not list(tmp_path.glob("*.lock"))
+    assert not (tmp_path / "work" / "bench").exists()
 
 
 # --- issue 40: resume, inputs, limits, settings and faults, each case without a model ----------------------------------
@@ -479,13 +482,16 @@ def _cli_env(tmp_path) -> dict:
 
 def test_cli_refuses_outputs_that_cannot_be_written_safely(tmp_path):
     """Defects 2 and 11 through the command line: an output that is the input (``--overwrite`` or not)
-    and a name too long for the file system are one line, before anything loads, and the input stays."""
+    and a name too long for the file system are one line, before anything loads, and the input stays. Trial 6,
+    D4: an output in a folder that does not exist made the folder, then loaded the model and ran."""
     inp = tmp_path / "x.jsonl"
     inp.write_text('{"prompt": "Hello"}\n')
     before = inp.read_bytes()
     gen = ["generate", "--model-uri", str(tmp_path), "--input", str(inp)]
     _one_line_each([(gen + ["--output", str(inp), "--overwrite"], "is the input file"),
-                    (gen + ["--output", str(tmp_path / ("n" * 300 + ".parquet"))], "output file name is too long")],
+                    (gen + ["--output", str(tmp_path / ("n" * 300 + ".parquet"))], "output file name is too long"),
+                    (gen + ["--output", str(tmp_path / "nosuch" / "o.parquet")],
+                     f"the folder {tmp_path / 'nosuch'} does not exist; make it first")],
                    _cli_env(tmp_path))
     assert inp.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prefect", "work", "x.jsonl"]
@@ -594,6 +600,18 @@ def test_cli_refuses_a_work_folder_that_cannot_be_used(tmp_path):
     with read_only_folder(tmp_path / "ro") as ro:
         for work, message in ((work_file, "is a file, not a folder"), (ro, "cannot be written")):
             _one_line_each([(["complete", "--prompt", "hi"], message)], {**_cli_env(tmp_path), "KNNSSD_WORK": str(work)})
+
+
+def test_cli_refuses_an_empty_cache_folder_that_cannot_be_written_in_one_line(tmp_path):
+    """Trial 6, D7: a read-only ``KNNSSD_CACHE`` gave a warning (the kernels could not be built), then an error
+    that spoke of making room. An empty one that cannot be made or written is one line naming the variable; a
+    cache made beforehand may be read-only."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with read_only_folder(tmp_path / "ro") as ro:
+        for cache in (blocker / "cache", ro):
+            _one_line_each([(["complete", "--prompt", "hi"], f"cache folder {cache} cannot be written")],
+                           {**_cli_env(tmp_path), "KNNSSD_CACHE": str(cache)})
 
 
 def test_empty_settings_variables_mean_their_defaults(monkeypatch, tmp_path):

@@ -32,6 +32,7 @@ domains, on the same loaded model, after the per-prompt passes; it is kept in
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
@@ -50,6 +51,7 @@ from knnssd.engine import exactness
 from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
 from knnssd.engine.drafters import FIXED, fixed_drafters
 from knnssd.routing import bank as banks
+from knnssd.settings import work_dir
 
 # ngram and suffix: the untuned lookup drafters (``drafters.untuned``, bench-engine's too), every prompt the same
 METHODS = ("ar", "hf_generate", "hf_pld", "ngram", "suffix", "static_ssd", "oracle", "knn_masks", "knn_unmasked",
@@ -77,7 +79,7 @@ class BenchConfig:
     pld_tokens: int = 10  # HF prompt_lookup_num_tokens
     hf: bool = True
     seed: int = 0
-    out: Path = Path("artifacts/bench")
+    out: Path = field(default_factory=lambda: work_dir() / "bench")  # $KNNSSD_WORK/bench, else artifacts/bench
     tracking_uri: str | None = None
     throughput: int = 0  # mixed eval prompts for bench-throughput's table in the report (0: no table)
     throughput_sizes: tuple[int, ...] = SIZES
@@ -89,8 +91,9 @@ class BenchConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def check(self) -> None:
-        """One-line errors for settings that cannot run, before any server starts or model loads. Makes the
-        results folder (``out``), which the run writes its journal to."""
+        """One-line errors for settings that cannot run, before any server starts or model loads; the results
+        folder (``out``) must be one this process can make, but is made only once the bank has loaded (trial 6,
+        D6: a bench that failed on its bank left an empty folder)."""
         if self.repeats < 1 or not self.ratios:
             raise ValueError("repeats must be >= 1 and ratios non-empty")
         if not all(0.0 <= r <= 1.0 for r in self.ratios):  # NaN fails both
@@ -99,10 +102,18 @@ class BenchConfig:
         tp = self.throughput_bench()
         if tp is not None:
             throughput.check(tp)
-        try:
+        made, folder = [], self.out.absolute()
+        while not folder.exists() and folder != folder.parent:
+            made.append(folder)
+            folder = folder.parent
+        try:  # made and taken back: only a real mkdir tells (root may "access" /proc, and cannot make folders there)
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"cannot make the results folder {self.out} (--out): {e.strerror or e}") from None
+        finally:
+            for f in made:
+                with contextlib.suppress(OSError):
+                    f.rmdir()
 
     def throughput_bench(self) -> ThroughputBench | None:
         """bench-throughput's settings for the report's table: ``throughput`` mixed eval prompts of this
@@ -223,7 +234,11 @@ def run(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     if tp is not None and not runner.routed.can_batch:
         raise ValueError(f"--throughput: {runner.lm.name} runs on the plain HF fallback, which decodes one sequence "
                          "at a time (no batched table)")
-    jpath = cfg.out / f"measurements-{cfg.key()}.jsonl"  # its folder made by cfg.check()
+    try:
+        cfg.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot make the results folder {cfg.out} (--out): {e.strerror or e}") from None
+    jpath = cfg.out / f"measurements-{cfg.key()}.jsonl"
     done = _journal(jpath)
     log(f"bench: {runner.lm.name} ({runner.lm.dtype}, {runner.lm.device}, {torch.get_num_threads()} threads); "
         f"{len(rows)} eval prompts x {len(runner.methods)} methods x {cfg.repeats} passes, {len(ood_rows)} OOD prompts, "

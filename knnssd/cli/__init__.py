@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from knnssd.prompts import PromptError
     from knnssd.routing.bank import BankError
     from knnssd.serving.batch import OutputError
-    from knnssd.settings import check_work_dir, graphs
+    from knnssd.settings import check_cache_dir, check_work_dir, graphs
     from knnssd.tracking import RegistryError
 
     p = parser()
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     with _signals_unwind():
         try:
             check_work_dir()  # where the log file goes, before anything is written there
+            check_cache_dir()  # where a first load converts the model and builds the kernels
             console.setup(a.verbose)
             from transformers.utils import logging as hf_logging
 

@@ -17,7 +17,7 @@ def cmd_bench(a) -> int:
         data=Path(a.data) if a.data else BenchConfig.__dataclass_fields__["data"].default_factory(),
         domains=tuple(a.domains.split(",")), ood=tuple(x for x in a.ood.split(",") if x), prompts=a.prompts,
         ood_prompts=a.ood_prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
-        ratios=float_list(a.ratios, "--ratios"), hf=not a.no_hf, seed=a.seed, out=Path(a.out),
+        ratios=float_list(a.ratios, "--ratios"), hf=not a.no_hf, seed=a.seed, out=Path(a.out) if a.out else BenchConfig.__dataclass_fields__["out"].default_factory(),
         tracking_uri=a.tracking_uri, device=a.device, throughput=a.throughput,
         throughput_sizes=int_list(a.throughput_sizes, "--throughput-sizes"),
     )
@@ -103,7 +103,8 @@ def add(sub) -> None:
     e.add_argument("--ratios", default="0.0,0.3,0.7,1.0", help="mix ratios r (probability of switching domain)")
     e.add_argument("--no-hf", action="store_true")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--out", default="artifacts/bench", help="results folder (resumes its measurement journal)")
+    e.add_argument("--out", default=None, help="results folder, resuming its measurement journal "
+                                              "(default $KNNSSD_WORK/bench, else artifacts/bench)")
     tracking_arg(e)
     e.add_argument("--throughput", type=int, default=0, metavar="N",
                    help="add bench-throughput's table over N mixed eval prompts of --domains (0: none)")

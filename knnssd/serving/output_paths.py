@@ -66,12 +66,17 @@ JOURNAL_SUFFIX = ".progress.jsonl"  # the longest name written beside the output
 
 def _check_name(output: Path) -> None:
     """A one-line error for a name the file system cannot hold with its journal's suffix (it failed
-    with a traceback where the file was first touched), or under a file where a folder should be."""
-    folder = output.absolute().parent
+    with a traceback where the file was first touched), under a file where a folder should be, or in a
+    folder that does not exist (a mistyped folder was made, and the model loaded and ran, where a mistyped
+    storage or tracking path is refused: trial 6, D4)."""
+    parent = folder = output.absolute().parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():  # the lock file's creation said only "File exists"
         raise OutputError(f"--output {output}: {folder} is a file, not a folder")
+    if folder != parent:
+        raise OutputError(f"--output {output}: the folder {parent} does not exist; make it first, or give a path in "
+                          "a folder that exists")
     try:
         name_max = os.pathconf(folder, "PC_NAME_MAX")
     except (OSError, ValueError):
