@@ -210,8 +210,8 @@ class _Gate:
 @pytest.fixture
 def tiny_server():
     """``create_app`` over a tiny model's batch of 2 slots, with keys "sk-a" and "sk-b" capped at one request
-    running and 60 tokens a minute each, and at most 6 open connections, in uvicorn on a thread with the server's
-    protocol; and the gate on its batch."""
+    running and 60 tokens a minute each, at most 6 open connections and 2 s for a request's head or a pause in
+    its body, in uvicorn on a thread with the server's protocol; and the gate on its batch."""
     import socket
     import threading
     import time
@@ -240,10 +240,10 @@ def tiny_server():
     counted: set = set()
     app = openai_server.create_app(batcher, ServerMetrics(), ServeConfig(
         "/banks/tiny", request_timeout_s=60.0, keys=Keys.gather(["sk-a", "sk-b"], None, {}),
-        caps=Caps(concurrent=1, tokens_per_minute=60), max_connections=6), connections=counted)
+        caps=Caps(concurrent=1, tokens_per_minute=60), max_connections=6, head_timeout_s=2.0), connections=counted)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning",
-                                           http=with_head_deadline(10.0, counted)))
+                                           http=with_head_deadline(2.0, counted)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -368,3 +368,60 @@ def test_a_request_past_the_open_connections_cap_gets_503_in_openai_shape(tiny_s
     time.sleep(0.3)
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
         assert 'knnssd_requests_total{status="503"} 1.0' in r.read().decode()
+
+
+def test_a_champion_watch_says_a_failure_once_until_it_changes(caplog):
+    """Trial 6: an alias moved to a version without a bank logged the same warning at every --reload-s."""
+    import threading
+
+    from knnssd.serving.champion import ChampionWatch
+
+    watch = ChampionWatch(None, "models:/m@champion", None, 0.01)
+    errors = iter(["no bank", "no bank", "no bank", "registry down", "registry down"])
+    done = threading.Event()
+
+    def poll():
+        try:
+            raise RuntimeError(next(errors))
+        except StopIteration:
+            done.set()
+            watch._stop.set()
+
+    watch.poll = poll
+    with caplog.at_level("WARNING", logger="knnssd.serving.champion"):
+        watch.start()
+        assert done.wait(10)
+        watch.stop()
+    said = [r.getMessage() for r in caplog.records if "could not check" in r.getMessage()]
+    assert len(said) == 2 and "no bank" in said[0] and "registry down" in said[1], said
+
+
+def test_a_body_that_stops_arriving_gets_408_and_no_schema_is_served(tiny_server):
+    """Trial 6: a request whose body fell short of its Content-Length held its connection for as long as the
+    client liked (the head's deadline ends with the head); now a pause of ``--head-timeout`` in the body gets
+    408 in OpenAI's shape. And ``/openapi.json`` answered without a key: the server has no routes beyond the
+    API's."""
+    import json
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    url, gate = tiny_server
+    gate.event.set()
+    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30)
+    t0 = time.monotonic()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer sk-a\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+    got = b""
+    while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 15, got[:300]
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "timeout"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{url}/openapi.json", timeout=30)
+    assert e.value.code == 404

@@ -37,11 +37,16 @@ class ChampionWatch:
         self._thread.join(10)
 
     def _run(self) -> None:
+        said = None  # the last failure logged: the same one again, every --reload-s, is not (trial 6)
         while not self._stop.wait(self.every_s):
             try:
                 self.poll()
+                said = None
             except Exception as e:  # noqa: BLE001 - a registry that does not answer now may answer next time
-                log.warning("could not check %s: %s", self.model_uri, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                if why != said:
+                    log.warning("could not check %s: %s (said once until it changes)", self.model_uri, why)
+                said = why
 
     def poll(self) -> str | None:
         """Swap in the version the alias names, where it is new and fits the model; returns it, else None."""

@@ -68,10 +68,13 @@ class BoundedBody:
     over ``most`` bytes is answered by ``too_large`` (an ASGI app: a 413), and a request cancelled past the
     grace period of a shutdown (``stopping``) ends here quietly, its handler having told its client. A POST body
     is read as JSON whatever its ``Content-Type`` says: the API takes nothing else, and ``curl -d`` sends JSON
-    as a form (trial 6, D1: a valid body without the header was "not a JSON object")."""
+    as a form (trial 6, D1: a valid body without the header was "not a JSON object"). A body that stops coming
+    for ``idle_s`` is answered by ``too_slow`` (a 408): the head's deadline does not cover it, and a client
+    that announced more than it sent held its connection (trial 6)."""
 
-    def __init__(self, inner, most: int, too_large, stopping):
+    def __init__(self, inner, most: int, too_large, stopping, idle_s: float | None = None, too_slow=None):
         self.inner, self.most, self.too_large, self.stopping = inner, most, too_large, stopping
+        self.idle_s, self.too_slow = idle_s, too_slow
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -79,7 +82,10 @@ class BoundedBody:
             # body has none); the rest is read and dropped, so a client still sending gets the 413
             chunks, size, more = [], 0, True
             while more:
-                message = await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), self.idle_s)
+                except asyncio.TimeoutError:
+                    return await self.too_slow()(scope, receive, send)
                 if message["type"] != "http.request":
                     return  # the client went away
                 more = message.get("more_body", False)

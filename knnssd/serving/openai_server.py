@@ -30,7 +30,7 @@ def create_app(batcher: Batcher, metrics: ServerMetrics, config: ServeConfig, st
     """The server's app over ``batcher``, as ``config`` says; ``stopping``: whether the server is shutting down
     (a request cancelled then is told so, not cut off); ``connections``: the open ones, counted by the server's
     protocol (``connections.with_head_deadline``), for ``config.max_connections`` (None: no cap)."""
-    app = FastAPI(title="knnssd", docs_url=None, redoc_url=None)
+    app = FastAPI(title="knnssd", docs_url=None, redoc_url=None, openapi_url=None)  # no routes beyond the API's
     metrics.queue.set_function(lambda: batcher.queued)
     metrics.active.set_function(lambda: batcher.active)
     answer_error = errors.answerer(metrics)
@@ -39,7 +39,10 @@ def create_app(batcher: Batcher, metrics: ServerMetrics, config: ServeConfig, st
     completions_ = Completions(batcher, metrics, served, config.request_timeout_s, config.caps, answer_error, stopping)
 
     too_large = ApiError(413, f"the body is larger than {MAX_BODY >> 20} MiB", type="too_large")
-    app.add_middleware(BoundedBody, most=MAX_BODY, too_large=lambda: answer_error(too_large), stopping=stopping)
+    too_slow = ApiError(408, f"the body stopped arriving for {config.head_timeout_s:g} s (--head-timeout)",
+                        type="timeout")
+    app.add_middleware(BoundedBody, most=MAX_BODY, too_large=lambda: answer_error(too_large), stopping=stopping,
+                       idle_s=config.head_timeout_s, too_slow=lambda: answer_error(too_slow))
 
     def refuse(missing: bool):
         why = ("no API key given: send the header Authorization: Bearer <key>" if missing
