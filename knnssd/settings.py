@@ -62,35 +62,32 @@ def tracking_uri(given: str | None = None) -> str:
 
 
 def check_work_dir() -> None:
-    """A one-line ``ValueError`` when the work folder is not a folder this process can create and write
-    (tested by writing, not by permission bits: root passes those on a read-only file system)."""
-    import tempfile
-
+    """A one-line ``ValueError`` when the work folder is not a folder this process can create and write."""
     path = work_dir()
     if path.exists() and not path.is_dir():
         raise ValueError(f"work folder {path} is a file, not a folder (set KNNSSD_WORK to a folder)")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise ValueError(f"work folder {path} cannot be written ({e.strerror or e}); set KNNSSD_WORK to a "
-                         "writable folder") from None
+    _check_writable(path, "work folder", "KNNSSD_WORK")
 
 
 def check_cache_dir() -> None:
     """A one-line ``ValueError`` when the cache folder holds nothing yet and cannot be made or written: the
     first model load converts and compiles into it (a read-only one gave a warning, then an error that spoke
     of room to make: trial 6, D7). A cache made beforehand may be read-only: it is not written again."""
-    import tempfile
-
     path = cache_dir()
     if path.is_dir() and any(path.iterdir()):
         return
+    _check_writable(path, "cache folder", "KNNSSD_CACHE")
+
+
+def _check_writable(path: Path, what: str, variable: str) -> None:
+    """``path`` made if missing and written in, or a one-line ``ValueError`` naming ``variable`` (tested by
+    writing, not by permission bits: root passes those on a read-only file system)."""
+    import tempfile
+
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise ValueError(f"cache folder {path} cannot be written ({e.strerror or e}); set KNNSSD_CACHE to a "
+        raise ValueError(f"{what} {path} cannot be written ({e.strerror or e}); set {variable} to a "
                          "writable folder") from None

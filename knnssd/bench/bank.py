@@ -107,13 +107,18 @@ class BenchConfig:
             made.append(folder)
             folder = folder.parent
         try:  # made and taken back: only a real mkdir tells (root may "access" /proc, and cannot make folders there)
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"cannot make the results folder {self.out} (--out): {e.strerror or e}") from None
+            self.make_out()
         finally:
             for f in made:
                 with contextlib.suppress(OSError):
                     f.rmdir()
+
+    def make_out(self) -> None:
+        """The results folder, made (with its parents), or a one-line ``ValueError`` naming ``--out``."""
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot make the results folder {self.out} (--out): {e.strerror or e}") from None
 
     def throughput_bench(self) -> ThroughputBench | None:
         """bench-throughput's settings for the report's table: ``throughput`` mixed eval prompts of this
@@ -234,10 +239,7 @@ def run(cfg: BenchConfig, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     if tp is not None and not runner.routed.can_batch:
         raise ValueError(f"--throughput: {runner.lm.name} runs on the plain HF fallback, which decodes one sequence "
                          "at a time (no batched table)")
-    try:
-        cfg.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot make the results folder {cfg.out} (--out): {e.strerror or e}") from None
+    cfg.make_out()  # once the bank has loaded (``BenchConfig.check``)
     jpath = cfg.out / f"measurements-{cfg.key()}.jsonl"
     done = _journal(jpath)
     log(f"bench: {runner.lm.name} ({runner.lm.dtype}, {runner.lm.device}, {torch.get_num_threads()} threads); "

@@ -255,7 +255,6 @@ def write_parquet(rows: list[dict], output: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-
 def run(request: GenerateRequest, gen: RoutedGenerator | None = None, rows: list[Prompt] | None = None,
         flush_every: int = 8, unmatched_dir: Path | None = None) -> Summary:
     """Generate every prompt of ``request`` not yet in its output, ``request.batch_size`` sequences at a time
