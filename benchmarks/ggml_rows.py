@@ -9,7 +9,10 @@ issue of every CPU asked whether to adopt it. This compiles a small C program ag
 (BF16, Q4_1, Q8_0) on SmolLM2's shapes, runs ``ggml_mul_mat`` over the first M rows of one random input for
 M = 1, 2, 4, 8, 16, 64, 256 and prints how many of those rows differ from the same row computed alone
 (M = 1), and the time of one call (best of 5, 2 threads). knnssd's ``native.Linear`` runs the same shapes
-(its weights quantized by knnssd, so the values differ from ggml's; the times compare).
+(its weights quantized by knnssd, so the values differ from ggml's; the times compare), and for BF16 so does
+torch's oneDNN GEMM on its prepacked weights (``stack.PackedLinear``, what knnssd ran before its own kernel; on a
+CPU with AMX, oneDNN's tile kernels: the comparison that decides whether AMX machines should leave the native
+linears, ``native.linear_preferred``).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import llama_cpp_peer  # noqa: E402  (the llama.cpp build)
 
 from knnssd.engine import native  # noqa: E402
 from knnssd.engine.quantized import quantize  # noqa: E402
+from knnssd.engine.stack import PackedLinear  # noqa: E402
 
 SHAPES = ((960, 576), (3072, 576), (576, 1536))  # SmolLM2's fused qkv, gate/up and down: (N outputs, K inputs)
 ROWS = (1, 2, 4, 8, 16, 64, 256)
@@ -105,11 +109,15 @@ def ggml_rows(exe: Path, kind: str, N: int, K: int) -> dict[int, tuple[int, floa
     return {int(m): (int(d), float(us)) for m, d, us in (line.split() for line in out.splitlines())}
 
 
-def own_rows(kind: str, N: int, K: int) -> dict[int, tuple[int, float]]:
+def own_rows(kind: str, N: int, K: int, onednn: bool = False) -> dict[int, tuple[int, float]]:
+    """knnssd's kernel (or, ``onednn``, oneDNN's bf16 GEMM) on the shape: per row count, (rows unlike alone, us)."""
     g = torch.Generator().manual_seed(1)
     w = ((torch.rand(N, K, generator=g) - 0.5) * 0.1).to(torch.bfloat16)
-    lin = {"BF16": lambda: native.Linear.of(w, None), "Q4_1": lambda: native.Linear.q4(*quantize(w, "q4_1"), None),
-           "Q8_0": lambda: native.Linear.q8(*quantize(w, "q8_0"), None)}[kind]()
+    if onednn:
+        lin = PackedLinear(torch.ops.mkldnn._reorder_linear_weight(w, 16), None) if kind == "BF16" else None
+    else:
+        lin = {"BF16": lambda: native.Linear.of(w, None), "Q4_1": lambda: native.Linear.q4(*quantize(w, "q4_1"), None),
+               "Q8_0": lambda: native.Linear.q8(*quantize(w, "q8_0"), None)}[kind]()
     if lin is None:
         return {}
     x = ((torch.rand(256, K, generator=g) - 0.5) * 4).to(torch.bfloat16)
@@ -130,17 +138,19 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     bin_dir = llama_cpp_peer.build()
     print(f"{llama_cpp_peer._cpu()}, {THREADS} threads; knnssd kernels: {native.kernel_path()}")
-    print("| weights | N x K | rows | ggml rows unlike alone | ggml us | knnssd rows unlike alone | knnssd us |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| weights | N x K | rows | ggml rows unlike alone | ggml us | knnssd rows unlike alone | knnssd us "
+          "| oneDNN rows unlike alone | oneDNN us |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(bin_dir, Path(tmp))
         for kind in TYPES:
             for N, K in SHAPES:
-                theirs, mine = ggml_rows(exe, kind, N, K), own_rows(kind, N, K)
+                theirs, mine, dnn = ggml_rows(exe, kind, N, K), own_rows(kind, N, K), own_rows(kind, N, K, onednn=True)
                 for M in ROWS:
                     d, us = theirs[M]
                     od, ous = mine.get(M, ("-", float("nan")))
-                    print(f"| {kind} | {N} x {K} | {M} | {d} | {us:.0f} | {od} | {ous:.0f} |")
+                    nd, nus = dnn.get(M, ("-", float("nan")))
+                    print(f"| {kind} | {N} x {K} | {M} | {d} | {us:.0f} | {od} | {ous:.0f} | {nd} | {nus:.0f} |")
 
 
 if __name__ == "__main__":

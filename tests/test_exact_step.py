@@ -111,7 +111,7 @@ def test_native_linear_rows_do_not_depend_on_the_call_and_sum_in_fp32():
     b = torch.randn(80, generator=torch.Generator().manual_seed(1)).bfloat16()
     lin = native.Linear.of(w, b)
     if lin is None:
-        pytest.skip("no native bf16 linear here (no C compiler, no vector instruction set, or AMX: oneDNN runs the linears)")
+        pytest.skip("no native bf16 linear here (no C compiler, no vector instruction set)")
     assert isinstance(Linear(w, b).packed(), NativeLinear)
     x = torch.randn(2, 20, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
     rows = lin(x)
@@ -209,7 +209,7 @@ def test_native_causal_attention_reads_each_rows_own_keys_alone():
     k, v = (torch.randn(1, KV, L, D, generator=g).to(torch.bfloat16) for _ in range(2))
     got = native.causal(q, k, v, 0.25, 0)
     if got is None:
-        pytest.skip("no native causal attention here (it needs avx512_bf16 and no AMX, and a C compiler)")
+        pytest.skip("no native causal attention here (it needs avx512_bf16 and a C compiler)")
     kk, vv = (t[0, :, :T].double().repeat_interleave(H // KV, 0) for t in (k, v))  # (H, T, D)
     s = torch.einsum("thd,hjd->htj", q.double(), kk) * 0.25
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
@@ -234,7 +234,7 @@ def test_a_native_step_row_is_a_native_prefill_row(H, KV, D):
     k, v = (torch.randn(1, KV, L, D, generator=g).to(torch.bfloat16) for _ in range(2))
     prefill = native.causal(q, k, v, 0.25, 0)
     if prefill is None:
-        pytest.skip("no native causal attention here (it needs avx512_bf16 and no AMX, and a C compiler)")
+        pytest.skip("no native causal attention here (it needs avx512_bf16 and a C compiler)")
     rows = torch.tensor([69, 0, 31, 16, 15, 17, 50])
     step = native.attention(q[rows], k, v, native.Rows(torch.zeros_like(rows), rows, None), 0.25)
     assert torch.equal(step, prefill[0, rows])
@@ -304,7 +304,7 @@ def test_a_pass_in_one_native_call_has_the_per_op_bits(arch):
     dec = Decoder(from_hf(tiny(arch, dtype=torch.bfloat16)))
     dec.set_attention(NATIVE)
     if dec._layers_call(dec.stack) is None:
-        pytest.skip("no one-call layers here (no C compiler, no vector instruction set, or AMX)")
+        pytest.skip("no one-call layers here (no C compiler, no vector instruction set)")
     per_op = dec.slot()
     per_op._layers_call = lambda stack: None
     ids = torch.tensor(prompt_ids(arch, 0, 40))
@@ -329,7 +329,7 @@ def test_one_call_layers_find_every_layers_buffers_of_a_new_cache():
     dec = Decoder(from_hf(tiny("llama", dtype=torch.bfloat16)))
     layers = dec._layers_call(dec.stack)
     if layers is None:
-        pytest.skip("no one-call layers here (no C compiler, no vector instruction set, or AMX)")
+        pytest.skip("no one-call layers here (no C compiler, no vector instruction set)")
     slot = dec.slot()
     slot.reserve(16)
     k, v = list(slot.cache.k), list(slot.cache.v)
@@ -495,10 +495,8 @@ def test_bf16_speculative_greedy_equals_own_plain_decoding(arch, prompt, data):
 
 
 def _inputs_as_blocks_take_them(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) bf16 as the block kernels multiply it, in float64: bf16 as it is on avx512_bf16; elsewhere each block
-    of 32 in 8 bits (``native.c``'s ``quant_block``: d = max |x| / 127, x / d rounded half away from zero)."""
-    if not native.Linear.quantizes_inputs():
-        return x.double()
+    """x (M, K) bf16 as the block kernels multiply it, in float64: each block of 32 in 8 bits (``native.c``'s
+    ``quant_block``: d = max |x| / 127, x / d rounded half away from zero), on every instruction set."""
     xb = x.float().view(x.shape[0], -1, 32)
     d = xb.abs().amax(-1, keepdim=True) / 127
     v = (xb * torch.where(d != 0, 1 / d, torch.zeros_like(d))).double()  # fp32 products, as the kernel's
@@ -517,7 +515,7 @@ def test_native_4bit_linear_sums_blocks_in_fp32_row_by_row():
     b = torch.randn(N, generator=g)
     lin = native.Linear.q4(q, d, m, b)
     if lin is None:
-        pytest.skip("no native 4-bit linear here (no C compiler, no vector instruction set, or AMX)")
+        pytest.skip("no native 4-bit linear here (no C compiler, no vector instruction set)")
     assert all(torch.equal(x, y) for x, y in zip(lin.q4_parts(), (q, d, m)))
     w = (q.double().view(N, -1, 32) * d.double()[..., None] + m.double()[..., None]).view(N, K)
     x = torch.randn(13, K, generator=g).to(torch.bfloat16)
@@ -539,7 +537,7 @@ def test_native_8bit_linear_sums_blocks_in_fp32_row_by_row():
     d = (torch.rand(N, K // 32, generator=g) * 0.01).half()
     lin = native.Linear.q8(q, d, None)
     if lin is None:
-        pytest.skip("no native 8-bit linear here (no C compiler, no vector instruction set, or AMX)")
+        pytest.skip("no native 8-bit linear here (no C compiler, no vector instruction set)")
     assert all(torch.equal(x, y) for x, y in zip(lin.q8_parts(), (q, d)))
     w = (q.double().view(N, -1, 32) * d.double()[..., None]).view(N, K)
     assert torch.equal(lin.dense(), w.float().to(torch.bfloat16))
@@ -577,7 +575,7 @@ def test_blocks_made_at_load_run_rows_alone_and_speculation_equals_plain(kind):
     from knnssd.engine.quantized import quantize_stack
 
     if native.tiled("linear_q4") is None or native.tiled("linear_q8") is None:
-        pytest.skip("no native block kernels here (no C compiler, no vector instruction set, or AMX)")
+        pytest.skip("no native block kernels here (no C compiler, no vector instruction set)")
     dec = make_decoder(tiny("llama", dtype=torch.bfloat16), weights=lambda s: quantize_stack(s, kind)[0])
     want = {"q4_1": "q4", "q8_0": "q8"}[kind]
     assert all(getattr(layer, n).kernel.kind == want for layer in dec.stack.layers for n in ("qkv", "o", "gate_up", "down"))
@@ -651,7 +649,7 @@ def test_a_packed_pass_stays_one_native_call_after_another_slot_grows_the_pool(m
     dec = Decoder(from_hf(tiny("llama", dtype=torch.bfloat16)))
     dec.set_attention(NATIVE)
     if dec._layers_call(dec.stack) is None:
-        pytest.skip("no one-call layers here (no C compiler, no vector instruction set, or AMX)")
+        pytest.skip("no one-call layers here (no C compiler, no vector instruction set)")
     taken, call = [], native.Layers.__call__
     monkeypatch.setattr(native.Layers, "__call__", lambda self, *a, **k: taken.append(call(self, *a, **k)) or taken[-1])
     (a, b), pool = dec.pooled_slots(2)

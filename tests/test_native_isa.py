@@ -4,7 +4,11 @@ ARM64 under qemu-user where ``make cross`` installed the cross compiler and qemu
 
 The wide paths (AVX2, AVX-512F, NEON) define the same arithmetic for the linears, column by column, so the digest
 of their outputs must agree across instruction sets: an ARM64 build run under emulation checks the x86 build's
-bits, and the reverse. avx512_bf16's tiles round otherwise (``vdpbf16ps``) and are only checked for invariance."""
+bits, and the reverse. avx512_bf16's tiles round otherwise (``vdpbf16ps``): its builds are checked for invariance, and
+against each other. The 4-bit and 8-bit blocks are summed in integers on every path, avx512_bf16's included, so
+their digest is the same everywhere. AMX CPUs (Sapphire Rapids and later) run that form too (``native.linear_preferred``): the
+``sapphirerapids`` build is checked here, less the vector extensions this CPU lacks (AVX512-FP16, AVX-VNNI),
+which is as near to an AMX machine's ``-march=native`` build as a CPU without them can run."""
 from __future__ import annotations
 
 import os
@@ -19,7 +23,13 @@ ENGINE = HERE.parent / "knnssd" / "engine"
 FLAGS = ["-O2", "-ffp-contract=off", "-fopenmp", f"-I{ENGINE}"]
 # x86 levels: the -march a build names, and the /proc/cpuinfo flags a CPU needs to run it
 X86 = {"x86-64-v3": ("avx2", "fma", "f16c"), "x86-64-v4": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-       "x86-64-v4+bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")}
+       "x86-64-v4+bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+       "sapphirerapids": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")}
+# Sapphire Rapids' vector extensions that a compiler may use unasked (/proc/cpuinfo flag -> the option that drops it),
+# and AMX's, which it never uses unasked: dropped where this CPU lacks them, so that the build runs here
+SPR_EXTRAS = {"avx512_fp16": "-mno-avx512fp16", "avx_vnni": "-mno-avxvnni", "amx_tile": "-mno-amx-tile",
+              "amx_bf16": "-mno-amx-bf16", "amx_int8": "-mno-amx-int8"}
+PATHS = {"x86-64-v3": "avx2", "x86-64-v4": "avx512", "x86-64-v4+bf16": "avx512_bf16", "sapphirerapids": "avx512_bf16"}
 ARM = {"armv8-a": "neon", "armv8.2-a+dotprod": "neon"}  # -march -> the kernel path it builds
 
 
@@ -45,28 +55,54 @@ def _run(cmd: list[str]) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
 
 
-@pytest.fixture(scope="module")
-def wide_digest(tmp_path_factory) -> str | None:
-    """The linears' digest of the AVX2 build, where this CPU runs it (the reference the other wide paths match)."""
-    if shutil.which("cc") is None or not set(X86["x86-64-v3"]) <= _flags():
+def _level_flags(level: str) -> tuple[str, ...]:
+    if level != "sapphirerapids":
+        return ()
+    return tuple(option for flag, option in SPR_EXTRAS.items() if flag not in _flags())
+
+
+def _digests(tmp_path_factory, level: str) -> dict[str, str] | None:
+    """What a level's build prints (its path and digests), where this CPU runs it."""
+    if shutil.which("cc") is None or os.uname().machine != "x86_64" or not set(X86[level]) <= _flags():
         return None
-    return _run([str(_build(tmp_path_factory.mktemp("v3"), "cc", "x86-64-v3"))])["linears"]
+    folder = tmp_path_factory.mktemp(level.replace("+", "-"))
+    return _run([str(_build(folder, "cc", level, _level_flags(level)))])
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> dict[str, str] | None:
+    """The AVX2 build's digests, where this CPU runs it: the reference the other wide paths match, and every path's
+    blocks."""
+    return _digests(tmp_path_factory, "x86-64-v3")
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory) -> dict[str, str] | None:
+    """The avx512_bf16 build's digests, where this CPU runs it (what AMX's build must match)."""
+    return _digests(tmp_path_factory, "x86-64-v4+bf16")
+
+
+def _agrees(got: dict[str, str], wide: dict | None, bf16: dict | None) -> None:
+    reference = bf16 if got["path"] == "avx512_bf16" else wide
+    if reference is not None:  # the same arithmetic as AVX2's (or avx512_bf16's), column by column
+        assert got["linears"] == reference["linears"]
+    if wide is not None:  # the blocks' integer sums: the same bits on every path
+        assert got["blocks"] == wide["blocks"]
 
 
 @pytest.mark.parametrize("level", sorted(X86))
-def test_each_x86_level_this_cpu_runs_keeps_rows_alone(level, tmp_path, wide_digest):
+def test_each_x86_level_this_cpu_runs_keeps_rows_alone(level, tmp_path, wide, bf16):
     if shutil.which("cc") is None or os.uname().machine != "x86_64":
         pytest.skip("needs an x86-64 machine with a C compiler")
     if not set(X86[level]) <= _flags():
         pytest.skip(f"this CPU cannot run {level} (it lacks {sorted(set(X86[level]) - _flags())})")
-    got = _run([str(_build(tmp_path, "cc", level))])
-    assert got["path"] == {"x86-64-v3": "avx2", "x86-64-v4": "avx512", "x86-64-v4+bf16": "avx512_bf16"}[level]
-    if got["path"] != "avx512_bf16" and wide_digest is not None:
-        assert got["linears"] == wide_digest  # the same arithmetic as AVX2's, column by column
+    got = _run([str(_build(tmp_path, "cc", level, _level_flags(level)))])
+    assert got["path"] == PATHS[level]
+    _agrees(got, wide, bf16)
 
 
 @pytest.mark.parametrize("march", sorted(ARM))
-def test_arm64_under_qemu_keeps_rows_alone_and_computes_avx2s_bits(march, tmp_path, wide_digest):
+def test_arm64_under_qemu_keeps_rows_alone_and_computes_avx2s_bits(march, tmp_path, wide):
     if os.uname().machine == "aarch64":  # an ARM64 machine runs it itself
         cross, qemu = shutil.which("cc"), ()
     else:
@@ -75,5 +111,4 @@ def test_arm64_under_qemu_keeps_rows_alone_and_computes_avx2s_bits(march, tmp_pa
         pytest.skip("no ARM64 cross compiler or qemu-aarch64 here (make cross installs them)")
     got = _run([*qemu, str(_build(tmp_path, cross, march, ("-static",) if qemu else ()))])
     assert got["path"] == ARM[march]
-    if wide_digest is not None:
-        assert got["linears"] == wide_digest
+    _agrees(got, wide, None)

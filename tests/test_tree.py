@@ -117,7 +117,7 @@ def _wide(arch: str) -> Decoder:
 def wide(arch: str) -> Decoder:
     dec = _wide(arch)
     if dec._layers_call(dec.stack) is None:
-        pytest.skip("no one-call layers here (no C compiler, no vector instruction set, or AMX)")
+        pytest.skip("no one-call layers here (no C compiler, no vector instruction set)")
     return dec
 
 

@@ -530,6 +530,290 @@ static int key_map_fits(const int64_t *kstart, const int64_t *kmap, int64_t kmap
     } while (0)
 #endif
 
+#if defined(HAVE_SIMD)
+#define ALWAYS static inline __attribute__((always_inline))
+
+/* The rows a pass over a thread's columns takes at once, a multiple of ``rows``: as many as keep their inputs
+   (``bytes`` a row) within half of a 512 KiB L2 cache. A prefill's 256 rows of inputs pass through every column
+   block; from L3 they bounded its speed (and shared it with the machine's other programs). */
+static int64_t row_chunk(int64_t bytes, int rows) {
+    int64_t n = (256 << 10) / bytes / rows * rows;
+    return n < rows ? rows : n;
+}
+
+/* The 4-bit and 8-bit blocks, on every vector instruction set: the rows' inputs quantized per block of 32, as
+   llama.cpp quantizes activations for these blocks (Q8_0: d = max |x| / 127, q = x / d rounded to the nearest,
+   ties away from zero), then each block's sum of q_w q_x in integers, exact whatever the instructions
+   (``vpmaddubsw``, ``sdot``, ...) or their grouping. Per row and column, over the blocks in order:
+   acc = (d_w d_x) sum + acc, then for 4-bit acc = m_w (d_x sum of q_x) + acc, each product of two scales
+   rounded once, in fp32; + bias, rounded to bf16. Every instruction set gives a row the same bits (the integers
+   are exact and the fp32 operations the same, column by column), row-invariant by construction; the
+   activations' 8 bits are the precision's own. avx512_bf16 runs them too: its own form (bf16 activations on
+   ``vdpbf16ps``) was 1.3-1.8x slower at every row count on a Zen 4 (docs/benchmarks.md, 2026-12-06), and so a
+   GGUF now gives the same bits on every CPU. (``vpdpbusd``, where VNNI is, summed the same integers no faster.)
+
+   Packed (``native.Linear.q4`` / ``q8``) so that a vector's lanes are columns, each lane 4 inputs wide (what
+   ``vpmaddubsw`` + ``vpmaddwd`` and ``sdot`` sum into a 32-bit lane): per 16 columns and block, 4-bit: 4 groups
+   x 16 columns x 4 bytes, byte i of group g holding input 8 g + i in its low nibble and 8 g + 4 + i in its high
+   one; 8-bit: 8 groups x 16 columns x 4 int8 (inputs 4 g + i); the scales apart, per 16 columns and block: the
+   16 fp16 d, then (4-bit) the 16 m. A tile keeps a group of columns' weights and scales in registers and takes
+   its rows in turn. */
+#define QMR 4 /* rows a tile takes */
+
+/* One block of 32 inputs in 8 bits: amax = max |x| (NaN ignored), d = amax / 127, q = x (1 / d) rounded to the
+   nearest, ties away from zero (``roundf``'s rule, kept by truncating and adding the sign where the rest is at
+   least a half), within -127..127; returns sum q. ``out``: the 32 q in order (ARM64), or each group of 4 broadcast
+   to a vector of 8 (x86: 8 x 32 bytes, what ``vpmaddubsw`` reads from memory). The same bits on either. */
+#if defined(__aarch64__)
+#define QXB 32 /* bytes a quantized block takes */
+static int32_t quant_block(const uint16_t *x, float *d, int8_t *out) {
+    float32x4_t v[8], amax = vdupq_n_f32(0.0f);
+    for (int i = 0; i < 8; i++) v[i] = vload_bf16(x + 4 * i), amax = vmaxnmq_f32(amax, vabsq_f32(v[i]));
+    float db = vmaxvq_f32(amax) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+    int32x4_t sum = vdupq_n_s32(0);
+    int16x4_t h[8];
+    for (int i = 0; i < 8; i++) {
+        float32x4_t s = vmulq_f32(v[i], vdupq_n_f32(id)), t = vrndq_f32(s);
+        uint32x4_t up = vcgeq_f32(vabsq_f32(vsubq_f32(s, t)), vdupq_n_f32(0.5f));
+        float32x4_t one = vbslq_f32(vdupq_n_u32(0x80000000u), s, vdupq_n_f32(1.0f)); /* 1 with s's sign */
+        t = vaddq_f32(t, vreinterpretq_f32_u32(vandq_u32(up, vreinterpretq_u32_f32(one))));
+        int32x4_t q = vcvtq_s32_f32(vmaxq_f32(vminq_f32(t, vdupq_n_f32(127.0f)), vdupq_n_f32(-127.0f)));
+        sum = vaddq_s32(sum, q);
+        h[i] = vmovn_s32(q);
+    }
+    for (int i = 0; i < 4; i++) vst1_s8(out + 8 * i, vmovn_s16(vcombine_s16(h[2 * i], h[2 * i + 1])));
+    *d = db;
+    return vaddvq_s32(sum);
+}
+#else
+#define QXB 256
+static int32_t quant_block(const uint16_t *x, float *d, int8_t *out) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) { /* max(|v|, amax): a NaN lane keeps amax */
+        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + 8 * i))), 16));
+        amax = _mm256_max_ps(_mm256_and_ps(v[i], absmask), amax);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float db = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+    __m256i q[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        __m256 s = _mm256_mul_ps(v[i], _mm256_set1_ps(id)), t = _mm256_round_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(s, t), absmask), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+        __m256 one = _mm256_or_ps(_mm256_andnot_ps(absmask, s), _mm256_set1_ps(1.0f)); /* 1 with s's sign */
+        t = _mm256_add_ps(t, _mm256_and_ps(up, one));
+        q[i] = _mm256_cvttps_epi32(_mm256_max_ps(_mm256_min_ps(t, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-127.0f)));
+        sum = _mm256_add_epi32(sum, q[i]);
+    }
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* groups of 4 in order */
+    for (int g = 0; g < 8; g++)
+        _mm256_storeu_si256((__m256i *)(out + 32 * g), _mm256_permutevar8x32_epi32(bytes, _mm256_set1_epi32(g)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    *d = db;
+    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+}
+#endif
+
+/* The rows' inputs in 8-bit blocks (``quant_block``), in a buffer of the calling thread's (as ``wide_rows``): M
+   rows of K / 32 blocks of QXB bytes, then d_x and d_x sum(q_x) (M x K / 32 fp32 each). NULL: out of memory. */
+static int8_t *quant_rows(const uint16_t *x, int64_t xs, int64_t M, int64_t K, float **dx, float **dsx) {
+    static _Thread_local char *buf;
+    static _Thread_local int64_t cap;
+    int64_t kb = K / 32, need = M * kb * QXB + 2 * M * kb * (int64_t)sizeof(float);
+    if (need > cap) {
+        free(buf);
+        buf = malloc(need);
+        cap = buf ? need : 0;
+        if (!buf) return NULL;
+    }
+    int8_t *q = (int8_t *)buf;
+    float *d = (float *)(buf + M * kb * QXB), *ds = d + M * kb;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < kb; b++) {
+            int32_t sum = quant_block(x + m * xs + b * 32, d + m * kb + b, q + (m * kb + b) * QXB);
+            ds[m * kb + b] = d[m * kb + b] * (float)sum;
+        }
+    *dx = d, *dsx = ds;
+    return q;
+}
+
+/* QC columns' block sums (int32, a lane a column) of one row: ``qcols4`` over the weights of a group of QC columns
+   (``w``: group g at w + g QSTRIDE bytes) against the row's block of 32 inputs. ``qfloat``: the fp32 update of
+   those columns' totals. */
+#if defined(__aarch64__)
+#define QC 4
+typedef int32x4_t qi;
+typedef float32x4_t qf;
+#define QSTRIDE 64 /* bytes between a group's 16 columns and the next group's */
+/* x0, x1: the block's inputs 0..15 and 16..31 */
+#if defined(__ARM_FEATURE_DOTPROD)
+#define QDOT(acc, w, x, lane) vdotq_laneq_s32(acc, w, x, lane)
+#else
+#define QDOT(acc, w, x, lane) vpadalq_s16(acc, q_pairs(w, vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(x), lane))))
+static inline int16x8_t q_pairs(int8x16_t w, int8x16_t x4) { /* |2 x 128 x 127| fits a 16-bit lane */
+    int16x8_t lo = vmull_s8(vget_low_s8(w), vget_low_s8(x4)), hi = vmull_high_s8(w, x4);
+    return vpaddq_s16(lo, hi);
+}
+#endif
+ALWAYS qi qcols4(const uint8_t *w, int bits, int8x16_t x0, int8x16_t x1) {
+    qi acc = vdupq_n_s32(0);
+    if (bits == 4) {
+#define Q4G(g, X, L0, L1)                                                                          \
+    {                                                                                              \
+        uint8x16_t v = vld1q_u8(w + g * QSTRIDE);                                                  \
+        acc = QDOT(acc, vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15))), X, L0);                  \
+        acc = QDOT(acc, vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), X, L1);                             \
+    }
+        Q4G(0, x0, 0, 1) Q4G(1, x0, 2, 3) Q4G(2, x1, 0, 1) Q4G(3, x1, 2, 3)
+#undef Q4G
+    } else {
+#define Q8G(g, X, L) acc = QDOT(acc, vld1q_s8((const int8_t *)w + g * QSTRIDE), X, L);
+        Q8G(0, x0, 0) Q8G(1, x0, 1) Q8G(2, x0, 2) Q8G(3, x0, 3) Q8G(4, x1, 0) Q8G(5, x1, 1) Q8G(6, x1, 2) Q8G(7, x1, 3)
+#undef Q8G
+    }
+    return acc;
+}
+typedef struct { int8x16_t x0, x1; } qrow;
+ALWAYS qrow qrow_load(const int8_t *xq) { return (qrow){vld1q_s8(xq), vld1q_s8(xq + 16)}; }
+ALWAYS qi qcols(const uint8_t *w, int bits, const qrow *r) { return qcols4(w, bits, r->x0, r->x1); }
+#define qf_load_f16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))
+#define qf_cvt vcvtq_f32_s32
+#define qf_set1 vdupq_n_f32
+#define qf_mul vmulq_f32
+#define qf_fma(a, b, c) vfmaq_f32(c, a, b)
+#define qf_load vld1q_f32
+#define qf_store vst1q_f32
+ALWAYS void qf_store_bf16(uint16_t *p, qf v) { vstore_bf16(p, vround_bf16(v)); }
+#else /* x86: AVX2's 256-bit forms, also where AVX-512 is */
+#define QC 8
+typedef __m256i qi;
+typedef __m256 qf;
+#define QSTRIDE 64
+typedef struct { const __m256i *x; } qrow; /* a block's 8 groups of 4 inputs, each broadcast (``quant_block``) */
+ALWAYS qrow qrow_load(const int8_t *xq) { return (qrow){(const __m256i *)xq}; }
+ALWAYS qi qcols(const uint8_t *w, int bits, const qrow *r) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (bits == 4) { /* int16 lanes: 8 pairs of 2 x 15 x 127 fit */
+        const __m256i low = _mm256_set1_epi8(15);
+        __m256i s = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * QSTRIDE));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_loadu_si256(r->x + 2 * g)));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                         _mm256_loadu_si256(r->x + 2 * g + 1)));
+        }
+        return _mm256_madd_epi16(s, ones);
+    }
+    __m256i acc = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) { /* |w| times x signed as w: pairs of |2 x 128 x 127| fit 16 bits */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * QSTRIDE));
+        __m256i x = _mm256_loadu_si256(r->x + g);
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v)), ones));
+    }
+    return acc;
+}
+#define qf_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define qf_cvt _mm256_cvtepi32_ps
+#define qf_set1 _mm256_set1_ps
+#define qf_mul _mm256_mul_ps
+#define qf_fma _mm256_fmadd_ps
+#define qf_load _mm256_loadu_ps
+#define qf_store _mm256_storeu_ps
+ALWAYS void qf_store_bf16(uint16_t *p, qf f) { /* vround_bf16 and vstore_bf16 on 8 lanes */
+    __m256i u = _mm256_castps_si256(f);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    r = _mm256_srli_epi32(r, 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+#endif
+
+/* The fp32 update of QC columns' totals by one block: acc = (d_w d_x) sum + acc, then (4-bit) m_w (d_x sum q_x) + acc. */
+ALWAYS qf qfloat(qf acc, qi sums, qf dw, qf mw, float dx, float dsx, int bits) {
+    acc = qf_fma(qf_mul(dw, qf_set1(dx)), qf_cvt(sums), acc);
+    return bits == 4 ? qf_fma(mw, qf_set1(dsx), acc) : acc;
+}
+
+/* mr rows x one block of 16 columns (16 / QC groups of QC columns), over ``kb`` blocks of inputs. */
+ALWAYS void qint_tile(const int8_t *xq, int64_t xk, const float *dx, const float *dsx, int64_t kb, const uint8_t *w8,
+                      const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int mr, int bits) {
+    enum { CG = 16 / QC };
+    qf total[QMR][CG];
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < CG; j++) total[m][j] = qf_set1(0.0f);
+    int64_t wb = bits == 4 ? 256 : 512, db = bits == 4 ? 32 : 16; /* bytes of q, fp16 values of d (and m) a block */
+    for (int64_t b = 0; b < kb; b++)
+        for (int j = 0; j < CG; j++) { /* a group of columns' weights and scales once, the rows in turn */
+            const uint16_t *at = dm + b * db + QC * j;
+            qf dw = qf_load_f16(at), mw = bits == 4 ? qf_load_f16(at + 16) : qf_set1(0.0f);
+            const uint8_t *w = w8 + b * wb + QC * 4 * j;
+            for (int m = 0; m < mr; m++) {
+                qrow r = qrow_load(xq + m * xk + b * QXB);
+                total[m][j] = qfloat(total[m][j], qcols(w, bits, &r), dw, mw, dx[m * kb + b], dsx[m * kb + b], bits);
+            }
+        }
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < CG; j++) {
+            qf t = total[m][j];
+            if (bias) t = qf_fma(qf_set1(1.0f), qf_load(bias + QC * j), t); /* t + bias, exactly as an add */
+            qf_store_bf16(out + m * os + QC * j, t);
+        }
+}
+
+/* Rows 0..M-1 against column blocks b0..b1-1 of 4-bit (``bits`` 4) or 8-bit blocks, in tiles of QMR rows x one
+   block of 16 columns (a one-row call streamed faster one block at a time than 2 or 4 side by side). */
+static void qint_columns(const int8_t *xq, int64_t K, const float *dx, const float *dsx, const uint8_t *w8,
+                         const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int64_t M, int64_t b0,
+                         int64_t b1, int bits) {
+    int64_t kb = K / 32, wb = bits == 4 ? 256 : 512, db = bits == 4 ? 32 : 16, chunk = row_chunk(kb * QXB, QMR);
+    for (int64_t c0 = 0; c0 < M; c0 += chunk)
+    for (int64_t c = b0; c < b1; c++)
+        for (int64_t m0 = c0; m0 < M && m0 < c0 + chunk; m0 += QMR) {
+            int mr = M - m0 < QMR ? (int)(M - m0) : QMR;
+            const int8_t *xm = xq + m0 * kb * QXB;
+            const float *dxm = dx + m0 * kb, *dsm = dsx + m0 * kb, *bc = bias ? bias + c * 16 : 0;
+            const uint8_t *wc = w8 + c * kb * wb;
+            const uint16_t *dc = dm + c * kb * db;
+            uint16_t *oc = out + m0 * os + c * 16;
+#define QINT(R)                                                                                    \
+    case R:                                                                                        \
+        if (bits == 4) qint_tile(xm, kb * QXB, dxm, dsm, kb, wc, dc, bc, oc, os, R, 4);            \
+        else qint_tile(xm, kb * QXB, dxm, dsm, kb, wc, dc, bc, oc, os, R, 8);                      \
+        break;
+            switch (mr) { QINT(1) QINT(2) QINT(3) QINT(4) }
+#undef QINT
+        }
+}
+
+/* y = x W^T (+ b) over 4-bit (``bits`` 4: ``dm`` their fp16 d, then m) or 8-bit blocks (``dm``: d), as above. */
+static int64_t qint_run(const uint16_t *x, int64_t x_stride, const void *wp, const uint16_t *dm, const float *bias,
+                        uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads, int bits) {
+    if (N % 16 || K % 32) return -1;
+    if (M <= 0) return 0; /* the probe's call: nothing to do */
+    int64_t blocks = N / 16;
+    float *dx, *dsx;
+    const int8_t *xq = quant_rows(x, x_stride, M, K, &dx, &dsx);
+    if (!xq) return -1;
+    SHARE_COLUMNS(threads, blocks, qint_columns(xq, K, dx, dsx, wp, dm, bias, out, N, M, b0, b1, bits));
+    return 0;
+}
+
+int64_t linear_q4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *nib, const uint16_t *dm, const float *bias,
+                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return qint_run(x, x_stride, nib, dm, bias, out, M, K, N, threads, 4);
+}
+
+int64_t linear_q8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *q, const uint16_t *d, const float *bias,
+                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return qint_run(x, x_stride, q, d, bias, out, M, K, N, threads, 8);
+}
+#endif
+
 /* y = x W^T (+ b) for bf16 rows x (M, K), each K values contiguous and rows x_stride apart, into out
    (M, N), with W (N, K) prepacked (``native.Linear``) as N / 16 blocks of 16 output columns, each
    block K / 2 pairs of 16 columns x 2 inputs: one AVX-512 vector per pair of inputs, which vdpbf16ps
@@ -635,135 +919,9 @@ static void linear_columns(const uint16_t *x, int64_t xs, const void *wp, int64_
     }
 }
 
-
-/* The same product over 4-bit weights in blocks of 32 inputs (GGUF's Q4_1, and Q4_0 as Q4_1 with m = -8 d):
-   w = d q + m per block and column, q in 0..15, d and m fp16. Each column's sum is taken block by block,
-   d (sum of q x over the block) + m (sum of x over the block), in fp32, in a fixed order: the q x products
-   by ``vdpbf16ps`` (a nibble is a bf16 exactly, looked up by ``vpermw``), the block sums of x once per row
-   before the columns (``xsum``), so a row's outputs do not depend on the call's rows. Packed
-   (``native.Linear.q4``) per 16 columns and block: 16 pairs of inputs x 16 bytes, byte j holding column
-   j / 2's input 2 p + j % 2 in its low nibble and column 8 + j / 2's in its high one; then the 16 d and
-   the 16 m. */
-#define Q4_MR 2
-#define Q4_NR 4
-static const uint16_t Q4_TABLE[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110,
-                                      0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040,
-                                      0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150,
-                                      0x4160, 0x4170};
-
-static inline __attribute__((always_inline)) __m512bh q4_weights(const uint8_t *p, __m512i table) {
-    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(w, 4);
-    return (__m512bh)_mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), table);
-}
-
-/* One tile of ``q4`` (4-bit, ``bits`` 4) or ``q8`` (8-bit, ``bits`` 8) blocks: up to Q4_MR rows x Q4_NR column
-   blocks. Q8_0's blocks (GGUF's: w = d q, q in -128..127, d fp16) are packed as the 4-bit ones are, one byte a
-   weight (16 pairs of inputs x 16 columns x 2 per block and 16 columns), then the 16 d: an int8 is a bf16
-   exactly, so the block's products are vdpbf16ps's, summed and scaled as the 4-bit ones, with no m. */
-static inline __attribute__((always_inline)) void quant_tile(const uint16_t *x, int64_t xs, const float *xsum,
-        int64_t nb, const uint8_t *w8, const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int mr,
-        int nr, int bits) {
-    const __m512i table = _mm512_loadu_si512(Q4_TABLE);
-    __m512 acc[Q4_MR][Q4_NR];
-    for (int m = 0; m < mr; m++)
-        for (int n = 0; n < nr; n++) acc[m][n] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512 part[Q4_MR][Q4_NR];
-        for (int m = 0; m < mr; m++)
-            for (int n = 0; n < nr; n++) part[m][n] = _mm512_setzero_ps();
-        for (int p = 0; p < 16; p++) {
-            __m512bh w[Q4_NR];
-            for (int n = 0; n < nr; n++)
-                w[n] = bits == 4 ? q4_weights(w8 + ((n * nb + b) * 16 + p) * 16, table)
-                                 : linear_weights(w8, ((n * nb + b) * 16 + p) * 32, 1);
-            for (int m = 0; m < mr; m++) {
-                int32_t two;
-                memcpy(&two, x + m * xs + b * 32 + 2 * p, sizeof two);
-                __m512bh v = (__m512bh)_mm512_set1_epi32(two);
-                for (int n = 0; n < nr; n++) part[m][n] = _mm512_dpbf16_ps(part[m][n], v, w[n]);
-            }
-        }
-        for (int n = 0; n < nr; n++) {
-            const uint16_t *at = dm + (n * nb + b) * (bits == 4 ? 32 : 16);
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
-            for (int m = 0; m < mr; m++) acc[m][n] = _mm512_fmadd_ps(part[m][n], d, acc[m][n]);
-            if (bits == 4) {
-                __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 16)));
-                for (int m = 0; m < mr; m++)
-                    acc[m][n] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * nb + b]), mn, acc[m][n]);
-            }
-        }
-    }
-    for (int m = 0; m < mr; m++)
-        for (int n = 0; n < nr; n++) {
-            __m512 s = acc[m][n];
-            if (bias) s = _mm512_add_ps(s, _mm512_loadu_ps(bias + n * 16));
-            _mm256_storeu_si256((__m256i *)(out + m * os + n * 16), (__m256i)_mm512_cvtneps_pbh(s));
-        }
-}
-
-#define Q4_CASE(a, b)                                                                              \
-    case a * 8 + b:                                                                                \
-        if (bits == 4) quant_tile(xm, xs, xsum + m0 * nb, nb, wc, dmc, bc, om, os, a, b, 4);       \
-        else quant_tile(xm, xs, 0, nb, wc, dmc, bc, om, os, a, b, 8);                              \
-        break;
-static void quant_columns(const uint16_t *x, int64_t xs, const float *xsum, int64_t nb, const uint8_t *w8,
-                          const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int64_t M, int64_t b0,
-                          int64_t b1, int bits) {
-    for (int64_t c = b0; c < b1; c += Q4_NR) {
-        int nr = b1 - c < Q4_NR ? (int)(b1 - c) : Q4_NR;
-        for (int64_t m0 = 0; m0 < M; m0 += Q4_MR) {
-            int mr = M - m0 < Q4_MR ? (int)(M - m0) : Q4_MR;
-            const uint16_t *xm = x + m0 * xs;
-            uint16_t *om = out + m0 * os + c * 16;
-            const uint8_t *wc = w8 + c * nb * (bits == 4 ? 256 : 512);
-            const uint16_t *dmc = dm + c * nb * (bits == 4 ? 32 : 16);
-            const float *bc = bias ? bias + c * 16 : 0;
-            switch (mr * 8 + nr) {
-                Q4_CASE(1, 1) Q4_CASE(1, 2) Q4_CASE(1, 3) Q4_CASE(1, 4)
-                Q4_CASE(2, 1) Q4_CASE(2, 2) Q4_CASE(2, 3) Q4_CASE(2, 4)
-            }
-        }
-    }
-}
-
-static int64_t linear_quant_run(const uint16_t *x, int64_t x_stride, const uint8_t *w8, const uint16_t *dm,
-                                const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads,
-                                int bits) {
-    if (N % 16 || K % 32) return -1;
-    if (M <= 0) return 0;
-    int64_t blocks = N / 16, nb = K / 32;
-    float *xsum = 0;
-    if (bits == 4) { /* the m term's block sums of x, once per row */
-        xsum = malloc(M * nb * sizeof *xsum);
-        if (!xsum) return -1;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t b = 0; b < nb; b++) {
-                float s = 0.0f;
-                for (int j = 0; j < 32; j++) s += bf16_to_f32(x[m * x_stride + b * 32 + j]);
-                xsum[m * nb + b] = s;
-            }
-    }
-    SHARE_COLUMNS(threads, blocks, quant_columns(x, x_stride, xsum, nb, w8, dm, bias, out, N, M, b0, b1, bits));
-    free(xsum);
-    return 0;
-}
-
-int64_t linear_q4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *nib, const uint16_t *dm, const float *bias,
-                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return linear_quant_run(x, x_stride, nib, dm, bias, out, M, K, N, threads, 4);
-}
-
-int64_t linear_q8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *q, const uint16_t *d, const float *bias,
-                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return linear_quant_run(x, x_stride, (const uint8_t *)q, d, bias, out, M, K, N, threads, 8);
-}
-
 static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, int int8, const float *scale,
                           const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    if (int8 >= 2)
-        return linear_quant_run(x, x_stride, wp, (const uint16_t *)scale, bias, out, M, K, N, threads, int8 == 2 ? 4 : 8);
+    if (int8 >= 2) return qint_run(x, x_stride, wp, (const uint16_t *)scale, bias, out, M, K, N, threads, int8 == 2 ? 4 : 8);
     if (N % 16 || K % 2) return -1;
     if (M <= 0) return 0; /* the probe's call: nothing to do */
     int64_t blocks = N / 16, pairs = K / 2;
@@ -1115,7 +1273,6 @@ int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, cons
 #define WIDE_MR 4
 #define WIDE_ACC 8 /* (16 vector registers) */
 #endif
-#define ALWAYS static inline __attribute__((always_inline))
 
 /* A pair of inputs of W columns, widened: ``e`` the even input's weights, ``o`` the odd one's. The packed
    pair (``native.Linear._pack``) holds column j's two inputs at 2 j, 2 j + 1: bf16 (p: the W columns'
@@ -1242,14 +1399,6 @@ static void wide_shape(int64_t M, int *mr, int *nb) {
 }
 
 #define WIDE_CASE(a, b) case a * 8 + b: WIDE_CALL(a, b); break;
-/* The rows a pass over a thread's columns takes at once, a multiple of ``rows``: as many as keep their inputs
-   (``bytes`` a row) within half of a 512 KiB L2 cache. A prefill's 256 rows of inputs pass through every column
-   block; from L3 they bounded its speed (and shared it with the machine's other programs). */
-static int64_t row_chunk(int64_t bytes, int rows) {
-    int64_t n = (256 << 10) / bytes / rows * rows;
-    return n < rows ? rows : n;
-}
-
 /* Rows 0..M-1 (fp32, xs apart) against column blocks b0..b1-1 of ``kind`` 0 bf16 or 1 int8 weights (``pairs`` pairs
    a block; ``scale``: int8's, per column). */
 static void wide_columns(const float *x, int64_t xs, const void *wp, int64_t K, const float *scale, const float *bias,
@@ -1281,254 +1430,6 @@ static void wide_columns(const float *x, int64_t xs, const void *wp, int64_t K, 
     }
 }
 
-/* The 4-bit and 8-bit blocks where the CPU has no bf16 dot product: the rows' inputs quantized per block of
-   32, as llama.cpp quantizes activations for these blocks (Q8_0: d = max |x| / 127, q = x / d rounded to the
-   nearest, ties away from zero), then each block's sum of q_w q_x in integers, exact whatever the
-   instructions (``vpmaddubsw``, ``sdot``, ...) or their grouping. Per row and column, over the blocks in
-   order: acc = (d_w d_x) sum + acc, then for 4-bit acc = m_w (d_x sum of q_x) + acc, each product of two
-   scales rounded once, in fp32; + bias, rounded to bf16. Every instruction set gives a row the same bits
-   (the integers are exact and the fp32 operations the same, column by column), row-invariant by
-   construction; the activations' 8 bits are the precision's own on these CPUs (avx512_bf16 keeps bf16
-   activations).
-
-   Packed (``native.Linear.q4`` / ``q8``, layout "columns") so that a vector's lanes are columns, each lane
-   4 inputs wide (what ``vpmaddubsw`` + ``vpmaddwd`` and ``sdot`` sum into a 32-bit lane): per 16 columns and
-   block, 4-bit: 4 groups x 16 columns x 4 bytes, byte i of group g holding input 8 g + i in its low nibble
-   and 8 g + 4 + i in its high one; 8-bit: 8 groups x 16 columns x 4 int8 (inputs 4 g + i); then the d (and
-   m) as ``quant_tile``'s. A tile keeps a group of columns' weights and scales in registers and takes its
-   rows in turn. */
-#define QMR 4 /* rows a tile takes */
-
-/* One block of 32 inputs in 8 bits: amax = max |x| (NaN ignored), d = amax / 127, q = x (1 / d) rounded to the
-   nearest, ties away from zero (``roundf``'s rule, kept by truncating and adding the sign where the rest is at
-   least a half), within -127..127; returns sum q. ``out``: the 32 q in order (ARM64), or each group of 4 broadcast
-   to a vector of 8 (x86: 8 x 32 bytes, what ``vpmaddubsw`` reads from memory). The same bits on either. */
-#if defined(__aarch64__)
-#define QXB 32 /* bytes a quantized block takes */
-static int32_t quant_block(const uint16_t *x, float *d, int8_t *out) {
-    float32x4_t v[8], amax = vdupq_n_f32(0.0f);
-    for (int i = 0; i < 8; i++) v[i] = vload_bf16(x + 4 * i), amax = vmaxnmq_f32(amax, vabsq_f32(v[i]));
-    float db = vmaxvq_f32(amax) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-    int32x4_t sum = vdupq_n_s32(0);
-    int16x4_t h[8];
-    for (int i = 0; i < 8; i++) {
-        float32x4_t s = vmulq_f32(v[i], vdupq_n_f32(id)), t = vrndq_f32(s);
-        uint32x4_t up = vcgeq_f32(vabsq_f32(vsubq_f32(s, t)), vdupq_n_f32(0.5f));
-        float32x4_t one = vbslq_f32(vdupq_n_u32(0x80000000u), s, vdupq_n_f32(1.0f)); /* 1 with s's sign */
-        t = vaddq_f32(t, vreinterpretq_f32_u32(vandq_u32(up, vreinterpretq_u32_f32(one))));
-        int32x4_t q = vcvtq_s32_f32(vmaxq_f32(vminq_f32(t, vdupq_n_f32(127.0f)), vdupq_n_f32(-127.0f)));
-        sum = vaddq_s32(sum, q);
-        h[i] = vmovn_s32(q);
-    }
-    for (int i = 0; i < 4; i++) vst1_s8(out + 8 * i, vmovn_s16(vcombine_s16(h[2 * i], h[2 * i + 1])));
-    *d = db;
-    return vaddvq_s32(sum);
-}
-#else
-#define QXB 256
-static int32_t quant_block(const uint16_t *x, float *d, int8_t *out) {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) { /* max(|v|, amax): a NaN lane keeps amax */
-        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + 8 * i))), 16));
-        amax = _mm256_max_ps(_mm256_and_ps(v[i], absmask), amax);
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    float db = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-    __m256i q[4], sum = _mm256_setzero_si256();
-    for (int i = 0; i < 4; i++) {
-        __m256 s = _mm256_mul_ps(v[i], _mm256_set1_ps(id)), t = _mm256_round_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(s, t), absmask), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
-        __m256 one = _mm256_or_ps(_mm256_andnot_ps(absmask, s), _mm256_set1_ps(1.0f)); /* 1 with s's sign */
-        t = _mm256_add_ps(t, _mm256_and_ps(up, one));
-        q[i] = _mm256_cvttps_epi32(_mm256_max_ps(_mm256_min_ps(t, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-127.0f)));
-        sum = _mm256_add_epi32(sum, q[i]);
-    }
-    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* groups of 4 in order */
-    for (int g = 0; g < 8; g++)
-        _mm256_storeu_si256((__m256i *)(out + 32 * g), _mm256_permutevar8x32_epi32(bytes, _mm256_set1_epi32(g)));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    *d = db;
-    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
-}
-#endif
-
-/* The rows' inputs in 8-bit blocks (``quant_block``), in a buffer of the calling thread's (as ``wide_rows``): M
-   rows of K / 32 blocks of QXB bytes, then d_x and d_x sum(q_x) (M x K / 32 fp32 each). NULL: out of memory. */
-static int8_t *quant_rows(const uint16_t *x, int64_t xs, int64_t M, int64_t K, float **dx, float **dsx) {
-    static _Thread_local char *buf;
-    static _Thread_local int64_t cap;
-    int64_t kb = K / 32, need = M * kb * QXB + 2 * M * kb * (int64_t)sizeof(float);
-    if (need > cap) {
-        free(buf);
-        buf = malloc(need);
-        cap = buf ? need : 0;
-        if (!buf) return NULL;
-    }
-    int8_t *q = (int8_t *)buf;
-    float *d = (float *)(buf + M * kb * QXB), *ds = d + M * kb;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < kb; b++) {
-            int32_t sum = quant_block(x + m * xs + b * 32, d + m * kb + b, q + (m * kb + b) * QXB);
-            ds[m * kb + b] = d[m * kb + b] * (float)sum;
-        }
-    *dx = d, *dsx = ds;
-    return q;
-}
-
-/* QC columns' block sums (int32, a lane a column) of one row: ``qcols4`` over the weights of a group of QC columns
-   (``w``: group g at w + g QSTRIDE bytes) against the row's block of 32 inputs. ``qfloat``: the fp32 update of
-   those columns' totals. */
-#if defined(__aarch64__)
-#define QC 4
-typedef int32x4_t qi;
-typedef float32x4_t qf;
-#define QSTRIDE 64 /* bytes between a group's 16 columns and the next group's */
-/* x0, x1: the block's inputs 0..15 and 16..31 */
-#if defined(__ARM_FEATURE_DOTPROD)
-#define QDOT(acc, w, x, lane) vdotq_laneq_s32(acc, w, x, lane)
-#else
-#define QDOT(acc, w, x, lane) vpadalq_s16(acc, q_pairs(w, vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(x), lane))))
-static inline int16x8_t q_pairs(int8x16_t w, int8x16_t x4) { /* |2 x 128 x 127| fits a 16-bit lane */
-    int16x8_t lo = vmull_s8(vget_low_s8(w), vget_low_s8(x4)), hi = vmull_high_s8(w, x4);
-    return vpaddq_s16(lo, hi);
-}
-#endif
-ALWAYS qi qcols4(const uint8_t *w, int bits, int8x16_t x0, int8x16_t x1) {
-    qi acc = vdupq_n_s32(0);
-    if (bits == 4) {
-#define Q4G(g, X, L0, L1)                                                                          \
-    {                                                                                              \
-        uint8x16_t v = vld1q_u8(w + g * QSTRIDE);                                                  \
-        acc = QDOT(acc, vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15))), X, L0);                  \
-        acc = QDOT(acc, vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), X, L1);                             \
-    }
-        Q4G(0, x0, 0, 1) Q4G(1, x0, 2, 3) Q4G(2, x1, 0, 1) Q4G(3, x1, 2, 3)
-#undef Q4G
-    } else {
-#define Q8G(g, X, L) acc = QDOT(acc, vld1q_s8((const int8_t *)w + g * QSTRIDE), X, L);
-        Q8G(0, x0, 0) Q8G(1, x0, 1) Q8G(2, x0, 2) Q8G(3, x0, 3) Q8G(4, x1, 0) Q8G(5, x1, 1) Q8G(6, x1, 2) Q8G(7, x1, 3)
-#undef Q8G
-    }
-    return acc;
-}
-typedef struct { int8x16_t x0, x1; } qrow;
-ALWAYS qrow qrow_load(const int8_t *xq) { return (qrow){vld1q_s8(xq), vld1q_s8(xq + 16)}; }
-ALWAYS qi qcols(const uint8_t *w, int bits, const qrow *r) { return qcols4(w, bits, r->x0, r->x1); }
-#define qf_load_f16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))
-#define qf_cvt vcvtq_f32_s32
-#define qf_set1 vdupq_n_f32
-#define qf_mul vmulq_f32
-#define qf_fma(a, b, c) vfmaq_f32(c, a, b)
-#define qf_load vld1q_f32
-#define qf_store vst1q_f32
-ALWAYS void qf_store_bf16(uint16_t *p, qf v) { vstore_bf16(p, vround_bf16(v)); }
-#else /* x86: AVX2's 256-bit forms, also where AVX-512 is */
-#define QC 8
-typedef __m256i qi;
-typedef __m256 qf;
-#define QSTRIDE 64
-typedef struct { const __m256i *x; } qrow; /* a block's 8 groups of 4 inputs, each broadcast (``quant_block``) */
-ALWAYS qrow qrow_load(const int8_t *xq) { return (qrow){(const __m256i *)xq}; }
-ALWAYS qi qcols(const uint8_t *w, int bits, const qrow *r) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (bits == 4) { /* int16 lanes: 8 pairs of 2 x 15 x 127 fit */
-        const __m256i low = _mm256_set1_epi8(15);
-        __m256i s = _mm256_setzero_si256();
-        for (int g = 0; g < 4; g++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * QSTRIDE));
-            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_loadu_si256(r->x + 2 * g)));
-            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                                         _mm256_loadu_si256(r->x + 2 * g + 1)));
-        }
-        return _mm256_madd_epi16(s, ones);
-    }
-    __m256i acc = _mm256_setzero_si256();
-    for (int g = 0; g < 8; g++) { /* |w| times x signed as w: pairs of |2 x 128 x 127| fit 16 bits */
-        __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * QSTRIDE));
-        __m256i x = _mm256_loadu_si256(r->x + g);
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v)), ones));
-    }
-    return acc;
-}
-#define qf_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define qf_cvt _mm256_cvtepi32_ps
-#define qf_set1 _mm256_set1_ps
-#define qf_mul _mm256_mul_ps
-#define qf_fma _mm256_fmadd_ps
-#define qf_load _mm256_loadu_ps
-#define qf_store _mm256_storeu_ps
-ALWAYS void qf_store_bf16(uint16_t *p, qf f) { /* vround_bf16 and vstore_bf16 on 8 lanes */
-    __m256i u = _mm256_castps_si256(f);
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
-    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-    r = _mm256_srli_epi32(r, 16);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
-#endif
-
-/* The fp32 update of QC columns' totals by one block: acc = (d_w d_x) sum + acc, then (4-bit) m_w (d_x sum q_x) + acc. */
-ALWAYS qf qfloat(qf acc, qi sums, qf dw, qf mw, float dx, float dsx, int bits) {
-    acc = qf_fma(qf_mul(dw, qf_set1(dx)), qf_cvt(sums), acc);
-    return bits == 4 ? qf_fma(mw, qf_set1(dsx), acc) : acc;
-}
-
-/* mr rows x one block of 16 columns (16 / QC groups of QC columns), over ``kb`` blocks of inputs. */
-ALWAYS void qint_tile(const int8_t *xq, int64_t xk, const float *dx, const float *dsx, int64_t kb, const uint8_t *w8,
-                      const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int mr, int bits) {
-    enum { CG = 16 / QC };
-    qf total[QMR][CG];
-    for (int m = 0; m < mr; m++)
-        for (int j = 0; j < CG; j++) total[m][j] = qf_set1(0.0f);
-    int64_t wb = bits == 4 ? 256 : 512, db = bits == 4 ? 32 : 16; /* bytes of q, fp16 values of d (and m) a block */
-    for (int64_t b = 0; b < kb; b++)
-        for (int j = 0; j < CG; j++) { /* a group of columns' weights and scales once, the rows in turn */
-            const uint16_t *at = dm + b * db + QC * j;
-            qf dw = qf_load_f16(at), mw = bits == 4 ? qf_load_f16(at + 16) : qf_set1(0.0f);
-            const uint8_t *w = w8 + b * wb + QC * 4 * j;
-            for (int m = 0; m < mr; m++) {
-                qrow r = qrow_load(xq + m * xk + b * QXB);
-                total[m][j] = qfloat(total[m][j], qcols(w, bits, &r), dw, mw, dx[m * kb + b], dsx[m * kb + b], bits);
-            }
-        }
-    for (int m = 0; m < mr; m++)
-        for (int j = 0; j < CG; j++) {
-            qf t = total[m][j];
-            if (bias) t = qf_fma(qf_set1(1.0f), qf_load(bias + QC * j), t); /* t + bias, exactly as an add */
-            qf_store_bf16(out + m * os + QC * j, t);
-        }
-}
-
-/* Rows 0..M-1 against column blocks b0..b1-1 of 4-bit (``bits`` 4) or 8-bit blocks, in tiles of QMR rows x one
-   block of 16 columns (a one-row call streamed faster one block at a time than 2 or 4 side by side). */
-static void qint_columns(const int8_t *xq, int64_t K, const float *dx, const float *dsx, const uint8_t *w8,
-                         const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int64_t M, int64_t b0,
-                         int64_t b1, int bits) {
-    int64_t kb = K / 32, wb = bits == 4 ? 256 : 512, db = bits == 4 ? 32 : 16, chunk = row_chunk(kb * QXB, QMR);
-    for (int64_t c0 = 0; c0 < M; c0 += chunk)
-    for (int64_t c = b0; c < b1; c++)
-        for (int64_t m0 = c0; m0 < M && m0 < c0 + chunk; m0 += QMR) {
-            int mr = M - m0 < QMR ? (int)(M - m0) : QMR;
-            const int8_t *xm = xq + m0 * kb * QXB;
-            const float *dxm = dx + m0 * kb, *dsm = dsx + m0 * kb, *bc = bias ? bias + c * 16 : 0;
-            const uint8_t *wc = w8 + c * kb * wb;
-            const uint16_t *dc = dm + c * kb * db;
-            uint16_t *oc = out + m0 * os + c * 16;
-#define QINT(R)                                                                                    \
-    case R:                                                                                        \
-        if (bits == 4) qint_tile(xm, kb * QXB, dxm, dsm, kb, wc, dc, bc, oc, os, R, 4);            \
-        else qint_tile(xm, kb * QXB, dxm, dsm, kb, wc, dc, bc, oc, os, R, 8);                      \
-        break;
-            switch (mr) { QINT(1) QINT(2) QINT(3) QINT(4) }
-#undef QINT
-        }
-}
-
 /* The call's rows in fp32 (M x K), in a buffer of the calling thread's, kept for its next calls (a step makes
    about 120 of them; the threads the call shares out to only read it). NULL: out of memory. */
 static float *wide_rows(const uint16_t *x, int64_t xs, int64_t M, int64_t K) {
@@ -1549,18 +1450,10 @@ static float *wide_rows(const uint16_t *x, int64_t xs, int64_t M, int64_t K) {
    d (and m)), as ``fused_layer`` names them. */
 static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, int kind, const float *scale,
                           const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    if (N % 16 || K % 2 || (kind >= 2 && K % 32)) return -1;
+    if (kind >= 2) return qint_run(x, x_stride, wp, (const uint16_t *)scale, bias, out, M, K, N, threads, kind == 2 ? 4 : 8);
+    if (N % 16 || K % 2) return -1;
     if (M <= 0) return 0; /* the probe's call: nothing to do */
     int64_t blocks = N / 16;
-    if (kind >= 2) {
-        float *dx, *dsx;
-        const int8_t *xq = quant_rows(x, x_stride, M, K, &dx, &dsx);
-        if (!xq) return -1;
-        int bits = kind == 2 ? 4 : 8;
-        SHARE_COLUMNS(threads, blocks, qint_columns(xq, K, dx, dsx, wp, (const uint16_t *)scale, bias, out, N, M, b0, b1,
-                                                    bits));
-        return 0;
-    }
     const float *xf = wide_rows(x, x_stride, M, K);
     if (!xf) return -1;
     SHARE_COLUMNS(threads, blocks, wide_columns(xf, K, wp, K, scale, bias, out, N, M, b0, b1, kind));
@@ -1575,16 +1468,6 @@ int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, con
 int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, const float *scale,
                          const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
     return linear_run(x, x_stride, wp, 1, scale, bias, out, M, K, N, threads);
-}
-
-int64_t linear_q4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *nib, const uint16_t *dm, const float *bias,
-                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return linear_run(x, x_stride, nib, 2, (const float *)dm, bias, out, M, K, N, threads);
-}
-
-int64_t linear_q8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *q, const uint16_t *d, const float *bias,
-                       uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return linear_run(x, x_stride, q, 3, (const float *)d, bias, out, M, K, N, threads);
 }
 
 /* No prefill attention on the linear's tiles here: a prefill runs the step's attention (``attention``), row

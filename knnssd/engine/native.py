@@ -16,10 +16,12 @@ no bit. The library is built once per source, compiler and processor (``-march=n
 
 The linears have a kernel too (``Linear``), in bf16, wherever the library has a vector instruction set
 (``kernel_path``): on avx512_bf16 the tiles multiply on ``vdpbf16ps``; on AVX-512F, AVX2 with FMA and
-ARM64's NEON the bf16 (int8, 4-bit, 8-bit) weights are widened to fp32 in registers and summed by fused
-multiply-adds, reading half fp32's bytes. Its rows are row-invariant by construction either way. It runs
-where the library has OpenMP and the CPU has no AMX (``linear_preferred``): on avx512_bf16 it beat oneDNN's
-prepacked GEMM at every row count measured, and elsewhere torch's bf16 GEMM has no fast path at all (see
+ARM64's NEON the bf16 (and int8) weights are widened to fp32 in registers and summed by fused multiply-adds,
+reading half fp32's bytes. GGUF's 4-bit and 8-bit blocks take their inputs in 8-bit blocks and sum them in
+integers on every instruction set, so their bits are the same on all. Its rows are row-invariant by
+construction either way. It runs
+where the library has OpenMP (``linear_preferred``; AMX CPUs run the avx512_bf16 form): on avx512_bf16 it beat
+oneDNN's prepacked GEMM at every row count measured, and elsewhere torch's bf16 GEMM has no fast path at all (see
 ``Linear`` and docs/benchmarks.md). On avx512_bf16 a prefill's causal attention runs on its tiles too
 (``causal``), and the step's bf16 attention runs the same arithmetic (``attention``), so a step row gets a
 prefill row's bits; elsewhere the prefill runs the step's own attention (``attention.prefill_form``).
@@ -243,7 +245,7 @@ def available() -> bool:
 def kernel_path() -> str:
     """Which kernels a bf16 step's linears run here, for reports: ``avx512_bf16``, ``avx512``, ``avx2`` or ``neon``
     (``native.c``'s ``kernel_path``) where ``Linear`` is used, else ``torch`` (no library, a portable build, or
-    oneDNN on AMX: ``linear_preferred``)."""
+    a library without OpenMP beside torch's threads: ``linear_preferred``)."""
     lib = library()
     return lib.path if lib is not None and tiled("linear") is not None else "torch"
 
@@ -373,12 +375,13 @@ def cpu_bf16_dot() -> bool:
 
 
 def linear_preferred(lib: Kernels) -> bool:
-    """Is ``Linear`` the GEMM to use here? Not on a CPU with AMX running the library built for it (oneDNN's
-    tile kernels should verify 12 rows for about the cost of one, where this kernel's 12 rows cost about 1.3x
-    one on vdpbf16ps; not measured on an AMX machine; ``$KNNSSD_ISA`` builds for a level without AMX and takes
-    the kernel), nor where the library has no OpenMP and torch more than one thread (the kernel would run on
-    one core against oneDNN's threads)."""
-    return not (_has_amx() and not isa()) and (lib.openmp or torch.get_num_threads() == 1)
+    """Is ``Linear`` the GEMM to use here? Wherever the library has OpenMP, or torch runs one thread (else the
+    kernel would run on one core against oneDNN's threads). AMX CPUs included: they all have avx512_bf16, so they
+    run the kernels Zen 4 and Zen 5 run, exact by construction and with the one-call layers, where oneDNN's tile
+    GEMM would leave every other op of a step to torch's dispatch, which cost a 135M model's plain decoding 2.5-4x
+    on the machines measured (docs/benchmarks.md). Whether tiles would pay for a verify pass's rows is for
+    ``benchmarks/ggml_rows.py`` to measure on an AMX machine (its oneDNN column); none was at hand."""
+    return lib.openmp or torch.get_num_threads() == 1
 
 
 class Linear:
@@ -391,7 +394,7 @@ class Linear:
     It was faster than oneDNN's prepacked GEMM at every row count a step or a batch packs on avx512_bf16, and
     than torch's bf16 GEMM by far on AVX2 (docs/benchmarks.md). ``of`` and ``int8`` return None where it does
     not apply: no library, another dtype or device, N not a multiple of 16 or K odd, a library without a
-    vector instruction set, a CPU with AMX, or a library without OpenMP (``linear_preferred``)."""
+    vector instruction set, or a library without OpenMP (``linear_preferred``)."""
 
     KINDS = {"bf16": 0, "int8": 1, "q4": 2, "q8": 3}  # the weights' forms, as ``native.c``'s fused layers name them
 
@@ -437,20 +440,6 @@ class Linear:
             return None
         return cls(kernel, cls._pack(q), scales.detach().float().contiguous(), bias, "int8")
 
-    @staticmethod
-    def _block_layout() -> str:
-        """How the 4-bit and 8-bit blocks are packed here: "pairs" for avx512_bf16's tiles (a pair of inputs of 16
-        columns a vector), "columns" elsewhere (4 inputs of each column a 32-bit lane, for the integer sums of
-        ``native.c``'s ``qcols``)."""
-        lib = library()
-        return "pairs" if lib is not None and lib.path == "avx512_bf16" else "columns"
-
-    @classmethod
-    def quantizes_inputs(cls) -> bool:
-        """Do the 4-bit and 8-bit blocks take their inputs in 8-bit blocks here (``native.c``'s ``quant_rows``: the
-        "columns" layout, every instruction set but avx512_bf16, which multiplies bf16 inputs)?"""
-        return cls._block_layout() == "columns"
-
     @classmethod
     def q4(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> "Linear | None":
         """4-bit weights in blocks of 32 inputs, w = d q + m (GGUF's Q4_1; Q4_0 is m = -8 d): q (N, K) uint8 in
@@ -459,13 +448,9 @@ class Linear:
         kernel = tiled("linear_q4")
         if kernel is None or N % 16 or K % 32 or d.shape != (N, K // 32) or m.shape != d.shape:
             return None
-        q = q.to(torch.uint8)
-        if cls._block_layout() == "pairs":
-            g = q.reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4)  # (NB, KB, pair, col, parity)
-            lo, hi = (g[:, :, :, half].reshape(N // 16, K // 32, 16, 16) for half in (slice(0, 8), slice(8, 16)))
-        else:
-            g = q.reshape(N // 16, 16, K // 32, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # (NB, KB, group, col, half, input)
-            lo, hi = g[..., 0, :], g[..., 1, :]  # byte i of group g: inputs 8 g + i, 8 g + 4 + i
+        # 4 inputs of a column a 32-bit lane, for ``native.c``'s integer sums (``qcols``)
+        g = q.to(torch.uint8).reshape(N // 16, 16, K // 32, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # NB, KB, group, col, ...
+        lo, hi = g[..., 0, :], g[..., 1, :]  # byte i of group g: inputs 8 g + i, 8 g + 4 + i
         nibbles = (lo | (hi << 4)).contiguous()
         dm = torch.stack([t.to(torch.float16).reshape(N // 16, 16, K // 32).transpose(1, 2) for t in (d, m)], 2)
         return cls(kernel, nibbles, dm.contiguous().view(torch.int16), bias, "q4")
@@ -474,11 +459,7 @@ class Linear:
         """(q, d, m) as ``q4`` takes them, unpacked (copies)."""
         NB, KB = self.packed.shape[:2]
         lo, hi = self.packed & 15, self.packed >> 4
-        if self._block_layout() == "pairs":
-            g = torch.cat((lo.view(NB, KB, 16, 8, 2), hi.view(NB, KB, 16, 8, 2)), 3)  # (NB, KB, pair, col, parity)
-            q = g.permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
-        else:
-            q = torch.stack((lo, hi), 4).permute(0, 3, 1, 2, 4, 5).reshape(self.n, self.k)  # (NB, col, KB, group, ...)
+        q = torch.stack((lo, hi), 4).permute(0, 3, 1, 2, 4, 5).reshape(self.n, self.k)  # (NB, col, KB, group, ...)
         dm = self.scale.view(torch.float16)  # (NB, KB, 2, 16)
         d, m = (dm[:, :, j].transpose(1, 2).reshape(self.n, KB) for j in (0, 1))
         return q, d, m
@@ -491,10 +472,7 @@ class Linear:
         kernel = tiled("linear_q8")
         if kernel is None or N % 16 or K % 32 or d.shape != (N, K // 32):
             return None
-        if cls._block_layout() == "pairs":
-            g = q.to(torch.int8).reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4)  # (NB, KB, pair, col, parity)
-        else:
-            g = q.to(torch.int8).reshape(N // 16, 16, K // 32, 8, 4).permute(0, 2, 3, 1, 4)  # (NB, KB, group, col, input)
+        g = q.to(torch.int8).reshape(N // 16, 16, K // 32, 8, 4).permute(0, 2, 3, 1, 4)  # (NB, KB, group, col, input)
         ds = d.to(torch.float16).reshape(N // 16, 16, K // 32).transpose(1, 2)  # (NB, KB, 16)
         return cls(kernel, g.reshape(N // 16, K // 32, 16, 32).contiguous(), ds.contiguous().view(torch.int16), bias,
                    "q8")
@@ -502,10 +480,7 @@ class Linear:
     def q8_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, d) as ``q8`` takes them, unpacked (copies)."""
         NB, KB = self.packed.shape[:2]
-        if self._block_layout() == "pairs":
-            q = self.packed.view(NB, KB, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
-        else:
-            q = self.packed.view(NB, KB, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
+        q = self.packed.view(NB, KB, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
         return q, self.scale.view(torch.float16).transpose(1, 2).reshape(self.n, KB)
 
     def __reduce__(self):  # as ``RMSNorm``'s: the library is loaded again

@@ -4,7 +4,8 @@ transformers reads a GGUF by de-quantizing every tensor to the torch dtype: Smol
 (92 MiB) becomes 269 MB of bf16, and each token then reads 2.9x the bytes the file holds. Here the
 projections and the head whose tensors are Q4_0 or Q4_1 run on ``native.Linear.q4`` over the file's
 blocks as they are (w = d q + m per 32 inputs; Q4_0's m is -8 d), and those that are Q8_0 (w = d q) on
-``native.Linear.q8``, with bf16 activations and fp32 sums: no activation is quantized. A head tied to
+``native.Linear.q8``, with bf16 activations quantized per block of 32 to 8 bits, as llama.cpp does for
+these blocks, the block sums exact in integers and the rest in fp32 (docs/exactness.md). A head tied to
 the embeddings runs on the embeddings' tensor (SmolLM2's is Q8_0: 30 MB a token instead of 57).
 Every other tensor (norms, the embedding lookup, a projection of another type) keeps the de-quantized
 weights transformers loaded.

@@ -40,8 +40,8 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def packed(self, force: bool = False) -> "Linear | PackedLinear | NativeLinear":
-        """The native kernel's form where it applies (``native.Linear``: bf16 on a CPU with a vector instruction set
-        and no AMX), else a oneDNN-prepacked copy on CPU for large weights (MKL's small-batch GEMMs were slower:
+        """The native kernel's form where it applies (``native.Linear``: bf16 on a CPU with a vector instruction set),
+        else a oneDNN-prepacked copy on CPU for large weights (MKL's small-batch GEMMs were slower:
         docs/benchmarks.md), else self (small ones: the packed call's fixed overhead wins,
         unless ``force``: MKL's fp32 rows depend on the row count, oneDNN's did not)."""
         if self.weight.device.type != "cpu":
