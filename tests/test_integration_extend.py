@@ -97,8 +97,11 @@ def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank,
         if worker.poll() is None:
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
+    # no request failed, and none went back to version 1 after the swap. The server answered version 1 before its
+    # first request (``_serve_through_the_swap``); its first streamed answer may already be version 2's where the
+    # worker's promote came first (seen once, its four answers all version 2's).
     versions = [extra["bank_version"] for _, _, extra in served]
-    assert versions == sorted(versions) and versions[0] == "1" and versions[-1] == "2", versions  # no request failed
+    assert versions == sorted(versions) and versions[-1] == "2", versions
     assert all(finish in ("length", "stop") for _, finish, _ in served)
     assert [extra["label"] for is_sql, _, extra in served if is_sql and extra["bank_version"] == "2"][-1] == "sql"
 
