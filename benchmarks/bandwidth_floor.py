@@ -14,8 +14,8 @@ import argparse
 import torch
 
 from knnssd import models, prompts
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.timing import read_bandwidth
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.model.timing import read_bandwidth
 
 
 def main() -> None:

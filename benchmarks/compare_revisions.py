@@ -8,7 +8,7 @@ both decoders are built over one loaded model. Each eval prompt runs own AR, n-g
 Prints tok/s, speedups vs each engine's own AR, and agreement with its own AR.
 
 With ``--batched N``, all the prompts are also decoded together, N slots at a time, by each engine's
-``batched.decode_batch`` (what ``bench-throughput``'s batched and ``auto`` rows and the served
+``scheduler.decode_batch`` (what ``bench-throughput``'s batched and ``auto`` rows and the served
 batches run), plain and with n-gram drafts, twice with the engines' order swapped; each keeps its
 best tokens/s, and each output is compared with its own AR's.
 """
@@ -28,23 +28,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def extract(rev: str, dest: Path) -> None:
-    """The revision's engine as the package ``knnssd_rev``: ``knnssd/engine/`` (after the layout change,
-    with its ``knnssd.engine`` imports renamed, and its C source), or the flat ``knnssd/`` of older revisions."""
+    """The revision's engine as the package ``knnssd_rev``: ``knnssd/engine/`` with its rooms (``model/``,
+    ``spec/``, ...; its ``knnssd.engine`` imports renamed, its C source kept), or the flat ``knnssd/`` of
+    older revisions."""
     pkg = dest / "knnssd_rev"
     pkg.mkdir(parents=True)
 
     def ls(folder: str) -> list[str]:
-        return subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, folder], check=True,
+        return subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", rev, folder], check=True,
                               capture_output=True, text=True).stdout.split()
 
-    files = ls("knnssd/engine/") or ls("knnssd/")
+    root = "knnssd/engine/" if ls("knnssd/engine/") else "knnssd/"
+    files = ls(root) if root != "knnssd/" else [f for f in ls(root) if f.count("/") == 1]
     for f in (f for f in files if f.endswith((".py", ".c"))):  # .c: the native kernels' source, built by native.py
         src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{f}"], check=True, capture_output=True,
                              text=True).stdout
         if f.endswith(".py"):
             src = src.replace("from knnssd.engine import", "from knnssd_rev import").replace("knnssd.engine.",
                                                                                                "knnssd_rev.")
-        (pkg / Path(f).name).write_text(src)
+        out = pkg / f.removeprefix(root)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(src)
 
 
 def old_config(drafters, cfg):
@@ -73,17 +77,16 @@ def main() -> None:
     from knnssd import models
     from knnssd import prompts as prompt_sets
     from knnssd.bench import engine as bench_engine
-    from knnssd.engine.decode import GenerationConfig, generate
-    from knnssd.engine.drafters import build
-    from knnssd.engine.decoder import make_decoder
+    from knnssd.engine.spec.loop import GenerationConfig, generate
+    from knnssd.engine.spec.drafters import build
+    from knnssd.engine.model.decoder import make_decoder
 
     with tempfile.TemporaryDirectory(prefix="knnssd-rev-") as tmp:
         extract(a.rev, Path(tmp))
         sys.path.insert(0, tmp)
-        import knnssd_rev.decode as old_decode
-        import knnssd_rev.drafters as old_drafters
-
-        old_skip = _old_module(tmp, "decoder", "skip")  # the decoder's module before it had its own
+        old_decode = _old_module(tmp, "spec.loop", "decode")
+        old_drafters = _old_module(tmp, "spec.drafters", "drafters")
+        old_skip = _old_module(tmp, "model.decoder", "decoder", "skip")  # the decoder's module before it had its own
 
         lm = models.load("smollm2", a.dtype)
         engines = {"old": (old_skip.make_decoder(lm.model), old_decode, old_drafters),
@@ -127,7 +130,7 @@ def main() -> None:
                 report[eng][m] = {"speedup_vs_own_ar": ar_t / t, "agreement_with_own_ar": agree}
         if a.batched:
             own_ar = {eng: [o for o, _ in res[(eng, "ar")]] for eng in engines}
-            for eng, row in batched_runs(engines, configs, rows, lm, a).items():
+            for eng, row in batched_runs(engines, configs, rows, lm, a, tmp).items():
                 for m, (tok_s, outs) in row.items():
                     report[eng][f"batched {m} b={a.batched}"] = {
                         "tokens_per_s": tok_s, "agreement_with_own_ar": sum(
@@ -138,28 +141,30 @@ def main() -> None:
         print(json.dumps(report, indent=1))
 
 
-def _old_module(tmp, name: str, before: str):
-    """The old engine's module ``name``, or ``before`` where the revision predates it."""
+def _old_module(tmp, *names: str):
+    """The old engine's module by the first of ``names`` it has (its rooms' names, then older flat ones)."""
     import importlib
 
-    return importlib.import_module(f"knnssd_rev.{name if (Path(tmp) / 'knnssd_rev' / f'{name}.py').exists() else before}")
+    pkg = Path(tmp) / "knnssd_rev"
+    name = next(n for n in names if (pkg / f"{n.replace('.', '/')}.py").exists())
+    return importlib.import_module(f"knnssd_rev.{name}")
 
 
-def batched_runs(engines: dict, configs: dict, rows, lm, a) -> dict:
+def batched_runs(engines: dict, configs: dict, rows, lm, a, tmp: str) -> dict:
     """{engine: {"ar" | "ngram": (best tokens/s of ``a.reps`` runs, outputs in prompt order)}}, the engines
     alternating."""
     import time
 
-    import knnssd_rev.batched as old_batched
+    old_batched = _old_module(tmp, "batch.scheduler", "batched")
 
     from knnssd import models
-    from knnssd.engine import batch_plan
-    from knnssd.engine import batched as new_batched
-    from knnssd.engine.decode import GenerationConfig
-    from knnssd.engine.drafters import build
+    from knnssd.engine.batch import plan as batch_plan
+    from knnssd.engine.batch import scheduler as new_batched
+    from knnssd.engine.spec.loop import GenerationConfig
+    from knnssd.engine.spec.drafters import build
 
     mods = {"old": old_batched, "new": new_batched}
-    planners = {"old": _old_module(Path(old_batched.__file__).parents[1], "batch_plan", "batched"), "new": batch_plan}
+    planners = {"old": _old_module(tmp, "batch.plan", "batch_plan", "batched"), "new": batch_plan}
     ids = [lm.tokenizer(r.prompt).input_ids for r in rows]
     positions = max(map(len, ids)) + a.max_new_tokens
     plans = {eng: planners[eng].plan(engines[eng][0], a.batched, positions) for eng in engines}

@@ -10,7 +10,7 @@ issue of every CPU asked whether to adopt it. This compiles a small C program ag
 M = 1, 2, 4, 8, 16, 64, 256 and prints how many of those rows differ from the same row computed alone
 (M = 1), and the time of one call (best of 5, 2 threads). knnssd's ``native.Linear`` runs the same shapes
 (its weights quantized by knnssd, so the values differ from ggml's; the times compare), and for BF16 so does
-torch's oneDNN GEMM on its prepacked weights (``stack.PackedLinear``, what knnssd ran before its own kernel; on a
+torch's oneDNN GEMM on its prepacked weights (``weights.PackedLinear``, what knnssd ran before its own kernel; on a
 CPU with AMX, oneDNN's tile kernels: the comparison that decides whether AMX machines should leave the native
 linears, ``native.linear_preferred``).
 """
@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_cpp_peer  # noqa: E402  (the llama.cpp build)
 
-from knnssd.engine import native  # noqa: E402
-from knnssd.engine.quantized import quantize  # noqa: E402
-from knnssd.engine.stack import PackedLinear  # noqa: E402
+from knnssd.engine.model import native  # noqa: E402
+from knnssd.engine.model.quantized import quantize  # noqa: E402
+from knnssd.engine.model.weights import PackedLinear  # noqa: E402
 
 SHAPES = ((960, 576), (3072, 576), (576, 1536))  # SmolLM2's fused qkv, gate/up and down: (N outputs, K inputs)
 ROWS = (1, 2, 4, 8, 16, 64, 256)

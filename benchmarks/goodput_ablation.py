@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from knnssd import models, prompts
-from knnssd.engine import suffix
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import DrafterConfig, build, untuned
-from knnssd.engine.pass_costs import sequence_costs
+from knnssd.engine.spec import suffix
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.spec.drafters import DrafterConfig, build, untuned
+from knnssd.engine.model.pass_costs import sequence_costs
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SETS = ("summarization", "reasoning", "translation", "storytelling", "text_to_sql", "ood_xsum", "ood_math",

@@ -37,25 +37,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, where knnssd is not installed
 
-from knnssd.engine.decode import GenerationConfig, generate, mean_accepted  # noqa: E402
-from knnssd.engine.decoder import Decoder, make_decoder  # noqa: E402
-from knnssd.engine.drafters import Hybrid, LayerSkip, NGram, Suffix  # noqa: E402
-from knnssd.engine import exactness  # noqa: E402
-from knnssd.engine.batch_plan import auto_slots, slot_bytes  # noqa: E402
-from knnssd.engine.cache import BUCKET  # noqa: E402
-from knnssd.engine.batch_plan import plan as eager_plan  # noqa: E402
-from knnssd.engine.batched import PromptJob, decode_batch  # noqa: E402
-from knnssd.engine.graphs import StaticDecoder, StepRunner  # noqa: E402
-from knnssd.engine.skip import SkipMask  # noqa: E402
-from knnssd.engine.suffix import SuffixCache  # noqa: E402
-from knnssd.engine.stack import from_hf  # noqa: E402
-from knnssd.engine.static_slots import StaticSlots  # noqa: E402
-from knnssd.engine.static_slots import plan as static_plan  # noqa: E402
-from knnssd.engine.static_slots import slots_length  # noqa: E402
-from knnssd.engine.params import KV_MEMORY  # noqa: E402
+from knnssd.engine.spec.loop import GenerationConfig, generate, mean_accepted  # noqa: E402
+from knnssd.engine.model.decoder import Decoder, make_decoder  # noqa: E402
+from knnssd.engine.spec.drafters import Hybrid, LayerSkip, NGram, Suffix  # noqa: E402
+from knnssd.engine.model import exactness  # noqa: E402
+from knnssd.engine.batch.plan import auto_slots, slot_bytes  # noqa: E402
+from knnssd.engine.model.cache import BUCKET  # noqa: E402
+from knnssd.engine.batch.plan import plan as eager_plan  # noqa: E402
+from knnssd.engine.batch.scheduler import PromptJob, decode_batch  # noqa: E402
+from knnssd.engine.static.graphs import StaticDecoder, StepRunner  # noqa: E402
+from knnssd.engine.model.skip import SkipMask  # noqa: E402
+from knnssd.engine.spec.suffix import SuffixCache  # noqa: E402
+from knnssd.engine.model.weights import from_hf  # noqa: E402
+from knnssd.engine.static.slots import StaticSlots  # noqa: E402
+from knnssd.engine.static.slots import plan as static_plan  # noqa: E402
+from knnssd.engine.static.slots import slots_length  # noqa: E402
+from knnssd.engine.spec.request_params import KV_MEMORY  # noqa: E402
 from knnssd.models import STATIC_POSITIONS  # noqa: E402
-from knnssd.engine.static_step import StaticCache, keys_buckets, step  # noqa: E402
-from knnssd.engine.timing import median_ms, read_bandwidth, sync  # noqa: E402
+from knnssd.engine.static.step import StaticCache, keys_buckets, step  # noqa: E402
+from knnssd.engine.model.timing import median_ms, read_bandwidth, sync  # noqa: E402
 from knnssd.search.proxy import least_influential  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -286,7 +286,7 @@ def engine_section(a, device: torch.device) -> tuple[dict, Decoder, list[list[in
 
 
 def batched_section(a, eager: Decoder, prompts: list[list[int]], device: torch.device) -> dict:
-    """The batched engine (``batched.decode_batch``) over ``a.jobs`` jobs (the prompts in turn): eagerly at the
+    """The batched engine (``scheduler.decode_batch``) over ``a.jobs`` jobs (the prompts in turn): eagerly at the
     batch size ``auto`` picks (``bench-throughput``'s ``auto``), and on 64 static slots (graphed on CUDA),
     plain and with n-gram drafts; tokens/s over the whole run, plans included, and how many outputs equal
     the eager engine's plain ones."""

@@ -47,10 +47,10 @@ from pathlib import Path
 import torch
 
 from knnssd import models, prompts
-from knnssd.engine import native
-from knnssd.engine.decode import GenerationConfig, generate, prefill
-from knnssd.engine.quantized import holds_blocks
-from knnssd.engine.params import GenerateParams, prompt_ids
+from knnssd.engine.model import native
+from knnssd.engine.spec.loop import GenerationConfig, generate, prefill
+from knnssd.engine.model.quantized import holds_blocks
+from knnssd.engine.spec.request_params import GenerateParams, prompt_ids
 from knnssd.serving.routed import RoutedGenerator, RoutedJob
 from knnssd.settings import cache_dir, isa
 

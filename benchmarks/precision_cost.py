@@ -16,7 +16,7 @@ import math
 import torch
 
 from knnssd import models, prompts
-from knnssd.engine.decode import GenerationConfig, generate
+from knnssd.engine.spec.loop import GenerationConfig, generate
 
 
 def perplexity(dec, windows: list[list[int]]) -> float:

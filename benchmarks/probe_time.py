@@ -16,9 +16,9 @@ import time
 import torch
 
 from knnssd import models
-from knnssd.engine import exactness
-from knnssd.engine.decoder import Decoder, forward_slots
-from knnssd.engine.stack import from_hf
+from knnssd.engine.model import exactness
+from knnssd.engine.model.decoder import Decoder, forward_slots
+from knnssd.engine.model.weights import from_hf
 
 
 def probe(model, prune: bool) -> tuple[float, str]:

@@ -157,8 +157,8 @@ def targets(a, port: int) -> list[tuple[str, list[str], dict, str, dict]]:
 
 def auto_figures(a, prompts: list[str]) -> dict:
     """``bench-throughput``'s ``auto`` on the same prompts (tokens/s) and each prompt's prefill time."""
-    from knnssd.engine.decode import GenerationConfig, prefill
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.loop import GenerationConfig, prefill
+    from knnssd.engine.spec.request_params import GenerateParams
     from knnssd.serving.routed import RoutedGenerator
     from knnssd.settings import tracking_uri
 

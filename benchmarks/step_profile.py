@@ -19,8 +19,8 @@ import time
 import torch
 
 from knnssd import models
-from knnssd.engine import native
-from knnssd.engine.decoder import _heads, _span_masks
+from knnssd.engine.model import native
+from knnssd.engine.model.decoder import _heads, _span_masks
 
 
 def median_ms(fn, repeats: int) -> float:

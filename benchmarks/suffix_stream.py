@@ -37,10 +37,10 @@ from dataclasses import replace
 import torch
 
 from knnssd.bench import streams
-from knnssd.engine.decode import GenerationConfig, generate, mean_accepted
-from knnssd.engine.drafters import DrafterConfig, build, untuned
-from knnssd.engine.params import GenerateParams
-from knnssd.engine.suffix import SuffixCache
+from knnssd.engine.spec.loop import GenerationConfig, generate, mean_accepted
+from knnssd.engine.spec.drafters import DrafterConfig, build, untuned
+from knnssd.engine.spec.request_params import GenerateParams
+from knnssd.engine.spec.suffix import SuffixCache
 from knnssd.serving.routed import RoutedGenerator
 
 METHODS = ("plain", "ngram", "ngram-tree", "suffix", "suffix+cache", "suffix-tree", "suffix-tree+cache", "routed")

@@ -29,9 +29,9 @@ import torch
 
 from knnssd import models
 from knnssd.bench import streams
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.suffix import SequenceIndex, draft_tree
-from knnssd.engine.timing import pass_timer
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.spec.suffix import SequenceIndex, draft_tree
+from knnssd.engine.model.timing import pass_timer
 
 DEPTH = 8  # the longest draft, as the suffix drafter's ``max_len`` in the benchmarks
 BUDGETS = (4, 8, 16, 32, 64)

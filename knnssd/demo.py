@@ -44,9 +44,9 @@ def calibrate_params(cfg: DemoConfig):
 def run(cfg: DemoConfig) -> dict:
     from knnssd.flows.calibrate import calibrate
 
-    from knnssd.engine.decode import GenerationConfig, decode, prefill
-    from knnssd.engine.drafters import FIXED, fixed_drafters
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.loop import GenerationConfig, decode, prefill
+    from knnssd.engine.spec.drafters import FIXED, fixed_drafters
+    from knnssd.engine.spec.request_params import GenerateParams
     from knnssd.serving.routed import RoutedGenerator
 
     t0 = time.time()

@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from knnssd import console, locks, settings, shims
-from knnssd.engine import exactness
-from knnssd.engine.params import Limits
-from knnssd.engine.decoder import Decoder, HFDecoder, make_decoder
+from knnssd.engine.model import exactness
+from knnssd.engine.spec.request_params import Limits
+from knnssd.engine.model.decoder import Decoder, HFDecoder, make_decoder
 from knnssd.settings import BLOCKS, DTYPES, cache_dir
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class LoadedModel:
     busy: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     gguf: Path | None = None  # --dtype gguf: the file whose blocks the projections and head run on
     blocks: str | None = None  # --dtype gguf, q4_1 or q8_0 (``settings.BLOCKS``): weights in blocks
-    _static_slots: object = field(default=None, repr=False, compare=False)  # the last ``static_slots`` made
+    _static_slots: object = field(default=None, repr=False, compare=False)  # the last ``slots`` made
 
     @cached_property
     def decoder(self) -> Decoder | HFDecoder:
@@ -91,7 +91,7 @@ class LoadedModel:
         ``cache_dir()/exactness`` for later loads on this machine)."""
         if self.blocks is None:
             return make_decoder(self.model, record=self._record("json"))
-        from knnssd.engine import quantized
+        from knnssd.engine.model import quantized
 
         if self.blocks == "gguf":
             weights = lambda s: quantized.gguf_stack(s, self.gguf)[0]  # noqa: E731
@@ -101,15 +101,15 @@ class LoadedModel:
 
     @cached_property
     def static(self):
-        """The decoder on the static step (``engine.graphs.StaticDecoder``, CUDA graphs where the device has
+        """The decoder on the static step (``engine.static.graphs.StaticDecoder``, CUDA graphs where the device has
         them) where ``settings.graphs`` asks for it, the model runs on the lean decoder at full precision, the
         step could be made, and its probe does not find it inexact where the eager step is exact; else None,
         with a log line. Its cache holds ``STATIC_POSITIONS`` positions or the model's context, the fewer (the
         probe's at least)."""
         if not settings.graphs(self.device):
             return None
-        from knnssd.engine.graphs import StaticDecoder
-        from knnssd.engine.stack import UnsupportedArchitecture
+        from knnssd.engine.static.graphs import StaticDecoder
+        from knnssd.engine.model.weights import UnsupportedArchitecture
 
         dec = self.decoder
         if not isinstance(dec, Decoder) or self.blocks is not None:
@@ -137,12 +137,12 @@ class LoadedModel:
         return static if static is not None and positions <= static.length else self.decoder
 
     def static_slots(self, slots: int, positions: int):
-        """Static slots (``engine.static_slots.StaticSlots``) of at least ``slots`` sequences of ``positions``
-        each, over ``decoder``'s weights, as long as ``static_slots.slots_length`` says (the static decoder's
+        """Static slots (``engine.static.slots.StaticSlots``) of at least ``slots`` sequences of ``positions``
+        each, over ``decoder``'s weights, as long as ``slots.slots_length`` says (the static decoder's
         key bucket for them, within the KV budget: a job of that bucket computes the rows it computes alone):
         the last ones made where they hold that many at that length, else new ones (the last ones dropped
         first: their memory is freed once no plan holds them)."""
-        from knnssd.engine.static_slots import StaticSlots, slots_length
+        from knnssd.engine.static.slots import StaticSlots, slots_length
 
         static, limits = self.static, self.limits
         length = slots_length(slots, positions, static.length if static is not None else None, limits.kv_bytes,
@@ -155,7 +155,7 @@ class LoadedModel:
         return self._static_slots
 
     def drop_static_slots(self) -> None:
-        """Let go of the last static slots made (``static_slots``)."""
+        """Let go of the last static slots made (``slots``)."""
         self._static_slots = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -168,7 +168,7 @@ class LoadedModel:
 
     @property
     def batch_record(self) -> Path:
-        """Where ``engine.batch_plan.plan`` keeps what its checks found for this model on this machine key (as
+        """Where ``engine.batch.plan.plan`` keeps what its checks found for this model on this machine key (as
         it is now: a plan may run on other threads than the load)."""
         return self._record("batched.json")
 
@@ -242,7 +242,7 @@ def cpu_has_fast_bf16() -> bool:
     """Does bf16 run fast on this CPU: the native bf16 step runs here (``native.kernel_path``: the linears on
     avx512_bf16's tiles, or widened to fp32 on AVX-512F, AVX2 with FMA or NEON, where they read half fp32's
     bytes), or the CPU has avx512_bf16 or AMX, which torch's own bf16 kernels use?"""
-    from knnssd.engine import native
+    from knnssd.engine.model import native
 
     return native.kernel_path() != "torch" or native.cpu_bf16_dot()
 
@@ -250,7 +250,7 @@ def cpu_has_fast_bf16() -> bool:
 @functools.cache
 def _auto_said(dtype: torch.dtype, device: str) -> None:
     """Say once a process what ``--dtype auto`` took, and why."""
-    from knnssd.engine import native
+    from knnssd.engine.model import native
 
     why = ("the GPU" if device == "cuda" else f"the native bf16 step runs here ({native.kernel_path()} kernels)"
            if native.kernel_path() != "torch" else "this CPU's bf16 instructions" if dtype == torch.bfloat16
@@ -516,7 +516,7 @@ def gguf_file(name: str) -> Path | None:
 def gguf_weights(name: str) -> Path:
     """The GGUF file whose 4-bit blocks ``--dtype gguf`` runs: an embedded model's or a .gguf path; a one-line
     ``ModelError`` for a model that has none, or where the native block kernels do not run (``check_blocks``)."""
-    from knnssd.engine.quantized import holds_blocks
+    from knnssd.engine.model.quantized import holds_blocks
 
     path = gguf_file(name)
     if path is None or not holds_blocks(path):
@@ -529,7 +529,7 @@ def gguf_weights(name: str) -> Path:
 def check_blocks(dtype: str) -> None:
     """A one-line ``ModelError`` where a precision of ``settings.BLOCKS`` cannot run: its native kernels (4-bit
     and 8-bit blocks, which a GGUF's Q8_0 head takes too) are not used here."""
-    from knnssd.engine import native
+    from knnssd.engine.model import native
 
     if native.tiled("linear_q4") is None or native.tiled("linear_q8") is None:
         raise ModelError(f"--dtype {dtype} needs the native block kernels: a C compiler, and a CPU with AVX2 and FMA, "

@@ -16,11 +16,11 @@ import os
 from pathlib import Path
 
 # What --dtype and $KNNSSD_DTYPE take: auto (bf16 on CUDA and where the native bf16 step runs, else fp32), bf16, fp32,
-# or weights in blocks (``BLOCKS``), each a precision of its own with bf16 activations (``engine.quantized``)
+# or weights in blocks (``BLOCKS``), each a precision of its own with bf16 activations (``engine.model.quantized``)
 BLOCKS = ("gguf", "q4_1", "q8_0")  # a GGUF model's own blocks; any model's weights quantized at load
 DTYPES = ("auto", "bfloat16", "float32", *BLOCKS)
 # What $KNNSSD_GRAPHS takes: whether generation runs the static step, replayed from CUDA graphs
-# (``engine.graphs``): auto (on CUDA, where kernel launches set a step's time), on (any device; on the CPU it
+# (``engine.static.graphs``): auto (on CUDA, where kernel launches set a step's time), on (any device; on the CPU it
 # runs eagerly, slower than the native kernels: for tests), off
 GRAPHS = ("auto", "on", "off")
 

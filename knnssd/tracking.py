@@ -225,7 +225,7 @@ def signature():
     import pandas as pd
     from mlflow.models import infer_signature
 
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.request_params import GenerateParams
 
     from mlflow.types import ColSpec, Schema
 

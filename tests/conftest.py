@@ -61,7 +61,7 @@ def threads(request):
 def native_kernels_kept():
     """A test that changes how the native kernels load must leave them loadable: a None it left in
     ``native.library``'s cache ran every later test of the session on torch ops, unseen."""
-    from knnssd.engine import native
+    from knnssd.engine.model import native
 
     cached = native.library.cache_info().currsize
     before = native.library() is not None if cached else None
@@ -83,7 +83,7 @@ def flow_dtype() -> str:
     where knnssd's native bf16 step runs (each row alone by construction; on an AVX2-only Zen 3 it decoded
     several times fp32's tokens/s, docs/benchmarks.md), else fp32. Tests of fp32 itself, or against HF's own
     forward, name float32."""
-    from knnssd.engine import native
+    from knnssd.engine.model import native
 
     return "bfloat16" if native.kernel_path() != "torch" else "float32"
 

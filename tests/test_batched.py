@@ -1,4 +1,4 @@
-"""Batched speculative decoding (engine/batched.py): every sequence's tokens equal its own plain
+"""Batched speculative decoding (engine/batch/scheduler.py): every sequence's tokens equal its own plain
 decoding, sampling keeps each sequence's distribution, slots are refilled, and draft lengths come
 from goodput."""
 import dataclasses
@@ -9,17 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from knnssd.engine import batch_plan, draft_lengths, pass_costs, prefixes
-from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
-from knnssd.engine.batch_plan import BatchPlan
-from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
-from knnssd.engine.draft_lengths import choose_lengths
-from knnssd.engine.pass_costs import PassCosts
-from knnssd.engine.decode import GenerationConfig, Reused, generate, prefill, reusable, reuse_unit_of
-from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.sampling import Warp
-from knnssd.engine.decoder import Decoder, make_decoder
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.batch import plan as batch_plan
+from knnssd.engine.batch import draft_lengths
+from knnssd.engine.model import pass_costs
+from knnssd.engine.batch import prefixes
+from knnssd.engine.model.attention import CAUSAL_BLOCK, PREFILL_ROWS
+from knnssd.engine.batch.plan import BatchPlan
+from knnssd.engine.batch.scheduler import BatchStats, PromptJob, decode_batch
+from knnssd.engine.batch.draft_lengths import choose_lengths
+from knnssd.engine.model.pass_costs import PassCosts
+from knnssd.engine.spec.loop import GenerationConfig, Reused, generate, prefill, reusable, reuse_unit_of
+from knnssd.engine.spec.drafters import DrafterConfig, build
+from knnssd.engine.spec.sampling import Warp
+from knnssd.engine.model.decoder import Decoder, make_decoder
+from knnssd.engine.model.skip import SkipMask
 from test_sampling import ALPHA, chi2_pvalue, exact_joint
 from tiny import prompt_ids, tiny
 
@@ -80,7 +83,7 @@ def test_batched_greedy_equals_each_prompts_own_plain_decoding(arch, dtype):
 def test_the_scheduler_shows_each_step_the_tokens_emitted_so_far():
     """``Scheduler(on_step=...)``: after each step the hook sees every active run, whose tokens so far are a
     prefix of what it finishes with (what a server streams), and the hook's last view of a run is its end."""
-    from knnssd.engine.batched import Scheduler
+    from knnssd.engine.batch.scheduler import Scheduler
 
     dec = decoder("llama", "float32")
     plan = batch_plan.plan(dec, slots=3)
@@ -140,7 +143,7 @@ def test_a_prompt_reuses_one_that_finished_while_its_slot_stays_free():
     """A server's requests one after another, on a running batch of 3 slots: each few-shot prompt starts
     only after the one before it finished, and still copies the example from that one's free slot (the
     slot it takes is another: the one free longest); its tokens equal its own plain decoding."""
-    from knnssd.engine.batched import JobQueue
+    from knnssd.engine.batch.scheduler import JobQueue
 
     example = prompt_ids("llama", 0, length=2 * CAUSAL_BLOCK + 30)
     prompts = [example + prompt_ids("llama", i, length=20 + 9 * i) for i in range(1, 5)]
@@ -258,7 +261,7 @@ def test_choose_lengths_from_goodput():
 def test_draft_model_shrinks_each_sequence_towards_its_kind():
     from types import SimpleNamespace as NS
 
-    from knnssd.engine.drafters import Hybrid, NGram
+    from knnssd.engine.spec.drafters import Hybrid, NGram
 
     def run(drafter, calls: int = 0, seconds: float = 0.0, tried=(), kept=()):
         return NS(drafter=drafter, trees=False, stats=NS(draft_calls=calls, draft_s=seconds, drafted_at=list(tried),
@@ -331,7 +334,7 @@ def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_pat
     or unreadable, or for other forms of the linears, is measured again."""
     import dataclasses
 
-    from knnssd.engine.stack import RowPadded
+    from knnssd.engine.model.weights import RowPadded
 
     dec = make_decoder(tiny("llama"))  # its own: the end changes its head's form
     record = tmp_path / "records" / "tiny.batched.json"
@@ -394,7 +397,7 @@ def test_records_updated_by_two_writers_at_once_keep_both_writers_entries(tmp_pa
     import threading
     import time
 
-    from knnssd.engine import exactness
+    from knnssd.engine.model import exactness
 
     record = tmp_path / "tiny.batched.json"
 
@@ -417,7 +420,7 @@ def test_a_batched_runs_pool_is_freed_when_the_run_ends_without_the_cyclic_colle
     import gc
     import weakref
 
-    from knnssd.engine.cache import SlotPool
+    from knnssd.engine.model.cache import SlotPool
 
     dec = decoder("llama", "float32")
     jobs = [PromptJob(prompt_ids("llama", i, length=20), None, GenerationConfig(max_new_tokens=3)) for i in range(3)]
@@ -452,7 +455,7 @@ def test_a_cache_holds_memory_only_for_the_positions_written():
     """A large CPU cache buffer is mapped, not filled: reading it gives zeros and takes no memory, each
     position written takes its own, and freeing the buffer returns it (a server's pool took every slot's
     positions at its first request)."""
-    from knnssd.engine.cache import zeros
+    from knnssd.engine.model.cache import zeros
 
     before = _anon_mib()
     t = zeros((16, 4, 4096, 128), torch.float32, torch.device("cpu"))  # 128 MiB
@@ -468,7 +471,7 @@ def test_batched_greedy_is_unchanged_on_mapped_caches(monkeypatch):
     """Every cache buffer mapped (``LAZY_BYTES`` 0), a batch and each prompt's own decoding give the
     tokens they give on buffers that ``torch.zeros`` filled: a mapped page read before it is written is
     the zero page."""
-    from knnssd.engine import cache
+    from knnssd.engine.model import cache
 
     dec = decoder("llama", "float32")
     plan = dataclasses.replace(batch_plan.plan(dec, slots=4), costs=PassCosts((1, 64), (0.01, 0.01)))
@@ -517,7 +520,7 @@ def test_a_cancelled_job_leaves_its_slot_at_the_next_step():
     """A server's client that went away: its sequence ends at the next step (stop "cancelled") and a
     waiting job takes the slot; a job cancelled before it started goes to ``failed``. The others'
     tokens are unchanged."""
-    from knnssd.engine.batched import Cancelled, JobQueue, Scheduler
+    from knnssd.engine.batch.scheduler import Cancelled, JobQueue, Scheduler
 
     dec = decoder("llama", "float32")
     jobs = mixed_jobs(dec, "llama", 4, 40)
@@ -550,7 +553,7 @@ def test_generate_shows_its_plan_then_its_tokens_before_its_first_row(tmp_path, 
     """Trial 6: a 2,000-row ``generate`` on a loaded 2-core machine showed no row in 5:51; the batch size's
     timing alone took about 4 minutes, unseen. Its bar now says it is choosing the batch size, then the
     slots and what the plan cost (also in the summary), then the tokens made, before any row ends."""
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.request_params import GenerateParams
     from knnssd.prompts import Prompt
     from knnssd.serving import batch
     from knnssd.serving.request import GenerateRequest

@@ -11,11 +11,11 @@ import copy
 import pytest
 import torch
 
-from knnssd.engine.decode import GenerationConfig, Run, generate, prefill
-from knnssd.engine.drafters import DrafterConfig, LayerSkip, build
-from knnssd.engine.sampling import Warp
-from knnssd.engine.decoder import make_decoder
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.spec.loop import GenerationConfig, Run, generate, prefill
+from knnssd.engine.spec.drafters import DrafterConfig, LayerSkip, build
+from knnssd.engine.spec.sampling import Warp
+from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.model.skip import SkipMask
 from tiny import prompt_ids, tiny
 
 READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu")
@@ -97,9 +97,9 @@ def test_a_draft_cut_on_the_device_gives_the_tokens_of_an_early_stop(arch, thres
 @pytest.mark.parametrize("pooled", [False, True])
 def test_a_batched_step_reads_the_host_once(pooled):
     """Every sequence's verdict of a packed pass comes to the host in one copy."""
-    from knnssd.engine.batch_plan import BatchPlan
-    from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
-    from knnssd.engine.pass_costs import PassCosts
+    from knnssd.engine.batch.plan import BatchPlan
+    from knnssd.engine.batch.scheduler import BatchStats, PromptJob, decode_batch
+    from knnssd.engine.model.pass_costs import PassCosts
 
     dec = make_decoder(tiny("llama"))
     plan = BatchPlan(3, PassCosts((1, 64), (0.01, 0.01)), True, pooled)

@@ -14,14 +14,16 @@ import torch.nn.functional as F
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from knnssd.engine import attention, exactness, native
-from knnssd.engine.attention import NATIVE, SDPA, Attention
-from knnssd.engine.cache import SPAN
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.decoder import Decoder, forward_slots, make_decoder
-from knnssd.engine.skip import SkipMask
-from knnssd.engine.stack import Int8Linear, Linear, NativeLinear, from_hf
+from knnssd.engine.model import attention
+from knnssd.engine.model import exactness
+from knnssd.engine.model import native
+from knnssd.engine.model.attention import NATIVE, SDPA, Attention
+from knnssd.engine.model.cache import SPAN
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.spec.drafters import DrafterConfig, build
+from knnssd.engine.model.decoder import Decoder, forward_slots, make_decoder
+from knnssd.engine.model.skip import SkipMask
+from knnssd.engine.model.weights import Int8Linear, Linear, NativeLinear, from_hf
 from test_device_step import set_early_stop
 from tiny import ARCHS, prompt_ids, tiny
 
@@ -554,7 +556,7 @@ def test_native_8bit_linear_sums_blocks_in_fp32_row_by_row():
 def test_quantize_makes_llama_cpps_blocks(kind):
     """Each weight is within half a step of its block's de-quantized value, and the step is llama.cpp's:
     (max - min) / 15 for Q4_1, max |w| / 127 for Q8_0."""
-    from knnssd.engine.quantized import quantize
+    from knnssd.engine.model.quantized import quantize
 
     w = torch.randn(48, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     x = w.float().view(48, 3, 32)
@@ -572,7 +574,7 @@ def test_quantize_makes_llama_cpps_blocks(kind):
 def test_blocks_made_at_load_run_rows_alone_and_speculation_equals_plain(kind):
     """``--dtype q4_1`` / ``q8_0`` on a tiny Llama: every projection and the head on block kernels, the step
     row-invariant, and drafted decoding token-identical to plain decoding in that precision."""
-    from knnssd.engine.quantized import quantize_stack
+    from knnssd.engine.model.quantized import quantize_stack
 
     if native.tiled("linear_q4") is None or native.tiled("linear_q8") is None:
         pytest.skip("no native block kernels here (no C compiler, no vector instruction set)")
@@ -605,7 +607,7 @@ def _packed_equals_own(dec: Decoder, prompts: list[list[int]], rows: tuple[int, 
     """Packed passes (``pooled``: attention batched over a ``SlotPool``, at key lengths that differ
     between slots, and within the pass of a sequence whose rows straddle a key-length boundary) give
     each sequence the logits of its own pass, and the K/V its next steps read."""
-    from knnssd.engine.decoder import forward_slots
+    from knnssd.engine.model.decoder import forward_slots
 
     # odd sequences one SPAN further on (two key lengths, interleaved); the first pass of the longest
     # draft starts 3 positions before a boundary

@@ -4,10 +4,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.decoder import Decoder, HFDecoder, make_decoder
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.spec.drafters import DrafterConfig, build
+from knnssd.engine.model.decoder import Decoder, HFDecoder, make_decoder
+from knnssd.engine.model.skip import SkipMask
 from tiny import ARCHS, hf_greedy, prompt_ids, tiny
 
 MAX_NEW = 24

@@ -2,11 +2,11 @@
 search's simulator alike, with plain decoding's tokens."""
 import pytest
 
-from knnssd.engine import draft_policy
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.decoder import make_decoder
-from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.pass_costs import PassCosts, price_sequences
+from knnssd.engine.spec import draft_policy
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.spec.drafters import DrafterConfig, build
+from knnssd.engine.model.pass_costs import PassCosts, price_sequences
 from knnssd.search import proxy
 from knnssd.search.costs import Costs
 from tiny import prompt_ids, tiny

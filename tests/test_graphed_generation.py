@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from knnssd import models, settings
-from knnssd.engine import static_slots
-from knnssd.engine.drafters import DrafterConfig
-from knnssd.engine.graphs import StaticDecoder
-from knnssd.engine.params import GenerateParams
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.static import slots as static_slots
+from knnssd.engine.spec.drafters import DrafterConfig
+from knnssd.engine.static.graphs import StaticDecoder
+from knnssd.engine.spec.request_params import GenerateParams
+from knnssd.engine.model.skip import SkipMask
 from knnssd.routing import bank as banks
 from knnssd.routing import router
 from knnssd.serving.routed import RoutedGenerator

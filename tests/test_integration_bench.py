@@ -6,8 +6,8 @@ import os
 import pytest
 
 from knnssd.bench import bank as bench
-from knnssd.engine.drafters import DrafterConfig
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.spec.drafters import DrafterConfig
+from knnssd.engine.model.skip import SkipMask
 from test_integration_calibrate import fixed_bank
 
 pytestmark = pytest.mark.integration

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from knnssd import prompts
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.decoder import Decoder
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.spec.drafters import DrafterConfig, build
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.skip import SkipMask
 from cli_cases import run_cli
 from tiny import tiny_gguf
 
@@ -49,8 +49,8 @@ def test_smollm2_speculative_equals_hf_generate(smollm2, data_dir):
 def test_smollm2_batched_equals_each_prompts_own_plain_decoding(smollm2, data_dir):
     """12 eval prompts of the five domains, of different lengths, through 4 slots, with plain, n-gram,
     int8-hybrid and layer-skip drafters: every prompt's tokens equal its own plain decoding (fp32)."""
-    from knnssd.engine import batch_plan
-    from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
+    from knnssd.engine.batch import plan as batch_plan
+    from knnssd.engine.batch.scheduler import BatchStats, PromptJob, decode_batch
 
     dec = smollm2.decoder
     n = dec.n_layers
@@ -82,9 +82,9 @@ def test_smollm2_few_shot_prompts_reuse_their_example_in_a_batch(smollm2, data_d
     prompt that shares nothing with them copies nothing, and every prompt's tokens still equal its own
     plain decoding. (On an AVX2-only CPU, where auto is fp32, this took 240 s in bf16 and takes 36 s; a Zen 1.)"""
     from knnssd import models
-    from knnssd.engine import batch_plan
-    from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
-    from knnssd.engine.decode import reusable, reuse_unit_of
+    from knnssd.engine.batch import plan as batch_plan
+    from knnssd.engine.batch.scheduler import BatchStats, PromptJob, decode_batch
+    from knnssd.engine.spec.loop import reusable, reuse_unit_of
 
     dtype = models.resolve_dtype("auto", smollm2.device)
     lm = smollm2 if dtype == torch.float32 else models.load("smollm2", dtype="bfloat16")

@@ -9,9 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knnssd.engine import exactness, native
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import DrafterConfig, build
+from knnssd.engine.model import exactness
+from knnssd.engine.model import native
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.spec.drafters import DrafterConfig, build
 from test_exact_step import STRADDLE, _drafters, _packed_equals_own, exact_or_skip
 
 pytestmark = pytest.mark.integration
@@ -57,7 +58,7 @@ def test_smollm2_bf16_speculative_greedy_equals_own_plain_decoding(smol_bf16, i,
 
 @pytest.mark.parametrize("nodes", [4, 11])
 def test_smollm2_bf16_suffix_trees_give_own_plain_decoding(smol_bf16, nodes):
-    """Token trees of the suffix drafter, verified in one pass each (engine/tree.py), on every real prompt."""
+    """Token trees of the suffix drafter, verified in one pass each (engine/model/tree.py), on every real prompt."""
     dec, ids, cfg, ref = smol_bf16
     exact_or_skip(dec, "bfloat16")
     for x, want in zip(ids, ref):
@@ -69,9 +70,12 @@ def test_smollm2_bf16_a_batch_of_lookup_trees_gives_own_plain_decoding(smol_bf16
     """Every real prompt in one batch run of 3 slots with suffix and n-gram trees and a suffix chain: where the
     packed pass verifies trees (the native layers over a pool), some steps verify trees, and every prompt
     gets its own plain decoding's tokens."""
-    from knnssd.engine import batch_plan, batched, decoder, tree
-    from knnssd.engine.batched import PromptJob, decode_batch
-    from knnssd.engine.pass_costs import PassCosts
+    from knnssd.engine.batch import plan as batch_plan
+    from knnssd.engine.batch import scheduler as batched
+    from knnssd.engine.model import decoder
+    from knnssd.engine.model import tree
+    from knnssd.engine.batch.scheduler import PromptJob, decode_batch
+    from knnssd.engine.model.pass_costs import PassCosts
 
     dec, ids, cfg, ref = smol_bf16
     exact_or_skip(dec, "bfloat16")
@@ -128,7 +132,7 @@ def test_smollm2_gguf_runs_the_files_blocks_exactly(smol_gguf):
     """Every projection runs on the file's 4-bit blocks and the head on its 8-bit ones, which de-quantize to the
     weights transformers loaded (bit for bit, in bf16); the layers run as one native call; the probe finds the
     step exact, and it is."""
-    from knnssd.engine.stack import PROJECTIONS
+    from knnssd.engine.model.weights import PROJECTIONS
 
     lm, dec = smol_gguf[:2]
     assert lm.dtype_name == "gguf" and dec._layers_call(dec.stack) is not None

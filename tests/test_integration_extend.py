@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from knnssd import tracking
-from knnssd.engine.drafters import DrafterConfig
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.spec.drafters import DrafterConfig
+from knnssd.engine.model.skip import SkipMask
 from knnssd.routing import bank as banks
 from knnssd.search import steps
 from knnssd.search.steps import ModelSpec
@@ -115,7 +115,7 @@ def test_watch_deployment_adds_a_dropped_domain_once_then_promotes_it(base_bank,
     assert new.clusters[2].members == 6 and new.clusters[2].search["proxy_trials"] >= 2
     after = (tracking.download_bank(v1["uri"], tmp_path / "v1-after", uri=uri) / "bank.json").read_text()
     assert before == after  # the base version is untouched
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.request_params import GenerateParams
     from knnssd.serving.routed import RoutedGenerator
 
     gen = RoutedGenerator(steps.runtime(SPEC)[0], new)
@@ -241,7 +241,7 @@ def test_against_a_real_mlflow_server(base_bank, tmp_path):
         uri = f"http://127.0.0.1:{port}"
         reg = steps.register(bank_dir, {"server": True}, uri)
         assert reg["aliases"] == ["candidate", "champion"]
-        from knnssd.engine.params import GenerateParams
+        from knnssd.engine.spec.request_params import GenerateParams
         from knnssd.serving.routed import RoutedGenerator
 
         gen = RoutedGenerator.from_model_uri("models:/knnssd-smollm2@champion", dtype=FLOW_DTYPE, tracking_uri=uri)

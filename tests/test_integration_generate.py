@@ -21,8 +21,8 @@ import knnssd.flows
 import knnssd.tasks
 from knnssd import prompts, tracking
 from knnssd.routing import bank as banks
-from knnssd.engine.drafters import DrafterConfig
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.spec.drafters import DrafterConfig
+from knnssd.engine.model.skip import SkipMask
 from knnssd.search import steps
 from conftest import FLOW_DTYPE
 from test_integration_calibrate import fixed_bank
@@ -71,7 +71,7 @@ def generate_argv(inp: Path, out: Path, max_new_tokens: int, batch_size: str = "
 def test_batch_flow_routes_each_domain(registered, data_dir, prefect_harness, tmp_path):
     from knnssd.flows.generate import generate
 
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.request_params import GenerateParams
     from knnssd.serving.request import GenerateRequest
 
     inp = eval_file(data_dir, tmp_path / "eval.jsonl")
@@ -217,7 +217,7 @@ def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registere
     """Issue 40, defects 1 and 4. A prompt put in front of an input without ids is generated alone, and
     every row keeps its own prompt's answer; a prompt changed under an explicit id is generated again
     (warned); other parameters or another bank are refused in one line, before any model loads."""
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.request_params import GenerateParams
     from knnssd.serving import batch
     from knnssd.serving.routed import RoutedGenerator
 
@@ -278,7 +278,7 @@ def test_limits_are_checked_before_any_work(registered, routed, tmp_path, prefec
     model's 8,192 positions is cut to fit with a warning, whatever ``--max-prompt-tokens`` says. From its
     trials: the same for the searches and promote (a calibration ran for 10 minutes), a pooling layer the
     model lacks, and a batch size that cannot fit (it was refused after the load)."""
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.request_params import GenerateParams
 
     inp = _jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello"}])
     many = _jsonl(tmp_path / "many.jsonl", [{"prompt": f"Hello {i}"} for i in range(30)])
@@ -318,8 +318,8 @@ def test_batch_size_over_the_kv_budget_is_refused(routed, tmp_path):
     """Issue 40, defect 6, and its trial: ``KNNSSD_BATCH_SIZE=100000`` never started the server (planning
     100,000 slots), and ``generate --batch-size 100000`` on 2 prompts ran out of memory after 3 min 41 s.
     A batch takes no more slots than prompts, and a size over the KV-cache budget is one line."""
-    from knnssd.engine.batch_plan import check_slots
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.batch.plan import check_slots
+    from knnssd.engine.spec.request_params import GenerateParams
     from knnssd.serving import batch
 
     for name in ("KNNSSD_BATCH_SIZE", "--batch-size"):
@@ -354,7 +354,7 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(registered, routed, data_
     import re
     import shutil as sh
 
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.request_params import GenerateParams
     from knnssd.serving import batch
 
     inp = eval_file(data_dir, tmp_path / "eval.jsonl", n=5)

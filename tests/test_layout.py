@@ -10,6 +10,11 @@ SOURCES = {"knnssd": ROOT / "knnssd", "knnssd.flows": ROOT / "flows", "knnssd.ta
 LAYERS = [
     ("base", ["knnssd", "knnssd.settings", "knnssd.console", "knnssd.reachable", "knnssd.processes", "knnssd.prompts",
               "knnssd.locks", "knnssd.shims"]),
+    # the engine's rooms: one forward pass, one sequence's speculation, batches, the static step
+    ("engine.model", ["knnssd.engine.model"]),
+    ("engine.spec", ["knnssd.engine.spec"]),
+    ("engine.batch", ["knnssd.engine.batch"]),
+    ("engine.static", ["knnssd.engine.static"]),
     ("engine", ["knnssd.engine"]),
     ("models", ["knnssd.models"]),
     ("routing", ["knnssd.routing"]),
@@ -94,6 +99,6 @@ def test_no_module_imports_itself_through_others():
 
 def test_the_contract_sees_imports():
     """Guards the checker itself: known edges are found."""
-    assert "knnssd.engine.sequence" in GRAPH["knnssd.engine.decode"]
+    assert "knnssd.engine.spec.sequence" in GRAPH["knnssd.engine.spec.loop"]
     assert "knnssd.tasks.calibration" in GRAPH["knnssd.flows.calibrate"]
     assert "knnssd.search.optimize" in GRAPH["knnssd.search.steps"]

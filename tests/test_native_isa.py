@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-ENGINE = HERE.parent / "knnssd" / "engine"
+ENGINE = HERE.parent / "knnssd" / "engine" / "model"
 FLAGS = ["-O2", "-ffp-contract=off", "-fopenmp", f"-I{ENGINE}"]
 # x86 levels: the -march a build names, and the /proc/cpuinfo flags a CPU needs to run it
 X86 = {"x86-64-v3": ("avx2", "fma", "f16c"), "x86-64-v4": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),

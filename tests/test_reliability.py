@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from knnssd import tracking
-from knnssd.engine.params import GenerateParams, check_prompt
-from knnssd.engine.sampling import Warp
+from knnssd.engine.spec.request_params import GenerateParams, check_prompt
+from knnssd.engine.spec.sampling import Warp
 from knnssd.serving import batch, output_paths
 from cli_cases import Stopwatch, run_cli
 
@@ -367,7 +367,7 @@ def test_torn_edited_or_foreign_journal_lines_are_skipped_with_a_warning(tmp_pat
 
 def test_drafter_arguments_are_checked():
     """Defect 13: ``--max-draft -1`` silently turned drafting off; a NaN threshold was taken."""
-    from knnssd.engine.drafters import DrafterConfig
+    from knnssd.engine.spec.drafters import DrafterConfig
 
     for bad, message in ((dict(max_len=-1), "max_len must be an integer >= 1"), (dict(max_len=0), ">= 1"),
                          (dict(threshold=math.nan), r"threshold must be a probability in \[0, 1\], got nan"),
@@ -382,7 +382,7 @@ def test_drafter_arguments_are_checked():
 def test_limits_are_the_model_context_and_the_kv_budget():
     """Defects 5 and 7: a billion new tokens tried to allocate 384 GB after the model loaded, and a 44k-token
     prompt ran for minutes on a model of 8,192 positions."""
-    from knnssd.engine.params import Limits
+    from knnssd.engine.spec.request_params import Limits
 
     lim = Limits(context=8192, kv_bytes=23040)
     assert lim.positions == 8192
@@ -433,7 +433,7 @@ def test_server_answers_are_strict_json():
     import numpy as np
     from mlflow.pyfunc.scoring_server import predictions_to_json
 
-    from knnssd.engine.decode import DecodeStats
+    from knnssd.engine.spec.loop import DecodeStats
     from knnssd.serving.pyfunc import frame
     from knnssd.serving.routed import Result
 

@@ -5,8 +5,8 @@ import re
 import numpy as np
 import pytest
 
-from knnssd.engine.drafters import DrafterConfig
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.spec.drafters import DrafterConfig
+from knnssd.engine.model.skip import SkipMask
 from knnssd.routing import bank as banks
 from knnssd.routing import router
 
@@ -194,7 +194,7 @@ def _candidate(cfg: DrafterConfig, speedup: float, ar_ms: float = 10.0) -> dict:
 
 
 def test_a_tuned_configuration_must_beat_the_fixed_drafters_by_the_timing_noise():
-    from knnssd.engine.drafters import untuned
+    from knnssd.engine.spec.drafters import untuned
     from knnssd.search.objective import choose, timing_noise
 
     tuned = DrafterConfig(kind="ngram", max_len=5, ngram_sizes=[4, 3], adaptive=True)
@@ -221,7 +221,7 @@ def test_a_tuned_configuration_must_beat_the_fixed_drafters_by_the_timing_noise(
 
 
 def test_unmatched_prompts_take_the_fixed_drafter_fastest_over_every_cluster(tmp_path):
-    from knnssd.engine.drafters import untuned
+    from knnssd.engine.spec.drafters import untuned
 
     x, labels = blobs(n_per=6, dim=8)
     clusters = router.build_clusters([str(i) for i in range(len(x))], labels, x, k_per_domain=2)

@@ -10,12 +10,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from knnssd.engine.decode import GenerationConfig, decode, prefill
-from knnssd.engine.drafters import DrafterConfig, build
-from knnssd.engine.sampling import Verdict, Warp, accept_greedy, accept_sampled, probs
-from knnssd.engine.sequence import Sequence
-from knnssd.engine.decoder import make_decoder
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.spec.loop import GenerationConfig, decode, prefill
+from knnssd.engine.spec.drafters import DrafterConfig, build
+from knnssd.engine.spec.sampling import Verdict, Warp, accept_greedy, accept_sampled, probs
+from knnssd.engine.spec.sequence import Sequence
+from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.model.skip import SkipMask
 from tiny import prompt_ids, tiny
 
 ALPHA = 1e-3

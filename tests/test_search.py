@@ -5,12 +5,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import build
-from knnssd.engine.decoder import make_decoder
-from knnssd.engine import suffix
-from knnssd.engine.skip import SkipMask
-from knnssd.engine.suffix import SequenceIndex
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.spec.drafters import build
+from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.spec import suffix
+from knnssd.engine.model.skip import SkipMask
+from knnssd.engine.spec.suffix import SequenceIndex
 from knnssd.search import proxy, study
 from knnssd.search.costs import Costs, measure_costs
 from tiny import prompt_ids, tiny
@@ -90,7 +90,7 @@ def test_trees_are_searched_where_their_pass_was_measured():
 
 
 def test_a_search_may_take_suffix_and_picks_its_best_pure_policy():
-    from knnssd.engine.drafters import KINDS
+    from knnssd.engine.spec.drafters import KINDS
     from knnssd.search.budget import SEARCHED, Budget
 
     assert Budget(kinds=["suffix"]).kinds == ("suffix",) and "suffix" not in Budget().kinds

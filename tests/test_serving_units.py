@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knnssd.engine.params import GenerateParams
+from knnssd.engine.spec.request_params import GenerateParams
 from knnssd.serving.openai_protocol import ApiError, ChatRequest, CompletionRequest
 from knnssd.serving.text_stream import TextStream, stop_cut
 
@@ -81,7 +81,7 @@ def test_the_api_keeps_the_whole_prompt_or_refuses_it():
     (a review found the default first cut the prompt to leave room for itself, then refused it as too
     long); one that asks for more than fits, or a prompt over ``max_prompt_tokens``, is ContextTooLong
     naming what to change. Never a prompt's tail."""
-    from knnssd.engine.params import ContextTooLong, Limits, whole_prompt_ids
+    from knnssd.engine.spec.request_params import ContextTooLong, Limits, whole_prompt_ids
 
     class Words:
         def __call__(self, text):
@@ -218,7 +218,7 @@ def tiny_server():
 
     import uvicorn
 
-    from knnssd.engine.drafters import DrafterConfig
+    from knnssd.engine.spec.drafters import DrafterConfig
     from knnssd.reachable import free_port
     from knnssd.serving import openai_server
     from knnssd.serving.access import Keys

@@ -1,4 +1,4 @@
-"""The batched engine on static slots (``engine/static_slots.py``), on tiny random models on the CPU: a batch of
+"""The batched engine on static slots (``engine/static/slots.py``), on tiny random models on the CPU: a batch of
 more jobs than slots, plain and drafted, gives every prompt HF's greedy tokens; packed rows equal the same rows
 alone; the plan measures costs on the runner."""
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from knnssd.engine.batched import PromptJob, decode_batch
-from knnssd.engine.cache import CacheFull
-from knnssd.engine.decode import GenerationConfig
-from knnssd.engine.decoder import Decoder
-from knnssd.engine.drafters import LayerSkip, NGram
-from knnssd.engine.skip import SkipMask
-from knnssd.engine.stack import from_hf
-from knnssd.engine.static_slots import StaticSlots, plan
+from knnssd.engine.batch.scheduler import PromptJob, decode_batch
+from knnssd.engine.model.cache import CacheFull
+from knnssd.engine.spec.loop import GenerationConfig
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.spec.drafters import LayerSkip, NGram
+from knnssd.engine.model.skip import SkipMask
+from knnssd.engine.model.weights import from_hf
+from knnssd.engine.static.slots import StaticSlots, plan
 from tiny import hf_greedy, prompt_ids, tiny
 
 
@@ -68,7 +68,7 @@ def test_packed_exact_finds_packed_logits_or_k_v_that_differ(monkeypatch):
 
 
 def test_static_slots_are_as_long_as_their_jobs_key_bucket_within_the_kv_budget():
-    from knnssd.engine.static_slots import slots_length
+    from knnssd.engine.static.slots import slots_length
 
     kv = 1000  # bytes a position
     assert slots_length(4, 40, 4096, kv, 1 << 30) == 512  # the static decoder's bucket for 40 positions

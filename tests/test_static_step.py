@@ -1,4 +1,4 @@
-"""The static step (``engine/static_step.py``) and its runner (``engine/graphs.py``) on tiny random models.
+"""The static step (``engine/static/step.py``) and its runner (``engine/static/graphs.py``) on tiny random models.
 
 It computes what the lean forward computes; it compiles whole (``fullgraph=True``: a graph break fails)
 at fixed shapes, and the compiled step, run again on new inputs in the same buffers, matches the eager
@@ -11,13 +11,13 @@ import logging
 import pytest
 import torch
 
-from knnssd.engine.decoder import Decoder
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import LayerSkip, NGram
-from knnssd.engine.graphs import StaticDecoder, StepRunner
-from knnssd.engine.skip import SkipMask
-from knnssd.engine.stack import from_hf
-from knnssd.engine.static_step import StaticCache, keys_bucket, keys_buckets, plain, rows_bucket, step
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.spec.drafters import LayerSkip, NGram
+from knnssd.engine.static.graphs import StaticDecoder, StepRunner
+from knnssd.engine.model.skip import SkipMask
+from knnssd.engine.model.weights import from_hf
+from knnssd.engine.static.step import StaticCache, keys_bucket, keys_buckets, plain, rows_bucket, step
 from tiny import COMMON, hf_greedy, prompt_ids, tiny
 
 ARCHS = ("llama", "gemma3")  # gemma3: per-head norms, post norms, sliding windows, two rotary tables
@@ -105,7 +105,7 @@ def test_without_cuda_the_runner_runs_eagerly_and_says_so(caplog):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     s = from_hf(tiny("llama"))
-    with caplog.at_level(logging.INFO, logger="knnssd.engine.graphs"):
+    with caplog.at_level(logging.INFO, logger="knnssd.engine.static.graphs"):
         runner = StepRunner(s, StaticCache(s, slots=1, length=64))
     assert not runner.graphs
     assert "runs eagerly" in caplog.text
@@ -249,7 +249,7 @@ def test_warm_runs_every_captured_bucket_at_every_key_bucket(monkeypatch):
 
 
 def test_a_step_that_fails_to_compile_runs_uncompiled_with_a_warning(monkeypatch, caplog):
-    import knnssd.engine.graphs as graphs
+    import knnssd.engine.static.graphs as graphs
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
@@ -257,7 +257,7 @@ def test_a_step_that_fails_to_compile_runs_uncompiled_with_a_warning(monkeypatch
     monkeypatch.setattr(graphs, "_compiled_step", lambda: broken)
     s = from_hf(tiny("llama"))
     runner = StepRunner(s, StaticCache(s, slots=1, length=64), graphs=False, compiled=True)
-    with caplog.at_level(logging.WARNING, logger="knnssd.engine.graphs"):
+    with caplog.at_level(logging.WARNING, logger="knnssd.engine.static.graphs"):
         got = runner(_ids(3, 8), torch.arange(3), torch.zeros(3, dtype=torch.long))[0]
     want = StepRunner(s, StaticCache(s, slots=1, length=64), graphs=False)(_ids(3, 8), torch.arange(3),
                                                                             torch.zeros(3, dtype=torch.long))[0]

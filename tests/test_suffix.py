@@ -1,4 +1,4 @@
-"""The suffix drafter (``engine/suffix.py``): its trie against brute-force counts, its cache's eviction, and
+"""The suffix drafter (``engine/spec/suffix.py``): its trie against brute-force counts, its cache's eviction, and
 greedy decoding with it equal to plain decoding on tiny random models."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.decoder import make_decoder
-from knnssd.engine.drafters import DrafterConfig, Suffix, build
-from knnssd.engine.suffix import MATCH, SequenceIndex, SuffixCache, SuffixIndex, chain, draft_length, propose
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.spec.drafters import DrafterConfig, Suffix, build
+from knnssd.engine.spec.suffix import MATCH, SequenceIndex, SuffixCache, SuffixIndex, chain, draft_length, propose
 from tiny import hf_greedy, prompt_ids, tiny
 
 tokens = st.lists(st.integers(0, 4), min_size=0, max_size=40)
@@ -137,7 +137,7 @@ def test_the_drafter_indexes_a_sequence_incrementally():
 
 def test_complete_offers_every_drafter_kind():
     from knnssd.cli import parser
-    from knnssd.engine.drafters import KINDS
+    from knnssd.engine.spec.drafters import KINDS
 
     complete = next(a for a in parser()._subparsers._group_actions[0].choices["complete"]._actions
                     if a.dest == "drafter")

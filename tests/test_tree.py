@@ -1,4 +1,4 @@
-"""Token trees (engine/tree.py): each node's row of a tree pass is bitwise the row its token gets in a
+"""Token trees (engine/model/tree.py): each node's row of a tree pass is bitwise the row its token gets in a
 chain, in fp32 and in bf16 where the probe says exact, on trees of several shapes; greedy decoding with
 trees gives plain decoding's tokens, whichever branch holds them; sampled runs verify chains."""
 import functools
@@ -9,17 +9,19 @@ import transformers as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knnssd.engine import batched, exactness, tree
-from knnssd.engine.batch_plan import BatchPlan
-from knnssd.engine.batched import PromptJob, decode_batch
-from knnssd.engine.pass_costs import PassCosts
-from knnssd.engine.attention import NATIVE
-from knnssd.engine.decoder import Decoder
-from knnssd.engine.decode import GenerationConfig, Run, generate, prefill
-from knnssd.engine.drafters import Draft, DrafterConfig, Suffix, build
-from knnssd.engine.sampling import Warp
-from knnssd.engine.stack import from_hf
-from knnssd.engine.suffix import SequenceIndex, draft_tree
+from knnssd.engine.batch import scheduler as batched
+from knnssd.engine.model import exactness
+from knnssd.engine.model import tree
+from knnssd.engine.batch.plan import BatchPlan
+from knnssd.engine.batch.scheduler import PromptJob, decode_batch
+from knnssd.engine.model.pass_costs import PassCosts
+from knnssd.engine.model.attention import NATIVE
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.spec.loop import GenerationConfig, Run, generate, prefill
+from knnssd.engine.spec.drafters import Draft, DrafterConfig, Suffix, build
+from knnssd.engine.spec.sampling import Warp
+from knnssd.engine.model.weights import from_hf
+from knnssd.engine.spec.suffix import SequenceIndex, draft_tree
 from test_exact_step import DTYPES, STRADDLE, decoder, exact_or_skip, plain
 from tiny import ARCHS, COMMON, prompt_ids
 
@@ -274,8 +276,8 @@ def test_lookup_trees_give_plain_decodings_tokens(arch, kind):
 
 
 def test_an_ngram_tree_merges_the_continuations_of_its_latest_occurrences():
-    from knnssd.engine import suffix
-    from knnssd.engine.drafters import NGram
+    from knnssd.engine.spec import suffix
+    from knnssd.engine.spec.drafters import NGram
 
     toks = [1, 2, 3, 9, 1, 2, 4, 1, 2, 3, 7, 1, 2]  # after "1 2": "3 9", "4 1", "3 7"; the latest is "3 7"
     ng = NGram((2, 1), max_len=2)

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from knnssd import models
-from knnssd.engine.cache import BUCKET, SPAN, CacheFull, KVCache, Span
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import DrafterConfig, NGram, build
-from knnssd.engine.sampling import Warp
-from knnssd.engine.sequence import Sequence
-from knnssd.engine.decoder import make_decoder
-from knnssd.engine.skip import MaskError, SkipMask
+from knnssd.engine.model.cache import BUCKET, SPAN, CacheFull, KVCache, Span
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.spec.drafters import DrafterConfig, NGram, build
+from knnssd.engine.spec.sampling import Warp
+from knnssd.engine.spec.sequence import Sequence
+from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.model.skip import MaskError, SkipMask
 from tiny import prompt_ids, tiny
 
 
@@ -276,7 +276,7 @@ def test_a_gguf_header_read_again_is_shared_until_the_file_changes(tmp_path):
     file written again (even to the same size) is read again."""
     import os
 
-    from knnssd.engine import quantized
+    from knnssd.engine.model import quantized
 
     from tiny import tiny_gguf
 

@@ -47,9 +47,9 @@ from knnssd import models, prompts
 from knnssd.bench import throughput
 from knnssd.bench.hf import hf_generate
 from knnssd.bench.throughput import SIZES, ThroughputBench
-from knnssd.engine import exactness
-from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
-from knnssd.engine.drafters import FIXED, fixed_drafters
+from knnssd.engine.model import exactness
+from knnssd.engine.spec.loop import GenerationConfig, acceptance_rate, generate, mean_accepted
+from knnssd.engine.spec.drafters import FIXED, fixed_drafters
 from knnssd.routing import bank as banks
 from knnssd.settings import work_dir
 
@@ -196,7 +196,7 @@ class Runner:
 
     @torch.inference_mode()
     def run(self, method: str, p: prompts.Prompt) -> dict:
-        from knnssd.engine.params import GenerateParams
+        from knnssd.engine.spec.request_params import GenerateParams
 
         routed = {"knn_routed": self.routed, "knn_masks": self.masks, "knn_unmasked": self.unmasked}
         if method in routed:

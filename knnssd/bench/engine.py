@@ -17,11 +17,11 @@ import torch
 from knnssd import models
 from knnssd import prompts as prompt_sets
 from knnssd.bench.hf import hf_generate
-from knnssd.engine.decode import GenerationConfig, generate
-from knnssd.engine.drafters import DrafterConfig, build, untuned
-from knnssd.engine.decoder import Decoder
-from knnssd.engine.skip import SkipMask
-from knnssd.engine.timing import pass_timer
+from knnssd.engine.spec.loop import GenerationConfig, generate
+from knnssd.engine.spec.drafters import DrafterConfig, build, untuned
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.skip import SkipMask
+from knnssd.engine.model.timing import pass_timer
 
 
 @dataclass

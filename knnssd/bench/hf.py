@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from knnssd.engine.timing import sync
+from knnssd.engine.model.timing import sync
 
 
 def hf_generate(lm, ids: list[int], max_new_tokens: int, eos_ids: tuple[int, ...], prompt_lookup: int = 0

@@ -5,7 +5,7 @@ one decoder, one dtype and thread count (``knnssd bench --throughput N`` adds th
 report, over its own loaded model and its domains):
 
 - ``routed b=1``: today's routed decoding, one prompt after another;
-- ``plain b=N``: N sequences decoded together with no drafter (``engine.batched``);
+- ``plain b=N``: N sequences decoded together with no drafter (``engine.batch.scheduler``);
 - ``routed b=N``: N sequences together, each with its routed cluster's drafter, draft lengths from
   goodput;
 - ``routed auto``: the batch size ``--batch-size auto`` picks;
@@ -36,10 +36,10 @@ import torch
 
 from knnssd import models, prompts
 from knnssd.bench import peers
-from knnssd.engine import batch_plan
-from knnssd.engine.batched import BatchStats, PromptJob, decode_batch
-from knnssd.engine.decode import GenerationConfig
-from knnssd.engine.params import GenerateParams
+from knnssd.engine.batch import plan as batch_plan
+from knnssd.engine.batch.scheduler import BatchStats, PromptJob, decode_batch
+from knnssd.engine.spec.loop import GenerationConfig
+from knnssd.engine.spec.request_params import GenerateParams
 
 SIZES = (4, 8, 16)
 

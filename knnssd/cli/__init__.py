@@ -85,7 +85,7 @@ def _signals_unwind():
 
 def main(argv: list[str] | None = None) -> int:
     from knnssd import console
-    from knnssd.engine.skip import MaskError
+    from knnssd.engine.model.skip import MaskError
     from knnssd.flows.server import PrefectUnavailable
     from knnssd.models import ModelError, resolve_device
     from knnssd.prompts import PromptError

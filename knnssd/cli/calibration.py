@@ -21,7 +21,7 @@ def _check_search(a, registered: bool = False):
     budget, the study storage, the tracking store and the budget's new tokens against the model's
     context. Returns the model's config."""
     from knnssd import models
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.request_params import GenerateParams
     from knnssd.search.budget import Budget
 
     budget = Budget(**budget_values(a))
@@ -133,7 +133,7 @@ def cmd_promote(a) -> int:
     from knnssd.flows.promote import PromoteParams, promote
 
     from knnssd import models, prompts, tracking
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.request_params import GenerateParams
     from knnssd.serving import promote as promotion
 
     params = PromoteParams(model=a.model, candidate=a.candidate, champion=a.champion, inputs=a.input or [],

@@ -12,10 +12,10 @@ def cmd_complete(a) -> int:
     import dataclasses
 
     from knnssd import models
-    from knnssd.engine.decode import GenerationConfig, generate
-    from knnssd.engine.drafters import SKIPPING, DrafterConfig, build
-    from knnssd.engine.params import GenerateParams, check_prompt, prompt_ids
-    from knnssd.engine.skip import SkipMask
+    from knnssd.engine.spec.loop import GenerationConfig, generate
+    from knnssd.engine.spec.drafters import SKIPPING, DrafterConfig, build
+    from knnssd.engine.spec.request_params import GenerateParams, check_prompt, prompt_ids
+    from knnssd.engine.model.skip import SkipMask
 
     # what the user typed is checked before the model loads, with the checks and truncation of `generate`
     p = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -45,7 +45,7 @@ def cmd_generate(a) -> int:
     from knnssd.flows.generate import generate
 
     from knnssd import models
-    from knnssd.engine.params import GenerateParams, batch_size
+    from knnssd.engine.spec.request_params import GenerateParams, batch_size
     from knnssd.serving.batch import already_complete, check_output, run_settings, writing
     from knnssd.serving.request import GenerateRequest
 

@@ -30,7 +30,7 @@ def bank_arg(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
-    """What one generation takes besides its length (``engine.params.GenerateParams``)."""
+    """What one generation takes besides its length (``engine.spec.request_params.GenerateParams``)."""
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longer prompts keep their last tokens (warned)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)

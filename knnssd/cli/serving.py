@@ -11,7 +11,7 @@ def cmd_serve(a) -> int:
     import math
 
     from knnssd import models, tracking
-    from knnssd.engine.params import batch_size
+    from knnssd.engine.spec.request_params import batch_size
     from knnssd.reachable import listen_error
     from knnssd.routing import bank as banks
     from knnssd.serving import access, openai_server

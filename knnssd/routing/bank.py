@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from knnssd import __version__
-from knnssd.engine.drafters import FIXED, DrafterConfig, fixed_kind, untuned
-from knnssd.engine.skip import MaskError, SkipMask
+from knnssd.engine.spec.drafters import FIXED, DrafterConfig, fixed_kind, untuned
+from knnssd.engine.model.skip import MaskError, SkipMask
 from knnssd.routing.router import Cluster, Pooling, Router, stack_anchors
 
 FORMAT = 1

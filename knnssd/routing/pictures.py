@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from knnssd.engine.drafters import SKIPPING
+from knnssd.engine.spec.drafters import SKIPPING
 
 
 def _plt():

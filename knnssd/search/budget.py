@@ -20,7 +20,7 @@ def setting(default, help: str, flag: str | None = None):
     return field(default=default, metadata=meta)
 
 
-# The drafter kinds a search may take (``engine.drafters.KINDS`` but "none": plain decoding always is a
+# The drafter kinds a search may take (``engine.spec.drafters.KINDS`` but "none": plain decoding always is a
 # candidate). suffix policies are not searched by default (on the embedded model they measured no faster than
 # n-gram lookup, docs/benchmarks.md), but wherever a lookup kind is, the fixed suffix drafter is timed and may
 # be taken (``objective.choose``).

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from knnssd.engine.decoder import Decoder
+from knnssd.engine.model.decoder import Decoder
 
-from knnssd.engine.skip import SkipMask
-from knnssd.engine.timing import median_ms, pass_timer
+from knnssd.engine.model.skip import SkipMask
+from knnssd.engine.model.timing import median_ms, pass_timer
 
 
 @dataclass

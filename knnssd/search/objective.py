@@ -3,7 +3,7 @@ speedup of a stage-2 candidate, and the choice among the measured ones (``optimi
 
 - **proxy** (``proxy_value``): a trial's skip mask and draft precision give teacher-forced traces over
   the cluster's samples; the best drafting policy on them (``proxy.best_policy``, which replays the
-  loop with ``engine.draft_policy``'s rules and measured step costs) predicts the decode speedup, the
+  loop with ``engine.spec.draft_policy``'s rules and measured step costs) predicts the decode speedup, the
   trial's value.
 - **measured** (``measure``): a candidate's decode-only time against plain decoding's, prompt by
   prompt, alternating which goes first so both see the same drift of the machine; speedup = plain
@@ -20,9 +20,9 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
-from knnssd.engine.decoder import Decoder
-from knnssd.engine.drafters import Drafter, DrafterConfig, fixed_kind
+from knnssd.engine.spec.loop import GenerationConfig, acceptance_rate, generate, mean_accepted
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.spec.drafters import Drafter, DrafterConfig, fixed_kind
 from knnssd.search import cancel
 from knnssd.search.costs import Costs
 from knnssd.search.proxy import LOOKUPS, Sample, best_policy, trace

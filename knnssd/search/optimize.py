@@ -31,12 +31,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from knnssd.engine.decode import GenerationConfig
-from knnssd.engine.drafters import FIXED, SKIPPING, DrafterConfig, build, fixed_kind, untuned
-from knnssd.engine.pass_costs import sequence_costs
-from knnssd.engine.suffix import SuffixCache
-from knnssd.engine.decoder import Decoder
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.spec.loop import GenerationConfig
+from knnssd.engine.spec.drafters import FIXED, SKIPPING, DrafterConfig, build, fixed_kind, untuned
+from knnssd.engine.model.pass_costs import sequence_costs
+from knnssd.engine.spec.suffix import SuffixCache
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.skip import SkipMask
 from knnssd.routing.bank import ClusterResult
 from knnssd.search import cancel, objective
 from knnssd.search.budget import Budget

@@ -18,18 +18,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from knnssd.engine.decode import GenerationConfig, acceptance_rate, generate, mean_accepted
-from knnssd.engine import draft_policy, suffix, tree
-from knnssd.engine.exactness import MAX_T
-from knnssd.engine.drafters import DrafterConfig, NGram, Suffix
-from knnssd.engine.suffix import SequenceIndex
-from knnssd.engine.decoder import Decoder
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.spec.loop import GenerationConfig, acceptance_rate, generate, mean_accepted
+from knnssd.engine.spec import draft_policy
+from knnssd.engine.spec import suffix
+from knnssd.engine.model import tree
+from knnssd.engine.model.exactness import MAX_T
+from knnssd.engine.spec.drafters import DrafterConfig, NGram, Suffix
+from knnssd.engine.spec.suffix import SequenceIndex
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.skip import SkipMask
 from knnssd.search import cancel
 from knnssd.search.costs import Costs
 
 THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.9)
-PROBED = MAX_T - 1  # the longest draft the exactness probe covers (less the step's own row), as ``decode.Run``
+PROBED = MAX_T - 1  # the longest draft the exactness probe covers (less the step's own row), as ``loop.Run``
 MAX_LENS = (2, 3, 4, 6, 8, 10)
 TREES = (0, 4, 8, 11)  # a lookup drafter's tree sizes tried (0: chains; 11: the longest pass the probe checks)
 TREE_KEY = "trees"  # (TREE_KEY, "suffix" or n-gram sizes): the proposals' entries that hold ``Trees``
@@ -147,7 +149,7 @@ LOOKUPS = ("ngram", "suffix")  # those that draft by lookup alone
 
 def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, costs: Costs, draft_ms: float,
              proposals: list[list[list[int]]] | None, trees: Trees | None = None) -> tuple[float, float, float]:
-    """Replay the speculative loop on teacher-forced traces, with ``draft_policy``'s rules as ``decode.Run``
+    """Replay the speculative loop on teacher-forced traces, with ``draft_policy``'s rules as ``loop.Run``
     and the drafters apply them: (predicted decode speedup, acceptance, mean accepted). ``trees``: the
     lookup drafter's, for a policy with ``tree`` > 0 (the suffix drafter's chain where it has none)."""
     spec_t = ar_t = 0.0
@@ -173,7 +175,7 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
                 offer = None
                 if kk > 0 and draft_policy.hybrid_uses_ngram(prop):
                     prop = prop[:kk]
-                    if priced is not None:  # as ``decode.Run.priced``
+                    if priced is not None:  # as ``loop.Run.priced``
                         state = draft_policy.goodput_state(len(prop), last)
                         offer = state, prop, priced.length(state, len(prop), costs.verify_ms)
                         prop = prop[: offer[2]]

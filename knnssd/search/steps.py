@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from knnssd import locks, models, prompts, tracking
-from knnssd.engine.exactness import source_digest
+from knnssd.engine.model.exactness import source_digest
 from knnssd.routing import bank as banks
 from knnssd.routing import pictures, router
 from knnssd.search import cancel, optimize

@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from knnssd.engine.skip import SkipMask
+from knnssd.engine.model.skip import SkipMask
 
 
 def trial_params(mask: SkipMask, int8: bool) -> dict:

@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from knnssd import locks
-from knnssd.engine.batch_plan import auto_slots, check_slots
-from knnssd.engine.batched import BatchStats
-from knnssd.engine.decode import acceptance_rate, mean_accepted
-from knnssd.engine.params import GenerateParams
+from knnssd.engine.batch.plan import auto_slots, check_slots
+from knnssd.engine.batch.scheduler import BatchStats
+from knnssd.engine.spec.loop import acceptance_rate, mean_accepted
+from knnssd.engine.spec.request_params import GenerateParams
 from knnssd.prompts import Prompt
 from knnssd.routing.bank import Bank
 from knnssd.serving.output_paths import OutputError, lock_path, progress_path
@@ -258,7 +258,7 @@ def write_parquet(rows: list[dict], output: Path) -> None:
 def run(request: GenerateRequest, gen: RoutedGenerator | None = None, rows: list[Prompt] | None = None,
         flush_every: int = 8, unmatched_dir: Path | None = None) -> Summary:
     """Generate every prompt of ``request`` not yet in its output, ``request.batch_size`` sequences at a time
-    (None: auto, ``engine.batch_plan.auto_slots``; 1: one at a time). ``gen`` and ``rows``: the request's own
+    (None: auto, ``engine.batch.plan.auto_slots``; 1: one at a time). ``gen`` and ``rows``: the request's own
     (``request.generator()``, ``request.rows()``, read once a process) unless given."""
     output = request.output_path()
     if rows is None:

@@ -1,4 +1,4 @@
-"""Concurrent requests decoded together: one thread runs a continuous batch (``engine.batched``) over
+"""Concurrent requests decoded together: one thread runs a continuous batch (``engine.batch.scheduler``) over
 a queue; each request puts its prompts in and follows them, token by token (``submit``: the
 OpenAI server's streams) or to the end (``generate``: the pyfunc model).
 
@@ -23,10 +23,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from knnssd.engine.batch_plan import BatchPlan
-from knnssd.engine.batched import JobQueue, Scheduler
-from knnssd.engine.decode import Prefill, Run, prefill
-from knnssd.engine.params import GenerateParams, Limits, check_fits
+from knnssd.engine.batch.plan import BatchPlan
+from knnssd.engine.batch.scheduler import JobQueue, Scheduler
+from knnssd.engine.spec.loop import Prefill, Run, prefill
+from knnssd.engine.spec.request_params import GenerateParams, Limits, check_fits
 from knnssd.routing.bank import Bank
 from knnssd.serving.routed import Result, RoutedGenerator, RoutedJob
 
@@ -251,7 +251,7 @@ def serving_plan(gen: RoutedGenerator, slots: int | None, option: str, always: b
     batch. With ``max_len`` no request reserves more positions, so the plan may put the batch on static
     slots (``RoutedGenerator.plan``: CUDA graphs on a GPU); without it, a request may reserve more than
     the default settings' positions, and the slots must be able to grow."""
-    from knnssd.engine.batch_plan import auto_slots, check_slots
+    from knnssd.engine.batch.plan import auto_slots, check_slots
 
     if not gen.can_batch:
         return None

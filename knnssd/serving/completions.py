@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from knnssd.engine.params import ContextTooLong, GenerateParams, whole_prompt_ids
+from knnssd.engine.spec.request_params import ContextTooLong, GenerateParams, whole_prompt_ids
 from knnssd.serving.access import key_name
 from knnssd.serving.batcher import Batcher, QueueFull, StreamJob
 from knnssd.serving.metrics import ServerMetrics

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from knnssd import prompts
-from knnssd.engine.decode import GenerationConfig
+from knnssd.engine.spec.loop import GenerationConfig
 
 
 @torch.inference_mode()
@@ -18,7 +18,7 @@ def routing_accuracy(model_uri: str, data: Path | None = None, per_domain: int |
     time to generate ``max_new_tokens`` (measured on ``timed`` prompts per domain)."""
     from tqdm import tqdm
 
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.request_params import GenerateParams
 
     from knnssd.serving.routed import RoutedGenerator
 

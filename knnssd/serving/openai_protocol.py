@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
-from knnssd.engine.params import GenerateParams
+from knnssd.engine.spec.request_params import GenerateParams
 from knnssd.serving.routed import Result
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

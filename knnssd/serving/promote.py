@@ -39,7 +39,7 @@ def compare(candidate_dir, champion_dir, rows: list[prompts.Prompt], versions: t
     from tqdm import tqdm
 
     from knnssd import models
-    from knnssd.engine.params import GenerateParams
+    from knnssd.engine.spec.request_params import GenerateParams
     from knnssd.routing import bank as banks
     from knnssd.serving.routed import RoutedGenerator
 

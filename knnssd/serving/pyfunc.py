@@ -20,7 +20,7 @@ import pandas as pd
 def server_settings(env) -> dict:
     """The ``KNNSSD_*`` settings of ``env``, each checked in one line by the rules of the CLI's options
     (``--dtype``, ``--device``, ``--batch-size``); an empty value means its default."""
-    from knnssd.engine.params import batch_size
+    from knnssd.engine.spec.request_params import batch_size
     from knnssd.models import DTYPES, resolve_device
     from knnssd.settings import graphs
 
@@ -59,7 +59,7 @@ class KnnSsdModel(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
 
-        from knnssd.engine.params import GenerateParams, check_prompt
+        from knnssd.engine.spec.request_params import GenerateParams, check_prompt
 
         try:  # a bad request is answered 400 with the reason in "message", before any generation
             p = GenerateParams.from_dict(params or {})

@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from knnssd.engine.params import GenerateParams, check_batch_size, check_prompt
+from knnssd.engine.spec.request_params import GenerateParams, check_batch_size, check_prompt
 from knnssd.prompts import Prompt
 from knnssd.routing import bank as banks
 from knnssd.serving.output_paths import check_paths, output_path

@@ -16,15 +16,16 @@ from pathlib import Path
 import numpy as np
 
 from knnssd import console, models
-from knnssd.engine import batch_plan, static_slots
-from knnssd.engine.batch_plan import BatchPlan
-from knnssd.engine.batched import BatchStats, decode_batch
-from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Run, prefill
-from knnssd.engine.drafters import build
-from knnssd.engine.graphs import CAPTURE_ROWS
-from knnssd.engine.pass_costs import sequence_costs
-from knnssd.engine.suffix import SuffixCache
-from knnssd.engine.params import GenerateParams, prompt_ids
+from knnssd.engine.batch import plan as batch_plan
+from knnssd.engine.static import slots as static_slots
+from knnssd.engine.batch.plan import BatchPlan
+from knnssd.engine.batch.scheduler import BatchStats, decode_batch
+from knnssd.engine.spec.loop import DecodeStats, GenerationConfig, Prefill, Run, prefill
+from knnssd.engine.spec.drafters import build
+from knnssd.engine.static.graphs import CAPTURE_ROWS
+from knnssd.engine.model.pass_costs import sequence_costs
+from knnssd.engine.spec.suffix import SuffixCache
+from knnssd.engine.spec.request_params import GenerateParams, prompt_ids
 from knnssd.routing import bank as banks
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class RoutedGenerator:
         return cls(models.load(model or bank.model, dtype, device), bank)
 
     def tokenize(self, prompt: str, params: GenerateParams) -> tuple[list[int], bool]:
-        """``params``' prompt policy within the model's limits (``engine.params.prompt_ids``)."""
+        """``params``' prompt policy within the model's limits (``engine.spec.request_params.prompt_ids``)."""
         return prompt_ids(self.lm.tokenizer, prompt, params, self.lm.limits)
 
     def positions(self, prompts: list[str], params: GenerateParams) -> int:
@@ -144,8 +145,8 @@ class RoutedGenerator:
                       stats: BatchStats | None = None, on_step: Callable[[list], None] | None = None
                       ) -> Iterator[tuple[object, Result]]:
         """(key, Result) for each (key, prompt), ``plan.slots`` sequences decoded together
-        (``engine.batched``), yielded as each finishes; ``stats`` collects the per-step figures, and
-        ``on_step`` is called after each step (``engine.batched.Scheduler``). Each
+        (``engine.batch.scheduler``), yielded as each finishes; ``stats`` collects the per-step figures, and
+        ``on_step`` is called after each step (``engine.batch.scheduler.Scheduler``). Each
         sequence drafts with its own copy of its cluster's drafter; its tokens equal its
         one-at-a-time generation's where ``plan.exact``."""
         jobs = ((key, *self.tokenize(prompt, params)) for key, prompt in prompts)
@@ -160,7 +161,7 @@ class RoutedGenerator:
         return self.decoder.can_batch
 
     def plan(self, slots: int, positions: int = 0, bound: bool = True) -> BatchPlan:
-        """A batched run's measured plan (``engine.batch_plan.plan``; ``positions``: the most a job reserves,
+        """A batched run's measured plan (``engine.batch.plan.plan``; ``positions``: the most a job reserves,
         prompt and new tokens, when known). Where the static step runs, ``positions`` is known and ``bound`` (no
         job will reserve more: static slots do not grow), and ``slots`` fit one captured bucket, static slots
         are measured too, and the plan whose packed pass costs less is returned (exactness first); a plan on
@@ -202,7 +203,7 @@ class RoutedGenerator:
 
 @dataclass
 class RoutedJob:
-    """One prompt of a routed generation (``engine.batched.Job``): its prefill picks its drafter."""
+    """One prompt of a routed generation (``engine.batch.scheduler.Job``): its prefill picks its drafter."""
 
     gen: RoutedGenerator
     ids: list[int]

@@ -1,5 +1,5 @@
 """One generation's state: its tokens, the decoder it runs on, its sampling warp and generator.
-``decode`` advances it; drafters read it to propose tokens."""
+``loop`` advances it; drafters read it to propose tokens."""
 from __future__ import annotations
 
 import itertools
@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from knnssd.engine.sampling import Warp
-from knnssd.engine.decoder import Decoder, HFDecoder
+from knnssd.engine.spec.sampling import Warp
+from knnssd.engine.model.decoder import Decoder, HFDecoder
 
 _uids = itertools.count()
 

@@ -1,4 +1,4 @@
-"""The decoder: the lean forward pass over ``stack.Stack`` tensors and a KV cache that rolls back exactly,
+"""The decoder: the lean forward pass over ``weights.Stack`` tensors and a KV cache that rolls back exactly,
 with or without a ``skip.SkipMask``.
 
 ``Decoder`` is the fast path: the lean forward with a static ``cache.KVCache``. ``HFDecoder`` is the
@@ -18,12 +18,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from knnssd.engine import native, tree
-from knnssd.engine.attention import NATIVE, PREFILL_ROWS, SDPA, Attention, PositionMask, allowed, prefill_form
-from knnssd.engine.cache import KVCache, SlotPool, Span
-from knnssd.engine.forms import Output
-from knnssd.engine.skip import MaskError, SkipMask
-from knnssd.engine.stack import Layer, Stack, UnsupportedArchitecture, from_hf, native_layers
+from knnssd.engine.model import native
+from knnssd.engine.model import tree
+from knnssd.engine.model.attention import NATIVE, PREFILL_ROWS, SDPA, Attention, PositionMask, allowed, prefill_form
+from knnssd.engine.model.cache import KVCache, SlotPool, Span
+from knnssd.engine.model.forms import Output
+from knnssd.engine.model.skip import MaskError, SkipMask
+from knnssd.engine.model.weights import Layer, Stack, UnsupportedArchitecture, from_hf, native_layers
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class Decoder:
     call per length), or, for positions given as a tensor (never read on the host), the whole
     reserved length: one shape for the generation. A generation uses one of the two forms
     throughout (the decode loop passes ints). ``stack`` swaps in another set of weights with the
-    same shape (e.g. ``stack.int8()`` for drafts). ``attention`` and ``exactness`` are set by
+    same shape (e.g. ``weights.int8()`` for drafts). ``attention`` and ``exactness`` are set by
     ``exactness.choose`` at load.
     """
 
@@ -468,9 +469,9 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
     ``forward`` would run it; or, with the ``pool`` whose caches the slots hold (``SlotPool``), once per
     key length over the pool's rows (``attention.batch``). Where the linears are row-invariant for the
     packed row count, and the batched attention is invariant to the batch and to the padded query rows
-    (``batch_plan.pooled_exact`` checks both), each call's logits (T_b, V) equal its own ``forward``'s,
+    (``plan.pooled_exact`` checks both), each call's logits (T_b, V) equal its own ``forward``'s,
     bitwise. No skip mask: this is verification. A pool with a packed pass of its own
-    (``static_slots.StaticSlots``) runs the calls itself.
+    (``slots.StaticSlots``) runs the calls itself.
 
     ``trees[b]``: the parents of a token tree that call b's ids are (``tree.py``), or None for a chain. Only
     the native layers over a ``SlotPool`` take trees (``packs_trees``), each node's row bitwise its
@@ -672,7 +673,7 @@ def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None
     lean forward is checked against HF on the model's own weights first (blocks made at load differ from them
     by design: a tiny model's Q4_1 logits moved by 1.8), and the probe measures the blocks.
     """
-    from knnssd.engine import exactness
+    from knnssd.engine.model import exactness
 
     try:
         dec = Decoder(from_hf(model))
@@ -701,7 +702,7 @@ def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None
 
 
 def _fallback(model: torch.nn.Module) -> "HFDecoder":
-    from knnssd.engine import exactness
+    from knnssd.engine.model import exactness
 
     dec = HFDecoder(model)
     dec.exactness = exactness.probe_fixed(dec, "hf")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from knnssd.engine import native
+from knnssd.engine.model import native
 
 
 class UnsupportedArchitecture(ValueError):

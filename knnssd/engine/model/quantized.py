@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from knnssd.engine import native
-from knnssd.engine.stack import PROJECTIONS, NativeLinear, Stack
+from knnssd.engine.model import native
+from knnssd.engine.model.weights import PROJECTIONS, NativeLinear, Stack
 
 BLOCK = 32
-# GGUF tensor names of a layer's projections, in the order ``stack.Layer``'s fused ones concatenate them
+# GGUF tensor names of a layer's projections, in the order ``weights.Layer``'s fused ones concatenate them
 SOURCES = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
            "down": ("ffn_down",)}
 

@@ -1,6 +1,6 @@
 """Static steps run over one ``StaticCache``, replayed from CUDA graphs where the device has them.
 
-A call's rows are copied into the input buffers of their bucket (``static_step.rows_bucket``) and padded
+A call's rows are copied into the input buffers of their bucket (``step.rows_bucket``) and padded
 with scratch rows. With ``compiled``, the step is ``torch.compile``d (``fullgraph=True, dynamic=False``)
 before it is captured: inductor fuses the norms, rotary and pointwise ops, which cuts the kernels a
 step launches, and so a replay's time on a launch-bound GPU. Each (skip mask, bucket, slot, key bucket)
@@ -25,12 +25,12 @@ from typing import NamedTuple
 
 import torch
 
-from knnssd.engine import exactness
-from knnssd.engine.cache import CacheFull
-from knnssd.engine.decoder import Decoder, Output
-from knnssd.engine.skip import MaskError, SkipMask
-from knnssd.engine.stack import Stack
-from knnssd.engine.static_step import ROW_BUCKETS, StaticCache, keys_bucket, keys_buckets, plain, rows_bucket, step
+from knnssd.engine.model import exactness
+from knnssd.engine.model.cache import CacheFull
+from knnssd.engine.model.decoder import Decoder, Output
+from knnssd.engine.model.skip import MaskError, SkipMask
+from knnssd.engine.model.weights import Stack
+from knnssd.engine.static.step import ROW_BUCKETS, StaticCache, keys_bucket, keys_buckets, plain, rows_bucket, step
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class _Graph(NamedTuple):
 
 class StepRunner:
     """``runner(ids, pos, slots, skip, slot, keys)`` -> logits (n, V) and hidden states (n, E) of n rows
-    (``static_step.step``), on CUDA graphs when ``graphs`` and the device is CUDA, else eagerly. They are views
+    (``step.step``), on CUDA graphs when ``graphs`` and the device is CUDA, else eagerly. They are views
     of buffers that the next call of the same key overwrites. Nothing checks that ``keys`` is above every
     row's position (that would read the device): a row past it would not see its own key."""
 
@@ -79,8 +79,8 @@ class StepRunner:
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, skip: SkipMask | None = None,
                  slot: int | None = None, keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, pos, slots: (n,) long on the cache's device; ``slot``: every row's, where they are one sequence's;
-        ``keys``: a key bucket (``static_step.keys_bucket``) above every row's position, default the cache's
-        length (``static_step.step``)."""
+        ``keys``: a key bucket (``step.keys_bucket``) above every row's position, default the cache's
+        length (``step.step``)."""
         n = ids.shape[0]
         keys = keys or self.cache.length
         R = self._fill(ids, pos, slots)
@@ -200,7 +200,7 @@ class StepRunner:
 
 
 def _compiled_step():
-    """``static_step.step`` under ``torch.compile``: one graph per (skip mask, bucket, slot, keys), so the
+    """``step.step`` under ``torch.compile``: one graph per (skip mask, bucket, slot, keys), so the
     recompile limits are raised to hold every key a runner captures."""
     import torch._dynamo.config as dc
 
@@ -211,7 +211,7 @@ def _compiled_step():
 
 
 class StaticSequence:
-    """What every sequence on the static step shares (``StaticDecoder``, ``static_slots.SlotView``): drafting
+    """What every sequence on the static step shares (``StaticDecoder``, ``slots.SlotView``): drafting
     with skip masks, and none of the decoder's other forms."""
 
     can_skip, can_tree, can_batch, runs_ahead = True, False, False, False  # ``forms.DecoderForm``
@@ -230,20 +230,20 @@ class StaticSequence:
 
 
 class StaticDecoder(StaticSequence):
-    """One sequence on the static step: ``decoder.Decoder``'s interface for the decoding loop (``decode.py``)
+    """One sequence on the static step: ``decoder.Decoder``'s interface for the decoding loop (``loop.py``)
     and the drafters (``forward``, ``reserve``, ``rollback``), over slot 0 of a ``StaticCache`` of ``length``
     positions, on a ``StepRunner``. A skip mask's draft step is a graph of its own; a tapped pass (a prompt's
     prefill for its routing vector) runs eagerly; int8 draft weights and influence outputs are not offered
     (they raise). ``exactness`` is measured on this step (``exactness.probe_fixed``), since its rows are not
     the eager decoder's, at every key bucket.
 
-    Its steps attend over a key bucket (``static_step.keys_bucket``) chosen at ``reserve``, which the
+    Its steps attend over a key bucket (``step.keys_bucket``) chosen at ``reserve``, which the
     decoding loop calls once a request with the prompt's length plus ``max_new_tokens``: every step of a
     request, plain or speculative, reads the same bucket, so a verify pass's rows are compared with one-row
     steps of the same shape. So a request's tokens may depend on its bucket (on the prompt's length plus
     ``max_new_tokens``) where the attention kernel's sums split by key length and two tokens nearly tie."""
 
-    # plain greedy decoding may launch a step before the last one is read (``decode.Run``): safe because
+    # plain greedy decoding may launch a step before the last one is read (``loop.Run``): safe because
     # ``rollback`` never discards a position, so the step launched past the one read keeps its K/V
     runs_ahead = True
 

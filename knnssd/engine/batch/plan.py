@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from knnssd.engine import exactness
-from knnssd.engine.cache import BUCKET, SPAN, KVCache
-from knnssd.engine.pass_costs import PassCosts, measure_pass_costs, packed_passes
-from knnssd.engine.params import KV_MEMORY, too_many_slots
-from knnssd.engine.prefixes import prefix_exact
-from knnssd.engine.decoder import Decoder, forward_slots
-from knnssd.engine.timing import median_ms
+from knnssd.engine.model import exactness
+from knnssd.engine.model.cache import BUCKET, SPAN, KVCache
+from knnssd.engine.model.pass_costs import PassCosts, measure_pass_costs, packed_passes
+from knnssd.engine.spec.request_params import KV_MEMORY, too_many_slots
+from knnssd.engine.batch.prefixes import prefix_exact
+from knnssd.engine.model.decoder import Decoder, forward_slots
+from knnssd.engine.model.timing import median_ms
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class BatchPlan:
     the positions each pooled slot is allocated at the start (``positions``; 0: as jobs reserve them),
     and whether prompts reuse the leading positions of others in the batch (``shares``: measured exact,
     ``prefix_exact``); ``recalled``: ``pooled`` and ``shares`` were taken from a record (``plan``); ``runs_on``:
-    the decoder the plan measured, where it is not the one the run is given (``static_slots.plan``)."""
+    the decoder the plan measured, where it is not the one the run is given (``slots.plan``)."""
 
     slots: int
     costs: PassCosts
@@ -165,12 +165,13 @@ class BatchPlan:
     shares: bool = False
     recalled: bool = False
     runs_on: object = None  # what the run decodes on where not the decoder it is given: the static slots
-    # (``static_slots.plan``) whose passes these figures measured
+    # (``slots.plan``) whose passes these figures measured
 
 
 # The engine code the checks run besides the forward pass (the record's name, from
 # ``models.LoadedModel.batch_record``, carries the forward pass's code through ``exactness.machine_key``).
-CHECK_CODE = tuple(Path(__file__).parent / f for f in ("batch_plan.py", "prefixes.py", "decode.py", "sequence.py"))
+CHECK_CODE = tuple(Path(__file__).parents[1] / f for f in ("batch/plan.py", "batch/prefixes.py", "spec/loop.py",
+                                                             "spec/sequence.py"))
 
 
 def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT_MEMORY,

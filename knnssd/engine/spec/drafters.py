@@ -1,7 +1,7 @@
 """Zero-training drafters behind one small interface.
 
 A drafter proposes up to ``k`` next tokens for a ``Sequence`` (the tokens so far and the
-decoder with its KV cache); the full model then verifies them in one pass (``decode.py``).
+decoder with its KV cache); the full model then verifies them in one pass (``loop.py``).
 
     LayerSkip  the model itself with some sub-layers skipped (a ``SkipMask``), optionally on
                int8 copies of its weights; stops early when its confidence drops below a threshold
@@ -23,10 +23,12 @@ from typing import Protocol
 
 import torch
 
-from knnssd.engine import draft_policy, suffix, tree
-from knnssd.engine.sampling import draw, probs
-from knnssd.engine.sequence import Sequence
-from knnssd.engine.skip import MaskError, SkipMask
+from knnssd.engine.spec import draft_policy
+from knnssd.engine.spec import suffix
+from knnssd.engine.model import tree
+from knnssd.engine.spec.sampling import draw, probs
+from knnssd.engine.spec.sequence import Sequence
+from knnssd.engine.model.skip import MaskError, SkipMask
 
 KINDS = ("none", "layer_skip", "ngram", "hybrid", "suffix")
 SKIPPING = ("layer_skip", "hybrid")  # the kinds that run a skip mask (the others ignore one)

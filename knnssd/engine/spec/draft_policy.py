@@ -1,4 +1,4 @@
-"""The draft policy: one definition for the decoding loop (``decode.Run`` and the drafters) and the
+"""The draft policy: one definition for the decoding loop (``loop.Run`` and the drafters) and the
 search's simulator (``search.proxy.simulate``), so that what the search predicts is what decoding does.
 
 Terms:
@@ -108,7 +108,7 @@ class Goodput:
     is shrunk towards all states' (``PRIOR``), and those towards 1/2.
 
     The counts are this object's: one per drafter, shared by the sequences it drafts for, as a bank's cluster
-    shares its drafter. ``decode.Run`` applies it, and the search's simulator (``search.proxy.simulate``) too,
+    shares its drafter. ``loop.Run`` applies it, and the search's simulator (``search.proxy.simulate``) too,
     so what the search predicts for a goodput drafter is what decoding does. A batch's draft lengths have their
     own rule over the same v(R) (``draft_lengths.choose_lengths``: every sequence's rows in one pass)."""
 

@@ -16,7 +16,7 @@ place ``start + node`` and reads its ancestors' from theirs (``native.TreeMap``)
 ``settle`` puts the accepted path's K/V at its positions; later positions are masked.
 
 Greedy only: under sampling a tree would need a multi-draft rejection scheme to keep the distribution,
-so sampled runs verify the chain (``decode.Run``).
+so sampled runs verify the chain (``loop.Run``).
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass, fields
 
-from knnssd.engine.cache import KVCache
-from knnssd.engine.sampling import Warp
+from knnssd.engine.model.cache import KVCache
+from knnssd.engine.spec.sampling import Warp
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class Limits:
     def check_slots(self, slots: int, positions: int, name: str) -> None:
         """A batch size asked for (``name``: the option) within the budget, from the config alone: each of
         ``slots`` sequences takes at least ``positions``, at the model's dtype. A cache kept wider than the
-        model (some steps keep fp32 K/V) holds fewer: ``batch_plan.check_slots`` counts the real one."""
+        model (some steps keep fp32 K/V) holds fewer: ``plan.check_slots`` counts the real one."""
         most = max(1, self.memory // (self.kv_bytes * KVCache.bucket(positions)))
         if slots > most:
             raise too_many_slots(name, slots, most, positions, self.memory)

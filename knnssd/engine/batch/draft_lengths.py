@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-from knnssd.engine.decode import Run
-from knnssd.engine.draft_policy import add_at, count_at
-from knnssd.engine.pass_costs import PassCosts
+from knnssd.engine.spec.loop import Run
+from knnssd.engine.spec.draft_policy import add_at, count_at
+from knnssd.engine.model.pass_costs import PassCosts
 
 EXPLORE = 16  # a sequence the rule has not let draft for EXPLORE steps per active sequence drafts once, and
 # is measured again (figures that once said "not worth it" would otherwise never change)

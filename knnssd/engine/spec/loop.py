@@ -10,7 +10,7 @@
 Plain autoregressive decoding is the same loop with no drafter, so the two are measured by
 the same code. ``generate`` returns the new tokens and a ``DecodeStats``. One sequence's state is a
 ``Run`` (``propose`` the rows to verify, ``accept`` the logits for them), so the batched loop
-(``batched.py``) advances several with the same code. A greedy run alone verifies a drafter's token
+(``scheduler.py``) advances several with the same code. A greedy run alone verifies a drafter's token
 trees where it has them (``accept_tree``; ``tree.py``).
 """
 from __future__ import annotations
@@ -21,15 +21,16 @@ from typing import Protocol
 
 import torch
 
-from knnssd.engine import draft_policy, tree
-from knnssd.engine.attention import PREFILL_ROWS, reuse_unit
-from knnssd.engine.cache import KVCache
-from knnssd.engine.drafters import Draft, Drafter
-from knnssd.engine.forms import DecoderForm
-from knnssd.engine.pass_costs import sequence_costs
-from knnssd.engine.sampling import Verdict, Warp, accept_greedy, accept_sampled, draw, probs
-from knnssd.engine.sequence import Sequence
-from knnssd.engine.timing import sync
+from knnssd.engine.spec import draft_policy
+from knnssd.engine.model import tree
+from knnssd.engine.model.attention import PREFILL_ROWS, reuse_unit
+from knnssd.engine.model.cache import KVCache
+from knnssd.engine.spec.drafters import Draft, Drafter
+from knnssd.engine.model.forms import DecoderForm
+from knnssd.engine.model.pass_costs import sequence_costs
+from knnssd.engine.spec.sampling import Verdict, Warp, accept_greedy, accept_sampled, draw, probs
+from knnssd.engine.spec.sequence import Sequence
+from knnssd.engine.model.timing import sync
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class Call:
 
 class Run:
     """One sequence being decoded: ``propose`` drafts and returns the rows to verify, ``accept`` takes
-    the full model's logits for them. ``decode`` runs one sequence with it; ``batched.decode_batch``
+    the full model's logits for them. ``loop`` runs one sequence with it; ``scheduler.decode_batch``
     runs several, verifying their rows in one pass."""
 
     def __init__(self, seq: Sequence, first_logits: torch.Tensor, drafter: Drafter | None, config: GenerationConfig,

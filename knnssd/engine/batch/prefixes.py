@@ -6,18 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
-from knnssd.engine.attention import CAUSAL_BLOCK, PREFILL_ROWS
-from knnssd.engine.decode import GenerationConfig, Reused, prefill, reusable, reuse_unit_of
-from knnssd.engine.sequence import Sequence
-from knnssd.engine.decoder import Decoder
+from knnssd.engine.model.attention import CAUSAL_BLOCK, PREFILL_ROWS
+from knnssd.engine.spec.loop import GenerationConfig, Reused, prefill, reusable, reuse_unit_of
+from knnssd.engine.spec.sequence import Sequence
+from knnssd.engine.model.decoder import Decoder
 
 
 class Prefixes:
     """The prompts of the sequences in a batch, and of finished ones whose slots are free, for the next
     prompts' prefills to reuse (vLLM's prefix caching, over a batch's slots). ``prefill``
-    (``decode.prefill``'s signature) finds the one whose prompt shares the most leading tokens with the
-    new one, and copies the K/V and states of those positions from its slot (``decode.Reused``) instead
-    of computing them, as far as ``decode.reusable`` allows (any number of positions where the prefill's
+    (``loop.prefill``'s signature) finds the one whose prompt shares the most leading tokens with the
+    new one, and copies the K/V and states of those positions from its slot (``loop.Reused``) instead
+    of computing them, as far as ``loop.reusable`` allows (any number of positions where the prefill's
     attention is the native kernel, else whole blocks of ``CAUSAL_BLOCK``: ``attention.reuse_unit``; the
     rest gets the rows its own prefill would). Few-shot prompts share their examples: in the 64 mixed
     eval prompts of ``bench-throughput``, each summarization prompt starts with the same 354-token

@@ -6,7 +6,7 @@ depends on the kernels: a GEMM may round one row differently from many, and atte
 different key length or mask path may too. So the probe measures it:
 
 1. **Linears.** Each projection shape is run on random rows, M = 1..max_t, against M = 1
-   calls, and takes the first form that passes: as is, ``stack.RowPadded``, oneDNN-packed, or
+   calls, and takes the first form that passes: as is, ``weights.RowPadded``, oneDNN-packed, or
    packed and ``RowPadded``.
 2. **Attention.** The implementations in ``attention.implementations(max_t)`` are timed (a
    one-token step and a 4-token pass, to the device's end, in turns; with ``packed``, from
@@ -18,7 +18,7 @@ different key length or mask path may too. So the probe measures it:
 3. The first exact one is kept and the ones after it are not checked. If none
    is exact, the cheapest is kept, ``exact`` is False, and the reason is logged once.
 
-Where the stack runs its layers as one native call (``stack.native_layers``: bf16 on a CPU with the
+Where the stack runs its layers as one native call (``weights.native_layers``: bf16 on a CPU with the
 native linears), the native form is checked first and, if exact, taken without timing the others: only
 it runs the one-call path, and it beat the best of them by 1.6x a step and 2.5x a packed pass on a Zen 3
 (docs/benchmarks.md), where timing them took most of an 18 s probe.
@@ -48,12 +48,12 @@ from pathlib import Path
 import torch
 
 from knnssd import locks
-from knnssd.engine import native
-from knnssd.engine.attention import NATIVE, Attention, implementations
-from knnssd.engine.cache import SPAN
-from knnssd.engine.forms import DecoderForm
-from knnssd.engine.stack import RowPadded, Stack, native_layers
-from knnssd.engine.timing import median_ms
+from knnssd.engine.model import native
+from knnssd.engine.model.attention import NATIVE, Attention, implementations
+from knnssd.engine.model.cache import SPAN
+from knnssd.engine.model.forms import DecoderForm
+from knnssd.engine.model.weights import RowPadded, Stack, native_layers
+from knnssd.engine.model.timing import median_ms
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def _distinct_linears(stack: Stack) -> dict[tuple, object]:
 def linears_invariant(stack: Stack, max_rows: int, seeds: tuple[int, ...] = (1, 3)) -> bool:
     """Every projection shape and the lm_head give rows independent of the call's row count, up to
     ``max_rows`` (``row_counts``), on two random inputs: what packing several sequences' rows into one
-    call needs (``batched.py``)."""
+    call needs (``scheduler.py``)."""
     counts = row_counts(max_rows)
     return all(_linear_invariant(lin, counts, stack.dtype, stack.device, seeds)
                for lin in _distinct_linears(stack).values())
@@ -288,7 +288,7 @@ KERNEL_ENV = ("DNNL_", "ONEDNN_", "MKL_", "OMP_", "KMP_", "ATEN_", "CUBLAS_", "N
 WAIT_ENV = frozenset({"OMP_WAIT_POLICY", "KMP_BLOCKTIME"})
 # The engine code a forward pass runs (which kernels, on what shapes) and the probe itself.
 FORWARD_CODE = tuple(Path(__file__).parent / f for f in ("attention.py", "cache.py", "decoder.py", "skip.py",
-                                                        "stack.py", "quantized.py", "exactness.py", "native.py",
+                                                        "weights.py", "quantized.py", "exactness.py", "native.py",
                                                         "native.c"))
 
 

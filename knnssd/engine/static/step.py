@@ -30,10 +30,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from knnssd.engine.attention import allowed, to_additive
-from knnssd.engine.decoder import Decoder, _attn_out, _heads, _logits, _mlp, rope_tables, rotate
-from knnssd.engine.skip import SkipMask
-from knnssd.engine.stack import Int8Linear, Layer, Linear, Norm, PackedLinear, Stack, UnsupportedArchitecture
+from knnssd.engine.model.attention import allowed, to_additive
+from knnssd.engine.model.decoder import Decoder, _attn_out, _heads, _logits, _mlp, rope_tables, rotate
+from knnssd.engine.model.skip import SkipMask
+from knnssd.engine.model.weights import Int8Linear, Layer, Linear, Norm, PackedLinear, Stack, UnsupportedArchitecture
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 LEAST_KEYS = 512  # the smallest key bucket (each next one doubles, up to the cache's length): it holds the
@@ -131,7 +131,7 @@ def step(s: Stack, k: list[torch.Tensor], v: list[torch.Tensor], tables: dict[st
     slot: where every real row is of one sequence, its slot (a constant, so a graph of its own): the rows then
     read that slot's keys as one view, where rows of several slots each read a copy of their own slot's.
     keys: K, the positions every row attends over (a constant: a graph each), more than any row's position;
-    None: all L. tap: a layer (a constant), for a prompt's routing vector (``decode.prefill``).
+    None: all L. tap: a layer (a constant), for a prompt's routing vector (``loop.prefill``).
     """
     length = keys or k[0].shape[2]
     h = Decoder._embed(s, ids)  # (1, R, E)

@@ -2,7 +2,7 @@
 
 There are four forms: the lean ``decoder.Decoder`` (and the slots it makes for batches), the plain HF
 fallback ``decoder.HFDecoder``, one sequence on the captured static step ``graphs.StaticDecoder``, and a
-slot of the static step's batch ``static_slots.SlotView``. They share ``forward``, ``reserve`` and
+slot of the static step's batch ``slots.SlotView``. They share ``forward``, ``reserve`` and
 ``rollback``; what only some can do is declared as flags here, so that a loop asks a form instead of
 probing it for methods.
 """
@@ -12,8 +12,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from knnssd.engine.skip import SkipMask
-from knnssd.engine.stack import Stack
+from knnssd.engine.model.skip import SkipMask
+from knnssd.engine.model.weights import Stack
 
 
 class Output(NamedTuple):

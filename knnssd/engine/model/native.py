@@ -389,7 +389,7 @@ class Linear:
     copy, as oneDNN's prepacking makes), the bias kept in fp32, on ``vdpbf16ps`` where the CPU has avx512_bf16,
     else widened to fp32 in registers (AVX-512F, AVX2 with FMA, NEON). Each output is summed in one fixed
     order and rounded once, so a row's outputs do not depend on the call's rows. ``int8``: the same over a
-    weight-only int8 copy (a draft's, ``stack.Int8Linear``), scaled per output.
+    weight-only int8 copy (a draft's, ``weights.Int8Linear``), scaled per output.
 
     It was faster than oneDNN's prepacked GEMM at every row count a step or a batch packs on avx512_bf16, and
     than torch's bf16 GEMM by far on AVX2 (docs/benchmarks.md). ``of`` and ``int8`` return None where it does

@@ -2,7 +2,7 @@
 (CUDA graphs where the device has them), so that a packed pass over every active sequence is one replay
 per 64 rows instead of hundreds of kernel launches.
 
-``StaticSlots(decoder, slots, length)`` stands where ``batched.decode_batch`` and ``batch_plan`` take a
+``StaticSlots(decoder, slots, length)`` stands where ``scheduler.decode_batch`` and ``plan`` take a
 decoder: ``pooled_slots`` hands out its ``SlotView``s (one sequence each, with the decoder's interface
 for the decoding loop and the drafters), and ``forward_slots`` (which ``decoder.forward_slots`` calls for
 a pool of this kind) packs every call's rows into one runner call. A view's own calls (its prefill, its
@@ -10,7 +10,7 @@ draft steps) run on the same runner, with graphs shared by every slot (``slot=No
 copy of its own slot's keys), so a sequence's row is computed by the same kernels alone and packed.
 Every step attends over the whole cache (``length`` positions, one key bucket for the run).
 
-``plan`` measures what a batched run on it needs (``batch_plan.BatchPlan``): its probe on one view, and
+``plan`` measures what a batched run on it needs (``plan.BatchPlan``): its probe on one view, and
 ``packed_exact``, that rows packed with other sequences' equal the same rows alone, bitwise. Prompts do
 not share prefixes here (``shares`` is False).
 
@@ -22,14 +22,14 @@ import logging
 
 import torch
 
-from knnssd.engine import exactness
-from knnssd.engine.batch_plan import BatchPlan, plan_costs
-from knnssd.engine.cache import CacheFull
-from knnssd.engine.decoder import Decoder, Output
-from knnssd.engine.graphs import StaticSequence, StepRunner
-from knnssd.engine.skip import SkipMask
-from knnssd.engine.stack import Stack
-from knnssd.engine.static_step import ROW_BUCKETS, StaticCache, keys_bucket
+from knnssd.engine.model import exactness
+from knnssd.engine.batch.plan import BatchPlan, plan_costs
+from knnssd.engine.model.cache import CacheFull
+from knnssd.engine.model.decoder import Decoder, Output
+from knnssd.engine.static.graphs import StaticSequence, StepRunner
+from knnssd.engine.model.skip import SkipMask
+from knnssd.engine.model.weights import Stack
+from knnssd.engine.static.step import ROW_BUCKETS, StaticCache, keys_bucket
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def slots_length(slots: int, positions: int, bucket_of: int | None, kv_bytes: in
 
 
 def plan(static: StaticSlots, slots: int) -> BatchPlan:
-    """What a batched run of ``slots`` sequences on ``static`` needs (``batch_plan.plan``'s for the eager
+    """What a batched run of ``slots`` sequences on ``static`` needs (``plan.plan``'s for the eager
     engine): whether its outputs are exact (its probe, and ``packed_exact``), and v(R) measured on its runner;
     a run given the plan runs on ``static`` (``runs_on``), whatever decoder it is handed."""
     ex = static.exactness

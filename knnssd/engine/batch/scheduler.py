@@ -27,7 +27,7 @@ count (``rows_exact``), every sequence's tokens equal its own plain decoding's, 
 loop.
 
 The draft lengths are ``draft_lengths``' rule, prefix reuse is ``prefixes``', and what a run measures
-before it starts (slots, pass costs, the exactness checks) is ``batch_plan``'s.
+before it starts (slots, pass costs, the exactness checks) is ``plan``'s.
 """
 from __future__ import annotations
 
@@ -38,20 +38,20 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from knnssd.engine.batch_plan import BatchPlan
-from knnssd.engine.decode import DecodeStats, GenerationConfig, Prefill, Run, prefill
-from knnssd.engine.draft_lengths import EXPLORE, DraftModel, choose_lengths
-from knnssd.engine.drafters import Drafter
-from knnssd.engine.prefixes import Prefixes
-from knnssd.engine.sampling import Verdict
-from knnssd.engine import tree
-from knnssd.engine.decoder import Decoder, forward_slots, packs_trees, settle_slots
+from knnssd.engine.batch.plan import BatchPlan
+from knnssd.engine.spec.loop import DecodeStats, GenerationConfig, Prefill, Run, prefill
+from knnssd.engine.batch.draft_lengths import EXPLORE, DraftModel, choose_lengths
+from knnssd.engine.spec.drafters import Drafter
+from knnssd.engine.batch.prefixes import Prefixes
+from knnssd.engine.spec.sampling import Verdict
+from knnssd.engine.model import tree
+from knnssd.engine.model.decoder import Decoder, forward_slots, packs_trees, settle_slots
 
 log = logging.getLogger(__name__)
 
 
 class Job(Protocol):
-    """Something to generate: ``start`` prefills it on a free slot with ``prefill`` (``decode.prefill``'s
+    """Something to generate: ``start`` prefills it on a free slot with ``prefill`` (``loop.prefill``'s
     signature) and returns its ``Run``. A job may also have a ``cancelled`` attribute: once true (set
     from any thread), a waiting job is dropped and a running one leaves its slot at the next step,
     finished with stop ``"cancelled"`` (a server's client that went away)."""

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from knnssd.engine.attention import PREFILL_ROWS
-from knnssd.engine.decoder import Decoder, forward_slots
-from knnssd.engine.timing import median_ms
+from knnssd.engine.model.attention import PREFILL_ROWS
+from knnssd.engine.model.decoder import Decoder, forward_slots
+from knnssd.engine.model.timing import median_ms
 
 
 @dataclass(frozen=True)

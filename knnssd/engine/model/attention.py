@@ -20,7 +20,7 @@ device, the dtype and the model's shapes (``exactness.py`` measures it at load):
                   prefill runs it causal (``native.causal`` where the native linear runs, else
                   in blocks of matrix products on the CPU in bf16, ``causal_blocks``), as does
                   the rest of a prompt whose first positions' K/V were copied from another
-                  sequence (``decode.Reused``)
+                  sequence (``loop.Reused``)
     native        the C kernel of ``native.py`` (CPU, where it is built): each query row alone,
                   reading its keys 0..pos only, in fp32 with one rounding (in bf16 on avx512_bf16,
                   in ``native.causal``'s arithmetic instead), so invariant to the
@@ -39,7 +39,7 @@ arithmetic over B sequences' caches at one key length, for the batched engine's 
 There it gave rows bitwise equal to one sequence's call for any B and any
 padded query count, but not for a longer key length (the P @ V reduction over L rounds
 differently), so a packed pass makes one call per key length (``decoder._PooledAttention``), and
-``batch_plan.pooled_exact`` checks it on the real model before a batch uses it.
+``plan.pooled_exact`` checks it on the real model before a batch uses it.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from knnssd.engine import native
+from knnssd.engine.model import native
 
 
 def allowed(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
@@ -182,7 +182,7 @@ class Causal(NamedTuple):
     """A ``_dynamic`` mask: the queries are positions start..end-1, each reading keys 0..itself, with
     ``start`` 0 (a fresh prefill) or, for more than ``PREFILL_ROWS`` queries, any position (the rest
     of a prompt whose first positions' K/V were copied from another sequence's prefill:
-    ``decode.Reused``, at a multiple of ``reuse_unit``; a shorter call there is a verify pass, which
+    ``loop.Reused``, at a multiple of ``reuse_unit``; a shorter call there is a verify pass, which
     must read its keys as the one-token steps do)."""
 
     start: int
@@ -231,7 +231,7 @@ CAUSAL_BLOCK = 128  # query rows per block of ``causal_blocks``
 
 
 def reuse_unit(dtype: torch.dtype, device: torch.device | str, head_dim: int, step: "Attention") -> int:
-    """The positions a prompt's rest may start at when its first ones are copied (``decode.reusable``):
+    """The positions a prompt's rest may start at when its first ones are copied (``loop.reusable``):
     any, where its prefill computes each row alone, from any start (``native.causal``: where
     ``native.causal_runs``, with a bf16 cache, which a ``step`` that keeps fp32 K/V has not; or the
     ``native`` step itself, ``prefill_form``); else whole blocks of ``CAUSAL_BLOCK`` (``causal_blocks``'

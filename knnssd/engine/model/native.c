@@ -826,7 +826,7 @@ int64_t linear_q8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *q, con
    built without avx512_bf16 or the shapes do not fit (N % 16, K % 2).
 
    ``linear_int8_bf16``: the same with int8 weights in the same layout (a draft's weight-only int8
-   copy, ``stack.Int8Linear``), each output column's sum multiplied by its fp32 scale before the
+   copy, ``weights.Int8Linear``), each output column's sum multiplied by its fp32 scale before the
    bias: an int8 weight is a bf16 exactly (|q| <= 127), so a vector of 32 is widened to fp32 and
    narrowed to bf16 without rounding, and the products are the bf16 kernel's. Half the bytes to read
    where a one-row draft step is bound by memory. */
@@ -1064,7 +1064,7 @@ static void softmax_rows(float *sc, int64_t rows, int64_t per, int64_t base, int
    P @ V by the linear kernel's tiles (V packed as weights, pairs of keys from key 0 in order, the
    zeros adding nothing), rounded once to bf16 into out (T, H D). A row's result depends on nothing
    but its query, its position and its keys: not on T, start, the blocks or the threads, so a prompt
-   prefilled in parts (``decode.Reused``) gets the bits of its prefill in one call.
+   prefilled in parts (``loop.Reused``) gets the bits of its prefill in one call.
 
    Work items: a KV head's G query heads for CAUSAL_BQ positions (G CAUSAL_BQ rows), the latest
    (longest) first, shared out among ``threads`` OpenMP threads. Returns -1 where built without
