@@ -79,7 +79,7 @@ def main() -> None:
     from knnssd.bench import engine as bench_engine
     from knnssd.engine.spec.loop import GenerationConfig, generate
     from knnssd.engine.spec.drafters import build
-    from knnssd.engine.model.decoder import make_decoder
+    from knnssd.engine.model.build import make_decoder
 
     with tempfile.TemporaryDirectory(prefix="knnssd-rev-") as tmp:
         extract(a.rev, Path(tmp))

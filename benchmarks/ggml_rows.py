@@ -12,7 +12,7 @@ M = 1, 2, 4, 8, 16, 64, 256 and prints how many of those rows differ from the sa
 (its weights quantized by knnssd, so the values differ from ggml's; the times compare), and for BF16 so does
 torch's oneDNN GEMM on its prepacked weights (``weights.PackedLinear``, what knnssd ran before its own kernel; on a
 CPU with AMX, oneDNN's tile kernels: the comparison that decides whether AMX machines should leave the native
-linears, ``native.linear_preferred``).
+linears, ``native_library.linear_preferred``).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_cpp_peer  # noqa: E402  (the llama.cpp build)
 
-from knnssd.engine.model import native  # noqa: E402
+from knnssd.engine.model import native, native_library  # noqa: E402
 from knnssd.engine.model.quantized import quantize  # noqa: E402
 from knnssd.engine.model.weights import PackedLinear  # noqa: E402
 
@@ -137,7 +137,7 @@ def own_rows(kind: str, N: int, K: int, onednn: bool = False) -> dict[int, tuple
 def main() -> None:
     torch.set_num_threads(THREADS)
     bin_dir = llama_cpp_peer.build()
-    print(f"{llama_cpp_peer._cpu()}, {THREADS} threads; knnssd kernels: {native.kernel_path()}")
+    print(f"{llama_cpp_peer._cpu()}, {THREADS} threads; knnssd kernels: {native_library.kernel_path()}")
     print("| weights | N x K | rows | ggml rows unlike alone | ggml us | knnssd rows unlike alone | knnssd us "
           "| oneDNN rows unlike alone | oneDNN us |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -38,7 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, where knnssd is not installed
 
 from knnssd.engine.spec.loop import GenerationConfig, generate, mean_accepted  # noqa: E402
-from knnssd.engine.model.decoder import Decoder, make_decoder  # noqa: E402
+from knnssd.engine.model.build import make_decoder  # noqa: E402
+from knnssd.engine.model.decoder import Decoder  # noqa: E402
 from knnssd.engine.spec.drafters import Hybrid, LayerSkip, NGram, Suffix  # noqa: E402
 from knnssd.engine.model import exactness  # noqa: E402
 from knnssd.engine.batch.plan import auto_slots, slot_bytes  # noqa: E402

@@ -25,7 +25,7 @@ run goes on.
 
 Every figure is printed as a markdown table with the ratios knnssd / llama.cpp, under a line naming the CPU
 (its model and the instruction sets that matter here), and each knnssd row names the kernel path it ran
-(``native.kernel_path``: ``avx512_bf16``, ``avx512``, ``avx2``, ``neon``, or ``torch``).
+(``native_library.kernel_path``: ``avx512_bf16``, ``avx512``, ``avx2``, ``neon``, or ``torch``).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from knnssd import models, prompts
-from knnssd.engine.model import native
+from knnssd.engine.model import native_library
 from knnssd.engine.spec.loop import GenerationConfig, generate, prefill
 from knnssd.engine.model.quantized import holds_blocks
 from knnssd.engine.spec.request_params import GenerateParams, prompt_ids
@@ -180,7 +180,7 @@ def measure(a, precision: str, rows) -> dict:
         gen = RoutedGenerator.from_model_uri(a.model_uri, a.model, precision, tracking_uri=a.tracking_uri)
     lm = gen.lm if gen is not None else models.load(a.model, dtype=precision)
     dec = lm.decoder
-    path = native.library().path if precision in models.BLOCKS else native.kernel_path()  # blocks: native on AMX too
+    path = native_library.library().path if precision in models.BLOCKS else native_library.kernel_path()  # blocks: native on AMX too
     out = {"pp256": knnssd_prefill(dec, lm.tokenizer.vocab_size), "step": dec.exactness.step, "path": path}
     ids = [prompt_ids(lm.tokenizer, r.prompt, params, lm.limits)[0] for r in rows]
     cfg = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_ids=models.eos_ids(lm))

@@ -17,7 +17,8 @@ import torch
 
 from knnssd import models
 from knnssd.engine.model import exactness
-from knnssd.engine.model.decoder import Decoder, forward_slots
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.packed import forward_slots
 from knnssd.engine.model.weights import from_hf
 
 

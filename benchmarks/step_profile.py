@@ -19,8 +19,8 @@ import time
 import torch
 
 from knnssd import models
-from knnssd.engine.model import native
-from knnssd.engine.model.decoder import _heads, _span_masks
+from knnssd.engine.model import native, native_library
+from knnssd.engine.model.layers import embed, heads, span_masks
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -53,7 +53,7 @@ def main() -> None:
     layers = s.layers
     L = len(layers)
 
-    one_call = dec._layers_call(dec.stack) is not None
+    one_call = dec.layers_call(dec.stack) is not None
     fused = median_ms(lambda: dec.forward(tok, start, last=True), a.repeats) if one_call else None
     dec._layers_call = lambda stack: None  # the per-op path from here on
     step = median_ms(lambda: dec.forward(tok, start, last=True), a.repeats)
@@ -61,14 +61,14 @@ def main() -> None:
     # the step's own intermediate values, one per layer, to call each op on
     with torch.inference_mode():
         pos, at = torch.arange(start, start + 1), slice(start, start + 1)
-        attn = dec._attention_for(1)
-        spans = dec._spans(start, 1, attn)
-        h = dec._embed(s, tok)
+        attn = dec.attention_for(1)
+        spans = dec.spans(start, 1, attn)
+        h = embed(s, tok)
         x = layers[0].attn_norm(h)
         qkv = layers[0].qkv(x)[0]
-        rope = dec._rope(pos, h)
-        masks = _span_masks(attn, pos, spans, layers[0].window)
-        q, k, v = _heads(s, layers[0], qkv, rope[layers[0].rope])
+        rope = dec.rope_at(pos, h)
+        masks = span_masks(attn, pos, spans, layers[0].window)
+        q, k, v = heads(s, layers[0], qkv, rope[layers[0].rope])
         kc, vc = dec.cache.write(0, at, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         (sp, m), = masks
         att = attn.attend(q, kc[:, :, : sp.keys], vc[:, :, : sp.keys], m, s.scale)
@@ -85,12 +85,12 @@ def main() -> None:
         def add(name, calls, fn):
             rows.append((name, calls, median_ms(fn, a.repeats)))
 
-        add("embed", 1, lambda: dec._embed(s, tok))
-        add("rope tables", 1, lambda: dec._rope(pos, h))
-        add("attention masks", 1, lambda: _span_masks(attn, pos, spans, layers[0].window))
+        add("embed", 1, lambda: embed(s, tok))
+        add("rope tables", 1, lambda: dec.rope_at(pos, h))
+        add("attention masks", 1, lambda: span_masks(attn, pos, spans, layers[0].window))
         add("norms (attn, mlp)", 2 * L, sweep(lambda i, ly: (ly.attn_norm(h), ly.mlp_norm(h))))
         add("qkv linear", L, sweep(lambda i, ly: ly.qkv(x)))
-        add("heads: view + RoPE", L, sweep(lambda i, ly: _heads(s, ly, qkv, rope[ly.rope])))
+        add("heads: view + RoPE", L, sweep(lambda i, ly: heads(s, ly, qkv, rope[ly.rope])))
         add("cache write", L, sweep(lambda i, ly: dec.cache.write(i, at, k.transpose(0, 1)[None],
                                                                   v.transpose(0, 1)[None])))
         add("attention", L, sweep(lambda i, ly: attn.attend(q, dec.cache.k[i][:, :, : sp.keys],
@@ -109,7 +109,7 @@ def main() -> None:
         add("logits to fp32", 1, lambda: head.float())
 
         bare = {}
-        kernel = native.tiled("linear")
+        kernel = native_library.tiled("linear")
         if kernel is not None and all(hasattr(getattr(layers[0], n), "kernel") for n in ("qkv", "o", "gate_up", "down")):
             threads = torch.get_num_threads()
             for name, inp in (("qkv", x), ("o", att), ("gate_up", x), ("down", act)):

@@ -33,7 +33,9 @@ import torch
 from knnssd import console, locks, settings, shims
 from knnssd.engine.model import exactness
 from knnssd.engine.spec.request_params import Limits
-from knnssd.engine.model.decoder import Decoder, HFDecoder, make_decoder
+from knnssd.engine.model.build import make_decoder
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.hf_decoder import HFDecoder
 from knnssd.settings import BLOCKS, DTYPES, cache_dir
 
 log = logging.getLogger(__name__)
@@ -239,21 +241,21 @@ def limits(name: str, dtype: str = "auto", device: str = "auto") -> Limits:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """Does bf16 run fast on this CPU: the native bf16 step runs here (``native.kernel_path``: the linears on
+    """Does bf16 run fast on this CPU: the native bf16 step runs here (``native_library.kernel_path``: the linears on
     avx512_bf16's tiles, or widened to fp32 on AVX-512F, AVX2 with FMA or NEON, where they read half fp32's
     bytes), or the CPU has avx512_bf16 or AMX, which torch's own bf16 kernels use?"""
-    from knnssd.engine.model import native
+    from knnssd.engine.model import native_library
 
-    return native.kernel_path() != "torch" or native.cpu_bf16_dot()
+    return native_library.kernel_path() != "torch" or native_library.cpu_bf16_dot()
 
 
 @functools.cache
 def _auto_said(dtype: torch.dtype, device: str) -> None:
     """Say once a process what ``--dtype auto`` took, and why."""
-    from knnssd.engine.model import native
+    from knnssd.engine.model import native_library
 
-    why = ("the GPU" if device == "cuda" else f"the native bf16 step runs here ({native.kernel_path()} kernels)"
-           if native.kernel_path() != "torch" else "this CPU's bf16 instructions" if dtype == torch.bfloat16
+    why = ("the GPU" if device == "cuda" else f"the native bf16 step runs here ({native_library.kernel_path()} kernels)"
+           if native_library.kernel_path() != "torch" else "this CPU's bf16 instructions" if dtype == torch.bfloat16
            else "no fast bf16 step here")
     log.info("--dtype auto: %s (%s)", "bfloat16" if dtype == torch.bfloat16 else "float32", why)
 
@@ -529,9 +531,9 @@ def gguf_weights(name: str) -> Path:
 def check_blocks(dtype: str) -> None:
     """A one-line ``ModelError`` where a precision of ``settings.BLOCKS`` cannot run: its native kernels (4-bit
     and 8-bit blocks, which a GGUF's Q8_0 head takes too) are not used here."""
-    from knnssd.engine.model import native
+    from knnssd.engine.model import native_library
 
-    if native.tiled("linear_q4") is None or native.tiled("linear_q8") is None:
+    if native_library.tiled("linear_q4") is None or native_library.tiled("linear_q8") is None:
         raise ModelError(f"--dtype {dtype} needs the native block kernels: a C compiler, and a CPU with AVX2 and FMA, "
                          "AVX-512 or ARM64 NEON")
 

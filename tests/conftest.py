@@ -60,15 +60,15 @@ def threads(request):
 @pytest.fixture(autouse=True)
 def native_kernels_kept():
     """A test that changes how the native kernels load must leave them loadable: a None it left in
-    ``native.library``'s cache ran every later test of the session on torch ops, unseen."""
-    from knnssd.engine.model import native
+    ``native_library.library``'s cache ran every later test of the session on torch ops, unseen."""
+    from knnssd.engine.model import native_library
 
-    cached = native.library.cache_info().currsize
-    before = native.library() is not None if cached else None
+    cached = native_library.library.cache_info().currsize
+    before = native_library.library() is not None if cached else None
     yield
-    if before and native.library.cache_info().currsize and native.library() is None:
-        native.library.cache_clear()
-        pytest.fail("the test left native.library() None: clear its cache after the last call that may fail")
+    if before and native_library.library.cache_info().currsize and native_library.library() is None:
+        native_library.library.cache_clear()
+        pytest.fail("the test left native_library.library() None: clear its cache after the last call that may fail")
 
 
 @pytest.fixture(scope="session")
@@ -83,9 +83,9 @@ def flow_dtype() -> str:
     where knnssd's native bf16 step runs (each row alone by construction; on an AVX2-only Zen 3 it decoded
     several times fp32's tokens/s, docs/benchmarks.md), else fp32. Tests of fp32 itself, or against HF's own
     forward, name float32."""
-    from knnssd.engine.model import native
+    from knnssd.engine.model import native_library
 
-    return "bfloat16" if native.kernel_path() != "torch" else "float32"
+    return "bfloat16" if native_library.kernel_path() != "torch" else "float32"
 
 
 FLOW_DTYPE = flow_dtype()

@@ -21,7 +21,8 @@ from knnssd.engine.model.pass_costs import PassCosts
 from knnssd.engine.spec.loop import GenerationConfig, Reused, generate, prefill, reusable, reuse_unit_of
 from knnssd.engine.spec.drafters import DrafterConfig, build
 from knnssd.engine.spec.sampling import Warp
-from knnssd.engine.model.decoder import Decoder, make_decoder
+from knnssd.engine.model.build import make_decoder
+from knnssd.engine.model.decoder import Decoder
 from knnssd.engine.model.skip import SkipMask
 from test_sampling import ALPHA, chi2_pvalue, exact_joint
 from tiny import prompt_ids, tiny

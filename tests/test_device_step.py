@@ -14,7 +14,7 @@ import torch
 from knnssd.engine.spec.loop import GenerationConfig, Run, generate, prefill
 from knnssd.engine.spec.drafters import DrafterConfig, LayerSkip, build
 from knnssd.engine.spec.sampling import Warp
-from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.model.build import make_decoder
 from knnssd.engine.model.skip import SkipMask
 from tiny import prompt_ids, tiny
 

@@ -16,12 +16,14 @@ from hypothesis import strategies as st
 
 from knnssd.engine.model import attention
 from knnssd.engine.model import exactness
-from knnssd.engine.model import native
+from knnssd.engine.model import native, native_library
 from knnssd.engine.model.attention import NATIVE, SDPA, Attention
 from knnssd.engine.model.cache import SPAN
 from knnssd.engine.spec.loop import GenerationConfig, generate
 from knnssd.engine.spec.drafters import DrafterConfig, build
-from knnssd.engine.model.decoder import Decoder, forward_slots, make_decoder
+from knnssd.engine.model.build import make_decoder
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.packed import forward_slots
 from knnssd.engine.model.skip import SkipMask
 from knnssd.engine.model.weights import Int8Linear, Linear, NativeLinear, from_hf
 from test_device_step import set_early_stop
@@ -91,7 +93,7 @@ def test_probe_reports_not_exact_for_an_implementation_that_is_not_row_invariant
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_native_rms_norm_is_row_invariant_and_computes_what_torch_does(dtype):
-    if not native.available():
+    if not native_library.available():
         pytest.skip("no C compiler here: norms run as torch ops")
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(0)
@@ -127,8 +129,8 @@ def test_native_linear_rows_do_not_depend_on_the_call_and_sum_in_fp32():
     want = flat.float() @ w.float().T + b.float()  # summed in fp32, rounded once
     assert (lin(flat).float() - want).abs().max() <= 2 ** -7 * want.abs().max()
     assert lin(flat.float()) is None and native.Linear.of(w[:72], None) is None  # fp32; N not a multiple of 16
-    one_core = dataclasses.replace(native.library(), openmp=False)  # a library built without OpenMP: only on one thread
-    assert native.linear_preferred(one_core) == (torch.get_num_threads() == 1)
+    one_core = dataclasses.replace(native_library.library(), openmp=False)  # a library built without OpenMP: only on one thread
+    assert native_library.linear_preferred(one_core) == (torch.get_num_threads() == 1)
 
 
 def test_native_int8_linear_computes_the_dequantized_product():
@@ -151,7 +153,7 @@ def test_native_int8_linear_computes_the_dequantized_product():
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("d", [64, 32])  # full and partial (Phi3-style) rotary
 def test_native_rope_rounds_as_the_torch_ops_do(dtype, d):
-    if not native.available():
+    if not native_library.available():
         pytest.skip("no C compiler here: RoPE runs as torch ops")
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(d)
@@ -167,7 +169,7 @@ def test_native_rope_rounds_as_the_torch_ops_do(dtype, d):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("D", [64, 24])  # the AVX-512 form where built (D a multiple of 16), and the portable one
 def test_native_attention_reads_each_rows_own_keys_alone(dtype, D):
-    if not native.available():
+    if not native_library.available():
         pytest.skip("no C compiler here: attention runs as torch ops")
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(D)
@@ -288,7 +290,7 @@ def test_causal_blocks_compute_causal_attention(dtype):
 def test_native_attention_step_is_exact_and_pools(arch, dtype):
     """The C attention as the step: the probe finds it exact, and packed passes over a pool (one call
     per layer, rows at different key lengths) give each sequence its own pass's logits."""
-    if not native.available():
+    if not native_library.available():
         pytest.skip("no C compiler here: attention runs as torch ops")
     dec = Decoder(from_hf(tiny(arch, dtype=DTYPES[dtype])))
     ex = exactness.choose(dec, candidates=(NATIVE,))
@@ -305,7 +307,7 @@ def test_a_pass_in_one_native_call_has_the_per_op_bits(arch):
     per-op path bit for bit, for T = 1..12 rows, under a skip mask, and over int8 draft weights."""
     dec = Decoder(from_hf(tiny(arch, dtype=torch.bfloat16)))
     dec.set_attention(NATIVE)
-    if dec._layers_call(dec.stack) is None:
+    if dec.layers_call(dec.stack) is None:
         pytest.skip("no one-call layers here (no C compiler, no vector instruction set)")
     per_op = dec.slot()
     per_op._layers_call = lambda stack: None
@@ -329,7 +331,7 @@ def test_one_call_layers_find_every_layers_buffers_of_a_new_cache():
     rest: ``native.Layers`` must pass the C call every layer's buffers anew (a key of the ends alone once
     had a batch on a tiny model read a freed cache's middle layers, and decode other tokens)."""
     dec = Decoder(from_hf(tiny("llama", dtype=torch.bfloat16)))
-    layers = dec._layers_call(dec.stack)
+    layers = dec.layers_call(dec.stack)
     if layers is None:
         pytest.skip("no one-call layers here (no C compiler, no vector instruction set)")
     slot = dec.slot()
@@ -342,7 +344,7 @@ def test_one_call_layers_find_every_layers_buffers_of_a_new_cache():
 
 
 def test_native_silu_product_rounds_as_the_torch_ops_do():
-    if not native.available():
+    if not native_library.available():
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(5)
     gu = (torch.randn(3, 2 * 200, generator=g) * 6).to(torch.bfloat16)
@@ -357,7 +359,7 @@ def test_native_silu_product_rounds_as_the_torch_ops_do():
 def test_silu_mul_vector_lanes_give_the_scalar_loops_bits_for_every_bf16_gate():
     """17 values a row: the first 16 take the SIMD loop, the last the scalar one; every bf16 bit pattern
     as the gate (NaNs, infinities and subnormals included) gives the same product both ways."""
-    if not native.available():
+    if not native_library.available():
         pytest.skip("no C compiler here")
     gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)[:, None].expand(-1, 17)
     up = (torch.randn(65536, 1, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16).expand(-1, 17)
@@ -366,29 +368,29 @@ def test_silu_mul_vector_lanes_give_the_scalar_loops_bits_for_every_bf16_gate():
 
 
 def test_a_library_that_lacks_a_kernel_is_reported_removed_and_not_used(monkeypatch, tmp_path, caplog):
-    if not native.available():
+    if not native_library.available():
         pytest.skip("no C compiler here")
     monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "SIGNATURES", {**native.SIGNATURES, "no_such_kernel": ("p",)})
-    native.library.cache_clear()
+    monkeypatch.setattr(native_library, "SIGNATURES", {**native_library.SIGNATURES, "no_such_kernel": ("p",)})
+    native_library.library.cache_clear()
     try:
-        assert native.library() is None and "could not build the native kernels" in caplog.text
+        assert native_library.library() is None and "could not build the native kernels" in caplog.text
         assert not list((tmp_path / "native").iterdir())  # the broken library is gone: the next load builds again
         x = torch.randn(3, 4, 64)
         assert native.rope(x, torch.ones(1, 1, 64), torch.ones(1, 1, 64)) is None  # broadcast cos/sin: torch ops
     finally:  # the last call of library() here: a None it kept would leave every later test without the kernels
-        native.library.cache_clear()
+        native_library.library.cache_clear()
 
 
 def test_without_a_compiler_norms_run_as_torch_ops(monkeypatch):
     monkeypatch.setenv("KNNSSD_NATIVE", "0")
-    native.library.cache_clear()
+    native_library.library.cache_clear()
     try:
         assert native.RMSNorm.of(torch.ones(8), 1e-6) is None
         dec = make_decoder(tiny("llama"))
         assert dec.stack.norm.kernel is None and dec.exactness.exact
     finally:
-        native.library.cache_clear()
+        native_library.library.cache_clear()
 
 
 def test_probe_timing_stops_timing_only_the_candidates_that_trail(monkeypatch):
@@ -576,7 +578,7 @@ def test_blocks_made_at_load_run_rows_alone_and_speculation_equals_plain(kind):
     row-invariant, and drafted decoding token-identical to plain decoding in that precision."""
     from knnssd.engine.model.quantized import quantize_stack
 
-    if native.tiled("linear_q4") is None or native.tiled("linear_q8") is None:
+    if native_library.tiled("linear_q4") is None or native_library.tiled("linear_q8") is None:
         pytest.skip("no native block kernels here (no C compiler, no vector instruction set)")
     dec = make_decoder(tiny("llama", dtype=torch.bfloat16), weights=lambda s: quantize_stack(s, kind)[0])
     want = {"q4_1": "q4", "q8_0": "q8"}[kind]
@@ -607,7 +609,7 @@ def _packed_equals_own(dec: Decoder, prompts: list[list[int]], rows: tuple[int, 
     """Packed passes (``pooled``: attention batched over a ``SlotPool``, at key lengths that differ
     between slots, and within the pass of a sequence whose rows straddle a key-length boundary) give
     each sequence the logits of its own pass, and the K/V its next steps read."""
-    from knnssd.engine.model.decoder import forward_slots
+    from knnssd.engine.model.packed import forward_slots
 
     # odd sequences one SPAN further on (two key lengths, interleaved); the first pass of the longest
     # draft starts 3 positions before a boundary
@@ -650,7 +652,7 @@ def test_a_packed_pass_stays_one_native_call_after_another_slot_grows_the_pool(m
     pass once passed them on, the native call refused them, and every later pass ran the per-op path."""
     dec = Decoder(from_hf(tiny("llama", dtype=torch.bfloat16)))
     dec.set_attention(NATIVE)
-    if dec._layers_call(dec.stack) is None:
+    if dec.layers_call(dec.stack) is None:
         pytest.skip("no one-call layers here (no C compiler, no vector instruction set)")
     taken, call = [], native.Layers.__call__
     monkeypatch.setattr(native.Layers, "__call__", lambda self, *a, **k: taken.append(call(self, *a, **k)) or taken[-1])

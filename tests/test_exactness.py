@@ -6,7 +6,9 @@ from hypothesis import strategies as st
 
 from knnssd.engine.spec.loop import GenerationConfig, generate
 from knnssd.engine.spec.drafters import DrafterConfig, build
-from knnssd.engine.model.decoder import Decoder, HFDecoder, make_decoder
+from knnssd.engine.model.build import make_decoder
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.hf_decoder import HFDecoder
 from knnssd.engine.model.skip import SkipMask
 from tiny import ARCHS, hf_greedy, prompt_ids, tiny
 

@@ -4,7 +4,7 @@ import pytest
 
 from knnssd.engine.spec import draft_policy
 from knnssd.engine.spec.loop import GenerationConfig, generate
-from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.model.build import make_decoder
 from knnssd.engine.spec.drafters import DrafterConfig, build
 from knnssd.engine.model.pass_costs import PassCosts, price_sequences
 from knnssd.search import proxy

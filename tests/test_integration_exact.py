@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knnssd.engine.model import exactness
-from knnssd.engine.model import native
+from knnssd.engine.model import native_library
 from knnssd.engine.spec.loop import GenerationConfig, generate
 from knnssd.engine.spec.drafters import DrafterConfig, build
 from test_exact_step import STRADDLE, _drafters, _packed_equals_own, exact_or_skip
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 # tokens and whole prompts, 97 s with 24, and the 774-token summarization prompt's plain decoding alone took
 # 26 s of that, twice; the native AVX2 step decodes a few times faster, still a third of a Zen 5's speed.
 
-SMOL_NEW, SMOL_PROMPT = (64, None) if native.cpu_bf16_dot() else (24, 256)
+SMOL_NEW, SMOL_PROMPT = (64, None) if native_library.cpu_bf16_dot() else (24, 256)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_smollm2_bf16_a_batch_of_lookup_trees_gives_own_plain_decoding(smol_bf16
     gets its own plain decoding's tokens."""
     from knnssd.engine.batch import plan as batch_plan
     from knnssd.engine.batch import scheduler as batched
-    from knnssd.engine.model import decoder
+    from knnssd.engine.model import tree_pass
     from knnssd.engine.model import tree
     from knnssd.engine.batch.scheduler import PromptJob, decode_batch
     from knnssd.engine.model.pass_costs import PassCosts
@@ -90,7 +90,7 @@ def test_smollm2_bf16_a_batch_of_lookup_trees_gives_own_plain_decoding(smol_bf16
     done = {id(f.job): f.tokens for f in decode_batch(dec, jobs, plan)}
     assert [done[id(j)] for j in jobs] == ref
     slots, pool = dec.pooled_slots(1)
-    assert bool(verdicts) == (plan.pooled and decoder.packs_trees(slots[0], pool))
+    assert bool(verdicts) == (plan.pooled and tree_pass.packs_trees(slots[0], pool))
 
 
 def _rows_invariant(dec, dtype: str) -> None:
@@ -135,7 +135,7 @@ def test_smollm2_gguf_runs_the_files_blocks_exactly(smol_gguf):
     from knnssd.engine.model.weights import PROJECTIONS
 
     lm, dec = smol_gguf[:2]
-    assert lm.dtype_name == "gguf" and dec._layers_call(dec.stack) is not None
+    assert lm.dtype_name == "gguf" and dec.layers_call(dec.stack) is not None
     for layer in dec.stack.layers:
         for name in PROJECTIONS:
             linear = getattr(layer, name)

@@ -6,7 +6,7 @@ The wide paths (AVX2, AVX-512F, NEON) define the same arithmetic for the linears
 of their outputs must agree across instruction sets: an ARM64 build run under emulation checks the x86 build's
 bits, and the reverse. avx512_bf16's tiles round otherwise (``vdpbf16ps``): its builds are checked for invariance, and
 against each other. The 4-bit and 8-bit blocks are summed in integers on every path, avx512_bf16's included, so
-their digest is the same everywhere. AMX CPUs (Sapphire Rapids and later) run that form too (``native.linear_preferred``): the
+their digest is the same everywhere. AMX CPUs (Sapphire Rapids and later) run that form too (``native_library.linear_preferred``): the
 ``sapphirerapids`` build is checked here, less the vector extensions this CPU lacks (AVX512-FP16, AVX-VNNI),
 which is as near to an AMX machine's ``-march=native`` build as a CPU without them can run."""
 from __future__ import annotations

@@ -14,7 +14,7 @@ from knnssd.engine.spec.loop import GenerationConfig, decode, prefill
 from knnssd.engine.spec.drafters import DrafterConfig, build
 from knnssd.engine.spec.sampling import Verdict, Warp, accept_greedy, accept_sampled, probs
 from knnssd.engine.spec.sequence import Sequence
-from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.model.build import make_decoder
 from knnssd.engine.model.skip import SkipMask
 from tiny import prompt_ids, tiny
 

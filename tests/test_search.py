@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from knnssd.engine.spec.loop import GenerationConfig, generate
 from knnssd.engine.spec.drafters import build
-from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.model.build import make_decoder
 from knnssd.engine.spec import suffix
 from knnssd.engine.model.skip import SkipMask
 from knnssd.engine.spec.suffix import SequenceIndex

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from knnssd.engine.spec.loop import GenerationConfig, generate
-from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.model.build import make_decoder
 from knnssd.engine.spec.drafters import DrafterConfig, Suffix, build
 from knnssd.engine.spec.suffix import MATCH, SequenceIndex, SuffixCache, SuffixIndex, chain, draft_length, propose
 from tiny import hf_greedy, prompt_ids, tiny

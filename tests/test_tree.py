@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from knnssd.engine.batch import scheduler as batched
 from knnssd.engine.model import exactness
-from knnssd.engine.model import tree
+from knnssd.engine.model import tree, tree_pass
 from knnssd.engine.batch.plan import BatchPlan
 from knnssd.engine.batch.scheduler import PromptJob, decode_batch
 from knnssd.engine.model.pass_costs import PassCosts
@@ -76,7 +76,7 @@ def _tree_rows_equal_chain_rows(dec, prompt: list[int], parents_: tuple[int, ...
     cfg = GenerationConfig(max_new_tokens=16)
     start = len(prompt)
     prefill(dec, prompt, cfg)
-    out, _ = dec.forward_tree(toks, start, parents_)
+    out, _ = tree_pass.forward_tree(dec, toks, start, parents_)
     for path, _ in tree.segments(parents_):
         prefill(dec, prompt, cfg)  # a fresh cache: the chain of this path alone
         chain = dec.forward(toks[path], start).logits
@@ -118,7 +118,7 @@ def _wide(arch: str) -> Decoder:
 
 def wide(arch: str) -> Decoder:
     dec = _wide(arch)
-    if dec._layers_call(dec.stack) is None:
+    if dec.layers_call(dec.stack) is None:
         pytest.skip("no one-call layers here (no C compiler, no vector instruction set)")
     return dec
 
@@ -135,10 +135,10 @@ def test_a_trees_rows_in_one_native_call_are_its_paths_chain_rows(arch):
         for i, p in enumerate(SHAPES.values()):
             toks = torch.randint(2, COMMON["vocab_size"], (len(p) + 1,), generator=torch.Generator().manual_seed(i))
             prefill(dec, prompt, cfg)
-            out, kv = dec.forward_tree(toks, context, p)
+            out, kv = tree_pass.forward_tree(dec, toks, context, p)
             assert kv is None  # the native call ran
             segs = tree.segments(p)
-            dec.settle(context, None, tuple(segs[-1][0]))
+            tree_pass.settle(dec, context, None, tuple(segs[-1][0]))
             settled = [c[:, :, context : context + len(segs[-1][0])].clone() for c in dec.cache.k + dec.cache.v]
             for path, _ in segs:
                 prefill(dec, prompt, cfg)

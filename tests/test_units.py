@@ -11,7 +11,7 @@ from knnssd.engine.spec.loop import GenerationConfig, generate
 from knnssd.engine.spec.drafters import DrafterConfig, NGram, build
 from knnssd.engine.spec.sampling import Warp
 from knnssd.engine.spec.sequence import Sequence
-from knnssd.engine.model.decoder import make_decoder
+from knnssd.engine.model.build import make_decoder
 from knnssd.engine.model.skip import MaskError, SkipMask
 from tiny import prompt_ids, tiny
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from knnssd.engine.model import tree_pass
 from knnssd.engine.model.decoder import Decoder
 
 from knnssd.engine.model.skip import SkipMask
@@ -72,9 +73,9 @@ def measure_costs(dec: Decoder, max_t: int = 11, context: int = 128) -> Costs:
     tree, leaf = [], 0.0
     if dec.can_tree:
         ids = torch.zeros(max_t, dtype=torch.long, device=dec.device)
-        tree = [median_ms(lambda t=t: dec.forward_tree(ids[:t], context, two_branches(t - 1)), dec.device, 5)
+        tree = [median_ms(lambda t=t: tree_pass.forward_tree(dec, ids[:t], context, two_branches(t - 1)), dec.device, 5)
                 for t in range(2, max_t + 1)]
         if max_t > 3:  # a star of max_t - 1 leaves against two branches of as many nodes
-            star = median_ms(lambda: dec.forward_tree(ids, context, (0,) * (max_t - 1)), dec.device, 5)
+            star = median_ms(lambda: tree_pass.forward_tree(dec, ids, context, (0,) * (max_t - 1)), dec.device, 5)
             leaf = max(0.0, (star - tree[-1]) / (max_t - 3))
     return Costs(verify, draft, tree, leaf)

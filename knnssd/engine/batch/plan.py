@@ -16,7 +16,8 @@ from knnssd.engine.model.cache import BUCKET, SPAN, KVCache
 from knnssd.engine.model.pass_costs import PassCosts, measure_pass_costs, packed_passes
 from knnssd.engine.spec.request_params import KV_MEMORY, too_many_slots
 from knnssd.engine.batch.prefixes import prefix_exact
-from knnssd.engine.model.decoder import Decoder, forward_slots
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.packed import forward_slots
 from knnssd.engine.model.timing import median_ms
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ its own) with its own drafter. A step:
                                                   # in one host copy, emit, roll back (decode.Run)
 
 A greedy sequence whose drafter drafts token trees (``tree.py``) proposes a tree of k_b nodes where the
-packed pass verifies trees (the native layers over a slot pool: ``decoder.packs_trees``); its rows are
+packed pass verifies trees (the native layers over a slot pool: ``tree_pass.packs_trees``); its rows are
 priced as any rows, and its verdict is read on its own (``tree.accept_greedy``). Elsewhere it drafts
 chains.
 
@@ -45,7 +45,9 @@ from knnssd.engine.spec.drafters import Drafter
 from knnssd.engine.batch.prefixes import Prefixes
 from knnssd.engine.spec.sampling import Verdict
 from knnssd.engine.model import tree
-from knnssd.engine.model.decoder import Decoder, forward_slots, packs_trees, settle_slots
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.packed import forward_slots
+from knnssd.engine.model.tree_pass import packs_trees, settle_slots
 
 log = logging.getLogger(__name__)
 

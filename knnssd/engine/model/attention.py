@@ -49,7 +49,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from knnssd.engine.model import native
+from knnssd.engine.model import native, native_library
 
 
 def allowed(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
@@ -339,7 +339,7 @@ def prefill_form(step: Attention, dtype: torch.dtype, device: torch.device | str
     - else the fastest causal form, ``SDPA_DYNAMIC`` (``native.causal`` where it runs, causal blocks in
       bf16, causal SDPA)."""
     native_step = step.pooled is not None and torch.device(device).type == "cpu"
-    if step.cache_fp32 or (native_step and (dtype == torch.float32 or native.tiled("causal") is None)):
+    if step.cache_fp32 or (native_step and (dtype == torch.float32 or native_library.tiled("causal") is None)):
         return step
     return SDPA_DYNAMIC
 
@@ -367,6 +367,6 @@ def implementations(rows: int, device: torch.device | str = "cpu") -> tuple[Atte
     plain ones, then padded forms from the cheapest (2 rows) to the surest (``rows``: every call one
     shape), and on the CPU, where the native kernels are built, ``native``."""
     pads = sorted({p for p in (2, 4, rows) if 1 < p <= rows})
-    own = (NATIVE,) if torch.device(device).type == "cpu" and native.available() else ()
+    own = (NATIVE,) if torch.device(device).type == "cpu" and native_library.available() else ()
     return (SDPA, SDPA_FOLD, FP32, SDPA_DYNAMIC, *(padded(impl, p) for p in pads for impl in (SDPA, FP32)),
             folded(4), *own)

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from knnssd import locks
-from knnssd.engine.model import native
+from knnssd.engine.model import native_library
 from knnssd.engine.model.attention import NATIVE, Attention, implementations
 from knnssd.engine.model.cache import SPAN
 from knnssd.engine.model.forms import DecoderForm
@@ -287,9 +287,9 @@ KERNEL_ENV = ("DNNL_", "ONEDNN_", "MKL_", "OMP_", "KMP_", "ATEN_", "CUBLAS_", "N
 # is often run with them set, which would otherwise probe again as if on another machine.
 WAIT_ENV = frozenset({"OMP_WAIT_POLICY", "KMP_BLOCKTIME"})
 # The engine code a forward pass runs (which kernels, on what shapes) and the probe itself.
-FORWARD_CODE = tuple(Path(__file__).parent / f for f in ("attention.py", "cache.py", "decoder.py", "skip.py",
-                                                        "weights.py", "quantized.py", "exactness.py", "native.py",
-                                                        "native.c"))
+FORWARD_CODE = tuple(Path(__file__).parent / f for f in (
+    "attention.py", "cache.py", "decoder.py", "layers.py", "packed.py", "tree_pass.py", "hf_decoder.py", "build.py",
+    "skip.py", "weights.py", "quantized.py", "exactness.py", "native.py", "native.c"))
 
 
 def machine_key(device: torch.device) -> str:
@@ -300,11 +300,11 @@ def machine_key(device: torch.device) -> str:
     if device.type == "cuda":
         chip = torch.cuda.get_device_name(device)
     else:
-        chip = platform.machine() + native.processor()
+        chip = platform.machine() + native_library.processor()
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(KERNEL_ENV) and k not in WAIT_ENV)
     h = hashlib.sha256(f"{torch.__version__}|{torch.get_num_threads()}|{chip}|{env}|"
                        f"{torch.get_float32_matmul_precision()}|{torch.backends.mkldnn.is_available()}|"
-                       f"{device.type == 'cpu' and native.available()}|{source_digest(FORWARD_CODE)}".encode())
+                       f"{device.type == 'cpu' and native_library.available()}|{source_digest(FORWARD_CODE)}".encode())
     return h.hexdigest()[:12]
 
 

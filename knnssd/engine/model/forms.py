@@ -1,8 +1,8 @@
 """What every form of a model's forward pass offers the decoding loops and the drafters (``DecoderForm``).
 
 There are four forms: the lean ``decoder.Decoder`` (and the slots it makes for batches), the plain HF
-fallback ``decoder.HFDecoder``, one sequence on the captured static step ``graphs.StaticDecoder``, and a
-slot of the static step's batch ``slots.SlotView``. They share ``forward``, ``reserve`` and
+fallback ``hf_decoder.HFDecoder``, one sequence on the captured static step ``static.graphs.StaticDecoder``, and a
+slot of the static step's batch ``static.slots.SlotView``. They share ``forward``, ``reserve`` and
 ``rollback``; what only some can do is declared as flags here, so that a loop asks a form instead of
 probing it for methods.
 """
@@ -29,11 +29,14 @@ class DecoderForm(Protocol):
     exactness: object  # ``exactness.Exactness``: how its verify passes compare with one-token steps (None: unprobed)
     stack: Stack | None  # the lean weights it runs on (None: the HF fallback's own modules)
     can_skip: bool  # runs a skip mask's draft steps (layer-skip and hybrid drafters)
-    can_tree: bool  # verifies a token tree in one pass (``forward_tree``, then ``settle``)
+    can_tree: bool  # verifies a token tree in one pass (``tree_pass.forward_tree``, then ``settle``)
     can_batch: bool  # makes slots for batched decoding (``slot``, ``pooled_slots``)
     # plain greedy decoding may launch a step before the last one is read: its rollback never discards a
     # position, so a step launched past the one read keeps its K/V (the static step)
     runs_ahead: bool
+
+    def int8_stack(self) -> Stack:
+        """The int8 copy of its weights that int8 drafts run on (``skip.MaskError`` where it has none)."""
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` positions (a request's prompt and new tokens)."""

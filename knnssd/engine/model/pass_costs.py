@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from knnssd.engine.model.attention import PREFILL_ROWS
-from knnssd.engine.model.decoder import Decoder, forward_slots
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.packed import forward_slots
 from knnssd.engine.model.timing import median_ms
 
 

@@ -119,7 +119,7 @@ def _on_blocks(kind: str, parts, linear) -> NativeLinear:
 def gguf_stack(stack: Stack, path: Path) -> tuple[Stack, int]:
     """A copy of ``stack`` whose projections and head run on the blocks of the GGUF file ``path`` (the file the
     model was loaded from), and how many of them do. Raises ``QuantizedWeightsError`` where the file has
-    none, or the native kernel does not run here (``native.tiled``)."""
+    none, or the native kernel does not run here (``native_library.tiled``)."""
     header = reader(path)
     tensors = {t.name: t for t in header.tensors}
     field = header.fields.get("general.architecture")

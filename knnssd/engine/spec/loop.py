@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from knnssd.engine.spec import draft_policy
-from knnssd.engine.model import tree
+from knnssd.engine.model import tree, tree_pass
 from knnssd.engine.model.attention import PREFILL_ROWS, reuse_unit
 from knnssd.engine.model.cache import KVCache
 from knnssd.engine.spec.drafters import Draft, Drafter
@@ -367,9 +367,9 @@ class Run:
     def accept_tree(self, call: Call) -> int:
         """Verify a token tree in one pass, keep its accepted path's K/V and emit (greedy; ``tree.py``)."""
         dec, parents = self.seq.decoder, call.draft.parents
-        out, kv = dec.forward_tree(call.ids, call.start, parents)
+        out, kv = tree_pass.forward_tree(dec, call.ids, call.start, parents)
         verdict = tree.accept_greedy(call.draft.host, parents, out.logits)
-        dec.settle(call.start, kv, verdict.path)
+        tree_pass.settle(dec, call.start, kv, verdict.path)
         return self.apply(verdict)
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from knnssd.engine.spec.sampling import Warp
-from knnssd.engine.model.decoder import Decoder, HFDecoder
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.hf_decoder import HFDecoder
 
 _uids = itertools.count()
 

@@ -27,7 +27,8 @@ import torch
 
 from knnssd.engine.model import exactness
 from knnssd.engine.model.cache import CacheFull
-from knnssd.engine.model.decoder import Decoder, Output
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.forms import Output
 from knnssd.engine.model.skip import MaskError, SkipMask
 from knnssd.engine.model.weights import Stack
 from knnssd.engine.static.step import ROW_BUCKETS, StaticCache, keys_bucket, keys_buckets, plain, rows_bucket, step

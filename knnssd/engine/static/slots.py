@@ -25,7 +25,8 @@ import torch
 from knnssd.engine.model import exactness
 from knnssd.engine.batch.plan import BatchPlan, plan_costs
 from knnssd.engine.model.cache import CacheFull
-from knnssd.engine.model.decoder import Decoder, Output
+from knnssd.engine.model.decoder import Decoder
+from knnssd.engine.model.forms import Output
 from knnssd.engine.static.graphs import StaticSequence, StepRunner
 from knnssd.engine.model.skip import SkipMask
 from knnssd.engine.model.weights import Stack

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from knnssd.engine.model.attention import allowed, to_additive
-from knnssd.engine.model.decoder import Decoder, _attn_out, _heads, _logits, _mlp, rope_tables, rotate
+from knnssd.engine.model.layers import attn_out, embed, heads, logits, mlp, rope_tables, rotate
 from knnssd.engine.model.skip import SkipMask
 from knnssd.engine.model.weights import Int8Linear, Layer, Linear, Norm, PackedLinear, Stack, UnsupportedArchitecture
 
@@ -134,21 +134,21 @@ def step(s: Stack, k: list[torch.Tensor], v: list[torch.Tensor], tables: dict[st
     None: all L. tap: a layer (a constant), for a prompt's routing vector (``loop.prefill``).
     """
     length = keys or k[0].shape[2]
-    h = Decoder._embed(s, ids)  # (1, R, E)
+    h = embed(s, ids)  # (1, R, E)
     rope = {key: (cos[pos], sin[pos]) for key, (cos, sin) in tables.items()}  # (R, 1, d) each
     masks: dict[int | None, torch.Tensor] = {}  # by window: (R, 1, 1, K), 0 / -inf
     for i, layer in enumerate(s.layers):
         if skip is None or not skip.attn[i]:
             if layer.window not in masks:
                 masks[layer.window] = to_additive(allowed(pos, length, layer.window), k[i].dtype)[:, None, None]
-            h = h + _attn_out(layer, _attend(s, layer, i, h, k, v, rope[layer.rope], masks[layer.window], pos, slots,
+            h = h + attn_out(layer, _attend(s, layer, i, h, k, v, rope[layer.rope], masks[layer.window], pos, slots,
                                              slot, length))
         if skip is None or not skip.mlp[i]:
-            h = h + _mlp(layer, h)
+            h = h + mlp(layer, h)
         if i == tap:
             tapped = h[0]
     hidden = s.norm(h)[0]
-    return (_logits(s, hidden), hidden) if tap is None else (_logits(s, hidden), hidden, tapped)
+    return (logits(s, hidden), hidden) if tap is None else (logits(s, hidden), hidden, tapped)
 
 
 def _attend(s: Stack, layer: Layer, i: int, h: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], rope,
@@ -156,7 +156,7 @@ def _attend(s: Stack, layer: Layer, i: int, h: torch.Tensor, k: list[torch.Tenso
     """(1, R, H D): every row's K/V written at (slot, position), then each row's queries alone over its slot's
     first ``length`` keys, each KV head's G = H / KV query heads as its rows (no repeated K/V, and no
     ``enable_gqa``, which not every CUDA kernel takes)."""
-    q, kr, vr = _heads(s, layer, layer.qkv(layer.attn_norm(h))[0], rope, rope_fn=rotate)  # (R, H, D), (R, KV, D)
+    q, kr, vr = heads(s, layer, layer.qkv(layer.attn_norm(h))[0], rope, rope_fn=rotate)  # (R, H, D), (R, KV, D)
     k[i][slots, :, pos] = kr.to(k[i].dtype)
     v[i][slots, :, pos] = vr.to(v[i].dtype)
     R = q.shape[0]
