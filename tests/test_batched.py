@@ -122,7 +122,7 @@ def test_prompts_reuse_the_leading_positions_of_others_in_the_batch(arch):
     for dtype in ("bfloat16", "float32"):
         dec = decoder(arch, dtype)
         plan = batch_plan.plan(dec, slots=3)
-        assert plan.shares == prefixes.prefix_exact(dec, plan.pooled)
+        assert plan.reuses_prefixes == prefixes.prefix_exact(dec, plan.pooled)
         cfgs = drafters(dec.n_layers)
         jobs = [PromptJob(ids, build(cfgs[i % 4], dec.n_layers) if cfgs[i % 4] else None,
                           GenerationConfig(max_new_tokens=6 + 3 * i)) for i, ids in enumerate(prompts)]
@@ -134,8 +134,8 @@ def test_prompts_reuse_the_leading_positions_of_others_in_the_batch(arch):
         # the first three start together (the 2nd and 3rd reuse the 1st's example); each later one while
         # an earlier one still runs
         unit = reuse_unit_of(dec)
-        assert stats.reused == (len(example) // unit * unit * 4 if plan.shares else 0), (dtype, stats.reused)
-        shared += [dtype] * plan.shares
+        assert stats.reused == (len(example) // unit * unit * 4 if plan.reuses_prefixes else 0), (dtype, stats.reused)
+        shared += [dtype] * plan.reuses_prefixes
     if not shared:
         pytest.skip("reuse is measured exact in no dtype here")
 
@@ -162,8 +162,8 @@ def test_a_prompt_reuses_one_that_finished_while_its_slot_stays_free():
         queue.close()
         assert list(batch) == [] and max(stats.active) == 1
         unit = reuse_unit_of(dec)
-        assert stats.reused == (len(example) // unit * unit * 3 if plan.shares else 0), (dtype, stats.reused)
-        shared += [dtype] * plan.shares
+        assert stats.reused == (len(example) // unit * unit * 3 if plan.reuses_prefixes else 0), (dtype, stats.reused)
+        shared += [dtype] * plan.reuses_prefixes
     if not shared:
         pytest.skip("reuse is measured exact in no dtype here")
 
@@ -346,32 +346,32 @@ def test_a_plan_takes_its_slow_checks_from_the_record_of_an_earlier_plan(tmp_pat
     rows = []
     monkeypatch.setattr(batch_plan, "rows_exact", lambda d, n, _c=batch_plan.rows_exact: (rows.append(n), _c(d, n))[1])
     first = batch_plan.plan(dec, 3, record=record)
-    assert ran == ["pooled_exact", "prefix_exact"] and not first.recalled and first.exact
+    assert ran == ["pooled_exact", "prefix_exact"] and not first.from_record and first.exact
     max_t = dec.exactness.max_t
     (code, entry), = json.loads(record.read_text()).items()
     assert rows == [3 * max_t] and entry["rows"] == [3 * max_t]
     assert [p.name for p in record.parent.iterdir()] == [record.name]
     again = batch_plan.plan(dec, 3, record=record)
-    assert again.recalled and (again.pooled, again.shares) == (first.pooled, first.shares) and len(ran) == 2
+    assert again.from_record and (again.pooled, again.reuses_prefixes) == (first.pooled, first.reuses_prefixes) and len(ran) == 2
     assert again.exact and len(rows) == 1
-    assert not batch_plan.plan(dec, 2, record=record).recalled and len(ran) == 4 and rows[1:] == [2 * max_t]
-    assert batch_plan.plan(dec, 2, record=record).recalled and batch_plan.plan(dec, 3, record=record).recalled
+    assert not batch_plan.plan(dec, 2, record=record).from_record and len(ran) == 4 and rows[1:] == [2 * max_t]
+    assert batch_plan.plan(dec, 2, record=record).from_record and batch_plan.plan(dec, 3, record=record).from_record
     kept = json.loads(record.read_text())
     assert len(rows) == 2 and kept[code]["rows"] == [2 * max_t, 3 * max_t]
     record.write_text(json.dumps({"other": kept[code]}))
-    assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 6 and len(rows) == 3
+    assert not batch_plan.plan(dec, 3, record=record).from_record and len(ran) == 6 and len(rows) == 3
     record.write_text("{not json")
-    assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 8
+    assert not batch_plan.plan(dec, 3, record=record).from_record and len(ran) == 8
     record.write_text(json.dumps({code: {**kept[code], "slots": []}}))
-    assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 10
-    assert batch_plan.plan(dec, 3, record=record).recalled
+    assert not batch_plan.plan(dec, 3, record=record).from_record and len(ran) == 10
+    assert batch_plan.plan(dec, 3, record=record).from_record
     plain = dec.stack
     dec.use_stack(dataclasses.replace(dec.stack, lm_head=RowPadded(dec.stack.lm_head)))
-    assert not batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 12
+    assert not batch_plan.plan(dec, 3, record=record).from_record and len(ran) == 12
     # the other forms' entries sit beside the first ones' (the last RECORD_CODES codes'): going back takes them
     assert len(json.loads(record.read_text())) == 2
     dec.use_stack(plain)
-    assert batch_plan.plan(dec, 3, record=record).recalled and len(ran) == 12
+    assert batch_plan.plan(dec, 3, record=record).from_record and len(ran) == 12
 
 
 def test_auto_slots_takes_its_choice_from_the_record(tmp_path, monkeypatch):

@@ -415,10 +415,10 @@ def test_probe_timing_stops_timing_only_the_candidates_that_trail(monkeypatch):
 def test_probe_remembers_its_exact_choice_on_its_machine_key(tmp_path, monkeypatch):
     record = tmp_path / "probe" / "tiny.json"
     first = make_decoder(tiny("llama"), record=record).exactness  # probed, checked against HF, remembered
-    assert first.exact and not first.recalled and record.is_file() and len(first.tried) > 1
+    assert first.exact and not first.from_record and record.is_file() and len(first.tried) > 1
     dec = make_decoder(tiny("llama"), record=record)
     again = dec.exactness  # taken from the record: no probe, no timing
-    assert again.exact and again.recalled and again.step == first.step and dec.attention.name == first.step
+    assert again.exact and again.from_record and again.step == first.step and dec.attention.name == first.step
     assert again.tried == ((first.step, exactness.RECALLED),)
     assert [p.name for p in record.parent.iterdir()] == ["tiny.json"]  # no temp file left
     # the record is named by what the rounding depends on: kernel settings in the environment among them
@@ -430,10 +430,10 @@ def test_probe_remembers_its_exact_choice_on_its_machine_key(tmp_path, monkeypat
     # a record of other candidates, or an unreadable one, is probed again from the start
     renamed = tuple(dataclasses.replace(c, name=c.name + "-v2") for c in exactness.implementations(exactness.MAX_T))
     redo = exactness.choose(make_decoder(tiny("llama")), candidates=renamed, record=record)
-    assert redo.exact and not redo.recalled and len(redo.tried) > 1
+    assert redo.exact and not redo.from_record and len(redo.tried) > 1
     record.write_text("{not json")
     redo = make_decoder(tiny("llama"), record=record).exactness
-    assert redo.exact and not redo.recalled and len(redo.tried) > 1
+    assert redo.exact and not redo.from_record and len(redo.tried) > 1
     # a choice that is not exact is never remembered
     other = tmp_path / "probe" / "other.json"
     exactness.remember(other, exactness.choose(make_decoder(tiny("llama")), candidates=(_perturbed(SDPA),)))

@@ -19,8 +19,8 @@ def test_a_state_whose_drafts_are_accepted_drafts_them_whole_and_one_whose_are_n
     good, bad = draft_policy.goodput_state(8, (3, 3)), draft_policy.goodput_state(8, (1, 0))
     assert good == (2, 2) and bad == (2, 1)
     for _ in range(20):
-        g.heard(good, list(range(8)), 8, [*range(8), 99])  # all 8 accepted, and the next token
-        g.heard(bad, list(range(8)), 8, [42])  # the first rejected
+        g.observe(good, list(range(8)), 8, [*range(8), 99])  # all 8 accepted, and the next token
+        g.observe(bad, list(range(8)), 8, [42])  # the first rejected
     assert g.length(good, 8, cost) == 8 and g.length(bad, 8, cost) == 0
     assert g.length((0, 0), 8, cost) < 8  # a state never seen leans on all states' figures, shrunk towards 1/2
 

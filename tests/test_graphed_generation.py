@@ -82,13 +82,13 @@ def test_routed_generation_on_the_static_step_equals_its_plain_decoding(monkeypa
     for i, p in prompts.items():
         r = gen.generate(p, params)
         assert r.tokens == want[i] and r.stats.step.startswith("static"), i
-    assert gen.plan(3).runs_on is None and gen.plan(3, 40, bound=False).runs_on is None  # slots that could not grow
+    assert gen.plan(3).decodes_on is None and gen.plan(3, 40, bound=False).decodes_on is None  # slots that could not grow
     with caplog.at_level("INFO", logger="knnssd.serving.routed"):
         chosen = gen.plan(3, 40)  # the form whose packed pass measured cheaper (on this CPU, likely the eager one)
     assert "batches of 3 run on" in caplog.text
     fixed = static_slots.plan(lm.static_slots(3, 40), 3)
-    assert fixed.exact and fixed.runs_on is lm.static_slots(2, 30)  # slots are reused where they hold a batch
-    assert fixed.runs_on.length == lm.static.keys == 512  # the key bucket every prompt here reads alone
+    assert fixed.exact and fixed.decodes_on is lm.static_slots(2, 30)  # slots are reused where they hold a batch
+    assert fixed.decodes_on.length == lm.static.keys == 512  # the key bucket every prompt here reads alone
     for plan in (fixed, chosen):  # each batch form against plain decoding in the same form
         base = {i: r.tokens for i, r in plain.generate_many(prompts.items(), params, plan)}
         got = dict(gen.generate_many(prompts.items(), params, plan))
@@ -115,7 +115,7 @@ def test_a_server_bounded_by_max_len_batches_on_static_slots(monkeypatch, caplog
     monkeypatch.setenv("KNNSSD_GRAPHS", "on")
     gen = RoutedGenerator(loaded(), bank([DrafterConfig(kind="ngram", max_len=4), DrafterConfig(kind="none")]))
     with caplog.at_level("INFO", logger="knnssd.serving.routed"):
-        assert serving_plan(gen, 3, "--batch-size").runs_on is None
+        assert serving_plan(gen, 3, "--batch-size").decodes_on is None
     assert "batches of 3 run on" not in caplog.text
     with caplog.at_level("INFO", logger="knnssd.serving.routed"):
         b = Batcher(lambda: (gen, serving_plan(gen, 3, "--batch-size", max_len=40)), max_len=40)

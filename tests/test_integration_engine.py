@@ -90,7 +90,7 @@ def test_smollm2_few_shot_prompts_reuse_their_example_in_a_batch(smollm2, data_d
     lm = smollm2 if dtype == torch.float32 else models.load("smollm2", dtype="bfloat16")
     dec = lm.decoder
     plan = batch_plan.plan(dec, 3, record=lm.batch_record)
-    if not plan.shares:
+    if not plan.reuses_prefixes:
         pytest.skip(f"reusing a prompt's leading positions is not measured exact in {dtype} here")
     rows = prompts.load_domains(data_dir, ("summarization", "reasoning"), "eval", 3)[:4]  # 3 summarization, 1 other
     ids = [lm.tokenizer(r.prompt).input_ids for r in rows]

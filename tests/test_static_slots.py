@@ -21,7 +21,7 @@ from tiny import hf_greedy, prompt_ids, tiny
 def test_a_batch_on_static_slots_gives_each_prompt_its_greedy_tokens(arch):
     static = StaticSlots(Decoder(from_hf(tiny(arch))), slots=3, length=512, graphs=False)
     p = plan(static, 3)
-    assert p.pooled and not p.shares and p.costs(1) > 0
+    assert p.pooled and not p.reuses_prefixes and p.costs(1) > 0
     config = GenerationConfig(max_new_tokens=16)
     mask = SkipMask.from_layers(4, attn=(1,), mlp=(2,))
     drafters = (lambda: None, lambda: NGram(max_len=4), lambda: LayerSkip(mask, max_len=3))

@@ -54,8 +54,8 @@ def test_depths_and_segments_cover_every_node_once():
 
 def test_a_whole_branch_accepted_lengthens_adaptive_drafts():
     p = (0, 1, 0)  # nodes 1-2 a branch, node 3 another
-    assert tree.heard(p, [0, 1, 2]) == 2 and tree.heard(p, [0, 3]) == 1  # to a leaf: as a chain fully accepted
-    assert tree.heard(p, [0, 1]) == 2 and tree.heard(p, [0]) == 1  # short of a leaf: a rejection
+    assert tree.reported_len(p, [0, 1, 2]) == 2 and tree.reported_len(p, [0, 3]) == 1  # to a leaf: as a chain fully accepted
+    assert tree.reported_len(p, [0, 1]) == 2 and tree.reported_len(p, [0]) == 1  # short of a leaf: a rejection
 
 
 def test_greedy_verdict_follows_the_models_choices_down_any_branch():
@@ -66,7 +66,7 @@ def test_greedy_verdict_follows_the_models_choices_down_any_branch():
     for node, best in ((0, 6), (2, 7), (3, 3)):  # root -> 6 (node 2) -> 7 (node 3) -> 3: no such child
         logits[node, best] = 1
     v = tree.accept_greedy(tokens, parents_, logits)
-    assert (v.path, v.accepted, v.next, v.emitted, v.heard) == ((0, 2, 3), 2, 3, [6, 7, 3], 3)  # node 3 has a child
+    assert (v.path, v.accepted, v.next, v.emitted, v.reported_len) == ((0, 2, 3), 2, 3, [6, 7, 3], 3)  # node 3 has a child
     assert v.next_ids.tolist() == [3] and v.drafted == tokens
 
 

@@ -167,7 +167,7 @@ def measure(gen, cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stder
             "auto_batch_size": auto, "exactness": dec.exactness.to_dict() if dec.exactness else None,
             # where the static step runs: its probe (routed b=1) and the batch sizes that ran on static slots
             "static_exactness": gen.static.exactness.to_dict() if gen.static is not None else None,
-            "static_slots": sorted(n for n, p in plans.items() if p.runs_on is not None),
+            "static_slots": sorted(n for n, p in plans.items() if p.decodes_on is not None),
             "table": table, "auto_vs_best_fixed": best["routed auto"]["tokens_per_s"] / fixed}
 
 

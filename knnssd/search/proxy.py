@@ -167,7 +167,7 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
                 prop, nodes = nodes, []  # verified as a chain (``drafters.Draft.of``)
             if nodes:  # a tree step: what the step drafted, accepted, cost, and told the adaptive rule
                 path = tree.accepted_path(nodes, parents, s.cont[j:])
-                a, n_drafted, heard = len(path) - 1, len(nodes), tree.heard(parents, path)
+                a, n_drafted, reported = len(path) - 1, len(nodes), tree.reported_len(parents, path)
                 step_ms = costs.tree_ms(len(nodes) + 1, len(tree.segments(parents)))
             else:
                 d_tokens: list[bool] = []
@@ -190,16 +190,16 @@ def simulate(samples: list[Sample], traces: list[Trace] | None, policy: Policy, 
                     a += 1
                 if priced is not None and offer is not None:
                     emitted = s.cont[j : j + a + 1]
-                    priced.heard(*offer, emitted)
+                    priced.observe(*offer, emitted)
                     last = draft_policy.verified(offer[1], offer[2], emitted)
-                n_drafted = heard = len(d_tokens)  # as ``sampling.Verdict.heard``
+                n_drafted = reported = len(d_tokens)  # as ``sampling.Verdict.reported_len``
                 step_ms = cost + costs.verify_ms(len(d_tokens) + 1)
             spec_t += step_ms
             ar_t += min(a + 1, n - j) * costs.verify_ms(1)
             drafted += n_drafted
             accepted += a
             steps += 1
-            k = draft_policy.next_len(k, policy.max_len, policy.adaptive, heard, a)
+            k = draft_policy.next_len(k, policy.max_len, policy.adaptive, reported, a)
             j += a + 1
     speedup = ar_t / spec_t if spec_t else 1.0
     return speedup, acceptance_rate(accepted, drafted), mean_accepted(accepted, steps)

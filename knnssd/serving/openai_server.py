@@ -72,7 +72,7 @@ def create_app(batcher: Batcher, metrics: ServerMetrics, config: ServeConfig, st
                            "base_model": batcher.gen.bank.model,
                            "clusters": [c.label for c in batcher.gen.bank.clusters], "slots": batcher.slots,
                            "exact": bool(batcher.plan and batcher.plan.exact),
-                           "static_slots": bool(batcher.plan and batcher.plan.runs_on is not None)},
+                           "static_slots": bool(batcher.plan and batcher.plan.decodes_on is not None)},
                 "max_model_len": batcher.limits.positions}
 
     @app.get("/v1/models")

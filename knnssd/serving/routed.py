@@ -165,7 +165,7 @@ class RoutedGenerator:
         prompt and new tokens, when known). Where the static step runs, ``positions`` is known and ``bound`` (no
         job will reserve more: static slots do not grow), and ``slots`` fit one captured bucket, static slots
         are measured too, and the plan whose packed pass costs less is returned (exactness first); a plan on
-        static slots runs there (``BatchPlan.runs_on``)."""
+        static slots runs there (``BatchPlan.decodes_on``)."""
         plan = batch_plan.plan(self.decoder, slots, positions, record=self.lm.batch_record)
         self._int8_weights()  # again, where the plan gave the decoder other forms of its linears
         if self.static is None or not (bound and positions):

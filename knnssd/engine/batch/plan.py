@@ -8,6 +8,7 @@ import logging
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -148,25 +149,35 @@ def _auto_slots(decoder: Decoder, limit: int) -> int:
     return best
 
 
+class SlotSource(Protocol):
+    """What a batched run takes its sequences' slots from: a decoder form that batches (``forms.DecoderForm``
+    with ``can_batch``), or the static slots, which are above this room and hand out their own views."""
+
+    def pooled_slots(self, n: int) -> tuple[list, object]:
+        """``n`` slots over one pool of caches, and the pool."""
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """What a batched run of a decoder needs measured once: its slots, v(R), whether packed passes of
     up to ``slots * max_t`` rows are row-invariant (then outputs are exact), whether attention
     runs batched over the slots (``pooled``: measured exact, ``pooled_exact``) or per sequence, and
     the positions each pooled slot is allocated at the start (``positions``; 0: as jobs reserve them),
-    and whether prompts reuse the leading positions of others in the batch (``shares``: measured exact,
-    ``prefix_exact``); ``recalled``: ``pooled`` and ``shares`` were taken from a record (``plan``); ``runs_on``:
-    the decoder the plan measured, where it is not the one the run is given (``slots.plan``)."""
+    and whether prompts reuse the leading positions of others in the batch (``reuses_prefixes``: measured
+    exact, ``prefix_exact``); ``from_record``: ``pooled`` and ``reuses_prefixes`` were taken from a record
+    (``plan``); ``decodes_on``: the decoder the plan measured, where it is not the one the run is given
+    (``static.slots.plan``)."""
 
     slots: int
     costs: PassCosts
     exact: bool
     pooled: bool = False
     positions: int = 0
-    shares: bool = False
-    recalled: bool = False
-    runs_on: object = None  # what the run decodes on where not the decoder it is given: the static slots
-    # (``slots.plan``) whose passes these figures measured
+    reuses_prefixes: bool = False
+    from_record: bool = False
+    # what the run decodes on where not the decoder it is given: the static slots (``static.slots.plan``) whose
+    # passes these figures measured
+    decodes_on: SlotSource | None = None
 
 
 # The engine code the checks run besides the forward pass (the record's name, from
@@ -201,31 +212,31 @@ def plan(decoder: Decoder, slots: int, positions: int = 0, memory: int = DEFAULT
     rows = slots * max_t
     # the linears' forms as they are were found row-invariant over this many rows under this key: a property of
     # the kernels, so not measured again (a plan that had to change the forms measures them every time)
-    rows_recalled = ex is not None and ex.exact and rows in _invariant(known, before)
-    exact = True if rows_recalled else _rows(decoder, slots, max_t)
+    rows_from_record = ex is not None and ex.exact and rows in _invariant(known, before)
+    exact = True if rows_from_record else _rows(decoder, slots, max_t)
     code = _record_code(decoder, max_t) if record is not None else None  # the forms may have changed
     kept = _by(known, code, "slots").get(str(slots))
-    recalled = exact and isinstance(kept, dict)
+    from_record = exact and isinstance(kept, dict)
     entry = None
-    if recalled:
-        pooled, shares = kept.get("pooled") is True, kept.get("shares") is True  # a wrong True costs exactness
+    if from_record:
+        pooled, reuses = kept.get("pooled") is True, kept.get("reuses_prefixes") is True  # a wrong True costs exactness
         log.info("batched checks for %d slots taken from %s", slots, record)
     else:
         pooled = exact and pooled_exact(decoder, slots)
         # rotary tables that depend on the sequence's length (dynamic NTK, longrope) rotate a lender's keys
-        shares = slots > 1 and decoder.stack.rope_static and prefix_exact(decoder, pooled)
-        entry = {str(slots): {"pooled": bool(pooled), "shares": bool(shares)}}
-    invariant = [rows] if exact and code == before and not rows_recalled else []
+        reuses = slots > 1 and decoder.stack.rope_static and prefix_exact(decoder, pooled)
+        entry = {str(slots): {"pooled": bool(pooled), "reuses_prefixes": bool(reuses)}}
+    invariant = [rows] if exact and code == before and not rows_from_record else []
     if record is not None and exact and (entry or invariant):
         _keep(record, code, slots=entry, rows=invariant)
     log.info("batched attention over %d slots: %s", slots, "one call per key length" if pooled else
              "per sequence (no batched form measured exact for this step)")
-    log.info("prompts reuse the leading positions of others in the batch: %s", "yes" if shares else
+    log.info("prompts reuse the leading positions of others in the batch: %s", "yes" if reuses else
              "no (not measured exact for this prefill, or rotary tables set by the length)")
     costs = plan_costs(decoder, slots, max_t, pooled)
     fits = memory // (slots * slot_bytes(decoder, BUCKET) // BUCKET) // BUCKET * BUCKET  # positions within memory
-    return BatchPlan(slots, costs, exact, pooled, min(KVCache.bucket(positions), fits) if positions else 0, shares,
-                     recalled)
+    return BatchPlan(slots, costs, exact, pooled, min(KVCache.bucket(positions), fits) if positions else 0, reuses,
+                     from_record)
 
 
 def plan_costs(decoder, slots: int, max_t: int, pooled: bool) -> PassCosts:

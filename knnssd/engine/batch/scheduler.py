@@ -191,7 +191,7 @@ class Scheduler:
                  stats: BatchStats | None = None, failed: Callable[[Job, Exception], None] | None = None,
                  on_step: Callable[[list[Run]], None] | None = None):
         self.plan, self.failed, self.on_step = plan, failed, on_step
-        decoder = plan.runs_on or decoder  # a plan on static slots runs there, over the same weights
+        decoder = plan.decodes_on or decoder  # a plan on static slots runs there, over the same weights
         self.stats = stats if stats is not None else BatchStats(plan.slots)
         self.stats.exact = plan.exact
         if plan.pooled:
@@ -265,7 +265,7 @@ class Scheduler:
             a = _Active(job, slot, None, t0)
             reused = prefixes.reused
             try:
-                a.run = job.start(a.slot, prefixes.prefill if self.plan.shares else prefill)
+                a.run = job.start(a.slot, prefixes.prefill if self.plan.reuses_prefixes else prefill)
             except Exception as e:
                 if self.failed is None:
                     raise

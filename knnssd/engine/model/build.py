@@ -46,7 +46,7 @@ def make_decoder(model: torch.nn.Module, check: bool = True, record: Path | None
             checked = True
         dec.use_stack(weights(dec.stack))
     dec.exactness = exactness.choose(dec, record=record, packed=forward_slots)
-    if check and not checked and not dec.exactness.recalled:  # a record is written only after this check has passed
+    if check and not checked and not dec.exactness.from_record:  # a record is written only after this check has passed
         err = probe_error(dec, model)
         if err is not None:
             log.warning("lean forward differs from HF on %s (%s); using plain HF forwards", type(model).__name__, err)

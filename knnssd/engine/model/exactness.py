@@ -24,7 +24,7 @@ it runs the one-call path, and it beat the best of them by 1.6x a step and 2.5x 
 (docs/benchmarks.md), where timing them took most of an 18 s probe.
 
 With a ``record`` file, an exact choice is remembered (``remember``) and the next load takes it
-without probing (``Exactness.recalled``). The record's name carries everything the rounding can
+without probing (``Exactness.from_record``). The record's name carries everything the rounding can
 depend on besides the weights (``models.LoadedModel.decoder`` names it by model fingerprint, dtype,
 device and ``machine_key``: torch build, threads, processor, the kernel settings in the
 environment, and the engine's own code), so a recalled choice is one a full probe measured under
@@ -84,7 +84,7 @@ class Exactness:
     linears_adjusted: int = 0  # projections changed to a row-invariant form (packed, RowPadded)
     tried: tuple[tuple[str, str], ...] = ()  # (implementation, what the probe saw)
     note: str = ""  # why not exact, in one line
-    recalled: bool = False  # taken from a full probe's record on this machine key, not probed again
+    from_record: bool = False  # taken from a full probe's record on this machine key, not probed again
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -239,7 +239,7 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
     if remembered is not None:
         dec.set_attention(remembered)
         result = Exactness(True, remembered.name, max_t, dtype, device, adjusted, ((remembered.name, RECALLED),),
-                           recalled=True)
+                           from_record=True)
         _report(result)
         return result
     if NATIVE in candidates and native_layers(dec.stack) is not None:  # the one-call path: no rival (docstring)
@@ -373,7 +373,7 @@ def _recall(record: Path | None, candidates: tuple[Attention, ...], max_t: int) 
 def remember(record: Path, result: Exactness, candidates: tuple[Attention, ...] | None = None) -> None:
     """Keep an exact, probed choice in ``record`` for the next load (a caller that checks the decoder
     further, as ``decoder.make_decoder`` does against HF, writes it only once that check has passed)."""
-    if not result.exact or result.recalled:
+    if not result.exact or result.from_record:
         return
     candidates = candidates or implementations(result.max_t, result.device)
     write_record(record, {"step": result.step, "candidates": _names(candidates, result.max_t)})

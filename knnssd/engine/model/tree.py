@@ -98,14 +98,14 @@ class TreeVerdict:
     next: int  # y: the full model's token after the accepted path
     next_ids: torch.Tensor  # (1,): y on the device
     path: tuple[int, ...]  # the accepted nodes, root (0) first
-    heard: int  # the draft length the adaptive rule hears (``heard``)
+    reported_len: int  # the draft length the adaptive rule is told (``reported_len``)
 
     @property
     def emitted(self) -> list[int]:
         return [*(self.drafted[j - 1] for j in self.path[1:]), self.next]
 
 
-def heard(parents: tuple[int, ...], path: list[int] | tuple[int, ...]) -> int:
+def reported_len(parents: tuple[int, ...], path: list[int] | tuple[int, ...]) -> int:
     """The draft length a tree step reports to the adaptive rule (``draft_policy.next_len``): the accepted
     path's where it ends at a leaf (its whole branch accepted: lengthen), else one more (a rejection). Every
     node counted instead, a tree with two leaves would read as a rejection at every step."""
@@ -139,4 +139,4 @@ def accept_greedy(tokens: tuple[int, ...], parents: tuple[int, ...], logits: tor
     path = walk(tokens, parents, lambda node, d: best[node])
     last = path[-1]
     return TreeVerdict(len(path) - 1, tuple(tokens), best[last], best_dev[last : last + 1], tuple(path),
-                       heard(parents, path))
+                       reported_len(parents, path))

@@ -140,7 +140,7 @@ class Goodput:
                 best_k, best = k, rate
         return best_k
 
-    def heard(self, state: tuple[int, int], offered: list[int], kept: int, emitted: list[int]) -> None:
+    def observe(self, state: tuple[int, int], offered: list[int], kept: int, emitted: list[int]) -> None:
         """A step in ``state`` verified the first ``kept`` tokens of the draft ``offered`` and emitted
         ``emitted``."""
         reached, accepted = verified(offered, kept, emitted)

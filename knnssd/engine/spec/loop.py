@@ -303,10 +303,10 @@ class Run:
         draft_policy.add_at(stats.drafted_at, [1] * len(verdict.drafted))
         draft_policy.add_at(stats.accepted_at, [1] * n)
         if self.drafter is not None:
-            self.k = self.drafter.next_len(self.k, verdict.heard, n)
+            self.k = self.drafter.next_len(self.k, verdict.reported_len, n)
         if self._offer is not None:
             state, offered, kept = self._offer
-            self.goodput.heard(state, offered, kept, verdict.emitted)
+            self.goodput.observe(state, offered, kept, verdict.emitted)
             self._last, self._offer = draft_policy.verified(offered, kept, verdict.emitted), None
         before = len(self.new)
         for tok in verdict.emitted:

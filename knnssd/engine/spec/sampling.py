@@ -140,8 +140,8 @@ class Verdict:
         return [*self.drafted[: self.accepted], self.next]
 
     @property
-    def heard(self) -> int:
-        """The draft length the adaptive rule hears (``draft_policy.next_len``): every verified token."""
+    def reported_len(self) -> int:
+        """The draft length the adaptive rule is told (``draft_policy.next_len``): every verified token."""
         return len(self.drafted)
 
 

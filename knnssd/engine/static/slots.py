@@ -12,7 +12,7 @@ Every step attends over the whole cache (``length`` positions, one key bucket fo
 
 ``plan`` measures what a batched run on it needs (``plan.BatchPlan``): its probe on one view, and
 ``packed_exact``, that rows packed with other sequences' equal the same rows alone, bitwise. Prompts do
-not share prefixes here (``shares`` is False).
+not share prefixes here (``reuses_prefixes`` is False).
 
 Terms: S slots, L positions a slot holds, V vocabulary, E hidden size.
 """
@@ -184,10 +184,10 @@ def slots_length(slots: int, positions: int, bucket_of: int | None, kv_bytes: in
 def plan(static: StaticSlots, slots: int) -> BatchPlan:
     """What a batched run of ``slots`` sequences on ``static`` needs (``plan.plan``'s for the eager
     engine): whether its outputs are exact (its probe, and ``packed_exact``), and v(R) measured on its runner;
-    a run given the plan runs on ``static`` (``runs_on``), whatever decoder it is handed."""
+    a run given the plan runs on ``static`` (``decodes_on``), whatever decoder it is handed."""
     ex = static.exactness
     exact = static.packed_exact(slots)
     if ex.exact and not exact:
         log.warning("packed static passes of %d sequences are not row-invariant here: batched output may differ "
                     "from plain decoding where two tokens nearly tie", slots)
-    return BatchPlan(slots, plan_costs(static, slots, ex.max_t, pooled=True), exact, pooled=True, runs_on=static)
+    return BatchPlan(slots, plan_costs(static, slots, ex.max_t, pooled=True), exact, pooled=True, decodes_on=static)
