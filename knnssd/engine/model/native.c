@@ -930,16 +930,6 @@ static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, i
     return 0;
 }
 
-int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
-                    int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return linear_run(x, x_stride, wp, 0, 0, bias, out, M, K, N, threads);
-}
-
-int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, const float *scale,
-                         const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return linear_run(x, x_stride, wp, 1, scale, bias, out, M, K, N, threads);
-}
-
 static inline void transpose16(__m512i r[16]) { /* 16 vectors of 16 32-bit values: rows become columns */
     __m512i t[16];
     for (int i = 0; i < 16; i += 2) {
@@ -1460,16 +1450,6 @@ static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, i
     return 0;
 }
 
-int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
-                    int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return linear_run(x, x_stride, wp, 0, 0, bias, out, M, K, N, threads);
-}
-
-int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, const float *scale,
-                         const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return linear_run(x, x_stride, wp, 1, scale, bias, out, M, K, N, threads);
-}
-
 /* No prefill attention on the linear's tiles here: a prefill runs the step's attention (``attention``), row
    by row (``attention.prefill_form``). */
 int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t head_stride,
@@ -1478,9 +1458,9 @@ int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, cons
     return -1;
 }
 #else
-int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
-                    int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return -1;
+static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, int kind, const float *scale,
+                          const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return -1; /* no vector instructions: the linears stay torch's */
 }
 
 int64_t linear_q4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *nib, const uint16_t *dm, const float *bias,
@@ -1493,16 +1473,23 @@ int64_t linear_q8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *q, con
     return -1;
 }
 
-int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, const float *scale,
-                         const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
-    return -1;
-}
 int64_t causal_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t head_stride,
                     int64_t start, int64_t T, int64_t H, int64_t KV, int64_t D, float scale, uint16_t *out,
                     int64_t threads) {
     return -1;
 }
 #endif
+
+/* The bf16 and int8 linears' entry points, whichever ``linear_run`` this build has. */
+int64_t linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *wp, const float *bias, uint16_t *out,
+                    int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return linear_run(x, x_stride, wp, 0, 0, bias, out, M, K, N, threads);
+}
+
+int64_t linear_int8_bf16(const uint16_t *x, int64_t x_stride, const int8_t *wp, const float *scale,
+                         const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
+    return linear_run(x, x_stride, wp, 1, scale, bias, out, M, K, N, threads);
+}
 
 #if defined(HAVE_SIMD)
 #define FAST(NAME)                                                                                 \
@@ -1623,7 +1610,7 @@ typedef struct {
                         ``linear_q8_bf16``) */
 } fused_layer;
 
-/* The rows' pass through a decoder's layers in one call, exactly as the per-op calls of ``skip.Decoder``
+/* The rows' pass through a decoder's layers in one call, exactly as the per-op calls of ``decoder.Decoder``
    compute it (each op here is the kernel it calls: rms_norm, linear, rope, the cache write, attention,
    silu_mul, and the residual adds rounded as torch rounds a bf16 sum), so a row's bits are those of the
    per-op path, and as invariant to the call's rows. h (R, E) is the residual stream, updated in place;
@@ -1632,17 +1619,19 @@ typedef struct {
    the rotary tables, d values per position (sin signed), indexed by position. kc[i], vc[i]: layer i's
    cache buffers (slots_n slots slot_stride apart, KV heads head_stride apart, L positions of D).
    ``work``: R (2 E + 3 I + 3 (H + KV) D) bf16 values; ``scratch``: ``per`` floats a thread for the
-   attention. A token tree's pass (``decoder.Decoder.forward_tree``) writes row r's K/V at place wpos[r] of
+   attention. A token tree's pass (``tree_pass.forward_tree``) writes row r's K/V at place wpos[r] of
    its slot rather than at pos[r], and reads its path's keys through a key map (``key_map_fits``: kstart,
    kmap, kmap_w); wpos NULL: at pos[r], and kmap NULL: no map. Returns 0, or -1 (a shape the kernels do
    not take, a row outside the cache, or a map the attention cannot read), before anything is computed. */
-#if defined(HAVE_LINEAR)
 int64_t layers_bf16(const fused_layer *layers, int64_t n, const uint8_t *skip, uint16_t *h, int64_t R,
                     int64_t E, int64_t H, int64_t KV, int64_t D, int64_t I, const uint16_t *cos, const uint16_t *sin,
                     int64_t d, uint16_t *const *kc, uint16_t *const *vc, int64_t slots_n, int64_t slot_stride,
                     int64_t L, int64_t head_stride, const int64_t *slots, const int64_t *pos, float scale,
                     uint16_t *work, float *scratch, int64_t per, int64_t threads, const int64_t *wpos,
                     const int64_t *kstart, const int64_t *kmap, int64_t kmap_w) {
+#if !defined(HAVE_LINEAR)
+    return -1; /* no vector linears here: the layers run op by op */
+#else
     int64_t QKVW = (H + 2 * KV) * D, QK = (H + KV) * D;
     if (R <= 0) return 0;
     if (KV <= 0 || H % KV || d % 2 || d > D || E % 2 || I % 2 || threads < 1) return -1;
@@ -1681,14 +1670,5 @@ int64_t layers_bf16(const fused_layer *layers, int64_t n, const uint8_t *skip, u
         }
     }
     return 0;
-}
-#else
-int64_t layers_bf16(const fused_layer *layers, int64_t n, const uint8_t *skip, uint16_t *h, int64_t R,
-                    int64_t E, int64_t H, int64_t KV, int64_t D, int64_t I, const uint16_t *cos, const uint16_t *sin,
-                    int64_t d, uint16_t *const *kc, uint16_t *const *vc, int64_t slots_n, int64_t slot_stride,
-                    int64_t L, int64_t head_stride, const int64_t *slots, const int64_t *pos, float scale,
-                    uint16_t *work, float *scratch, int64_t per, int64_t threads, const int64_t *wpos,
-                    const int64_t *kstart, const int64_t *kmap, int64_t kmap_w) {
-    return -1;
-}
 #endif
+}
