@@ -38,7 +38,7 @@ Each static one but ``sdpa_dynamic`` also has a batched form (``Attention.batch`
 arithmetic over B sequences' caches at one key length, for the batched engine's packed passes.
 There it gave rows bitwise equal to one sequence's call for any B and any
 padded query count, but not for a longer key length (the P @ V reduction over L rounds
-differently), so a packed pass makes one call per key length (``decoder._PooledAttention``), and
+differently), so a packed pass makes one call per key length (``packed._PooledAttention``), and
 ``plan.pooled_exact`` checks it on the real model before a batch uses it.
 """
 from __future__ import annotations
@@ -277,7 +277,7 @@ class Attention:
     cache_fp32: bool  # keep K/V in fp32
     static: bool  # shapes are set by the key length, not the positions (CUDA-graph capturable per key length)
     # The same arithmetic over several sequences' caches at one key length, for packed passes
-    # (``decoder.forward_slots``): (q (B, R, H, D), k, v (B, KV, L, D), mask (a PositionMask of (B, 1, R, L)), scale) ->
+    # (``packed.forward_slots``): (q (B, R, H, D), k, v (B, KV, L, D), mask (a PositionMask of (B, 1, R, L)), scale) ->
     # (B, R, H * D), the queries padded to R >= ``rows``. None: no batched form.
     batch: Callable | None = None
     rows: int = 1

@@ -10,7 +10,7 @@ different key length or mask path may too. So the probe measures it:
    packed and ``RowPadded``.
 2. **Attention.** The implementations in ``attention.implementations(max_t)`` are timed (a
    one-token step and a 4-token pass, to the device's end, in turns; with ``packed``, from
-   ``decoder.make_decoder``, also a packed pass of ``BATCH_SLOTS`` sequences, the batched engine's
+   ``build.make_decoder``, also a packed pass of ``BATCH_SLOTS`` sequences, the batched engine's
    step, and the two times are added), then checked cheapest first, each over the whole model:
    for each context length c in ``CONTEXTS``, random tokens, then one-token steps for positions
    c..c+max_t-1 as the reference, then passes of T = 2..max_t tokens at c, each followed by a
@@ -230,7 +230,7 @@ def choose(dec, max_t: int = MAX_T, candidates: tuple[Attention, ...] | None = N
            packed=None) -> "Exactness":
     """Probe ``dec`` (a ``decoder.Decoder``), set its exact step (the module docstring's order), and return
     what was measured; or take the choice ``record`` holds (``remember`` writes it), without probing.
-    ``packed``: ``decoder.forward_slots``, to time the candidates' packed passes."""
+    ``packed``: ``packed.forward_slots``, to time the candidates' packed passes."""
     candidates = candidates or implementations(max_t, dec.stack.device)
     dtype, device = _dtype_name(dec.stack.dtype), str(dec.stack.device)
     stack, adjusted = pad_linears(dec.stack, max_t)
@@ -372,7 +372,7 @@ def _recall(record: Path | None, candidates: tuple[Attention, ...], max_t: int) 
 
 def remember(record: Path, result: Exactness, candidates: tuple[Attention, ...] | None = None) -> None:
     """Keep an exact, probed choice in ``record`` for the next load (a caller that checks the decoder
-    further, as ``decoder.make_decoder`` does against HF, writes it only once that check has passed)."""
+    further, as ``build.make_decoder`` does against HF, writes it only once that check has passed)."""
     if not result.exact or result.from_record:
         return
     candidates = candidates or implementations(result.max_t, result.device)

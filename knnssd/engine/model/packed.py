@@ -45,7 +45,7 @@ def forward_slots(slots: list[Decoder], calls: list[tuple[torch.Tensor, int]], p
 
     ``trees[b]``: the parents of a token tree that call b's ids are (``tree.py``), or None for a chain. Only
     the native layers over a ``SlotPool`` take trees (``packs_trees``), each node's row bitwise its
-    path's chain row as in ``Decoder.forward_tree``; ``settle_slots`` then puts the accepted paths' K/V in
+    path's chain row as in ``tree_pass.forward_tree``; ``settle_slots`` then puts the accepted paths' K/V in
     place."""
     if trees is not None and all(p is None for p in trees):
         trees = None

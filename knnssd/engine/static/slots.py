@@ -4,7 +4,7 @@ per 64 rows instead of hundreds of kernel launches.
 
 ``StaticSlots(decoder, slots, length)`` stands where ``scheduler.decode_batch`` and ``plan`` take a
 decoder: ``pooled_slots`` hands out its ``SlotView``s (one sequence each, with the decoder's interface
-for the decoding loop and the drafters), and ``forward_slots`` (which ``decoder.forward_slots`` calls for
+for the decoding loop and the drafters), and ``forward_slots`` (which ``packed.forward_slots`` calls for
 a pool of this kind) packs every call's rows into one runner call. A view's own calls (its prefill, its
 draft steps) run on the same runner, with graphs shared by every slot (``slot=None``: each row reads a
 copy of its own slot's keys), so a sequence's row is computed by the same kernels alone and packed.
@@ -104,7 +104,7 @@ class StaticSlots:
         return self._ids[index : index + 1].expand(n)
 
     def pooled_slots(self, n: int) -> tuple[list[SlotView], "StaticSlots"]:
-        """The first ``n`` views, and this as their pool (``decoder.forward_slots`` runs it)."""
+        """The first ``n`` views, and this as their pool (``packed.forward_slots`` runs it)."""
         if n > self.slots:
             raise ValueError(f"{n} slots asked of static slots that hold {self.slots}")
         return self.views[:n], self
@@ -114,7 +114,7 @@ class StaticSlots:
         self.check(positions)
 
     def forward_slots(self, views: list[SlotView], calls: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
-        """One pass over several views' rows (``decoder.forward_slots``'s contract): each call's logits (T_b, V)."""
+        """One pass over several views' rows (``packed.forward_slots``'s contract): each call's logits (T_b, V)."""
         sizes = [ids.shape[0] for ids, _ in calls]
         for v, (ids, start) in zip(views, calls):
             if v.owner is not self:
