@@ -2,7 +2,7 @@
 
 Terms: ``v(T)`` the measured time of one full-model pass over T tokens; ``c`` the measured time
 of one draft step for a mask and precision, linear in the kept sub-layers; ``w(T)`` the measured time
-of one token tree's pass over T nodes in two branches (``Decoder.forward_tree``: one native call, or one
+of one token tree's pass over T nodes in two branches (``tree_pass.forward_tree``: one native call, or one
 attention call a layer per leaf), and ``s`` what each further leaf adds.
 """
 from __future__ import annotations

@@ -47,7 +47,6 @@ class StreamJob(RoutedJob):
     on_tokens: Callable[[list[int]], None] | None = None
     on_done: Callable[[Result | BaseException], None] | None = None
     current: Callable[[], RoutedGenerator] | None = None
-    cancelled: bool = False
     sent: int = 0  # tokens passed to on_tokens
     t_submit: float = 0.0
 

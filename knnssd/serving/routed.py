@@ -213,6 +213,7 @@ class RoutedJob:
     route: object = None  # set by start
     vector: np.ndarray | None = None
     route_s: float = 0.0
+    cancelled: bool = False  # ``Job.cancelled``: set by a server whose client went away
 
     def start(self, slot, prefill: Prefill = prefill, drafter=None) -> Run:
         """Prefill on ``slot`` (with ``prefill``: a batch's ``Prefixes.prefill`` reuses its other prompts'

@@ -54,19 +54,17 @@ log = logging.getLogger(__name__)
 
 class Job(Protocol):
     """Something to generate: ``start`` prefills it on a free slot with ``prefill`` (``loop.prefill``'s
-    signature) and returns its ``Run``. A job may also have a ``cancelled`` attribute: once true (set
-    from any thread), a waiting job is dropped and a running one leaves its slot at the next step,
-    finished with stop ``"cancelled"`` (a server's client that went away)."""
+    signature) and returns its ``Run``. Once ``cancelled`` is true (set from any thread), a waiting job is
+    dropped and a running one leaves its slot at the next step, finished with stop ``"cancelled"`` (a
+    server's client that went away)."""
+
+    cancelled: bool
 
     def start(self, slot: Decoder, prefill: Prefill) -> Run: ...
 
 
 class Cancelled(Exception):
     """What ``failed`` gets for a job cancelled before it started."""
-
-
-def _cancelled(job: Job) -> bool:
-    return bool(getattr(job, "cancelled", False))
 
 
 @dataclass
@@ -76,6 +74,7 @@ class PromptJob:
     prompt_ids: list[int]
     drafter: Drafter | None = None
     config: GenerationConfig = GenerationConfig()
+    cancelled: bool = False
 
     def start(self, slot: Decoder, prefill: Prefill = prefill) -> Run:
         seq, logits, _ = prefill(slot, self.prompt_ids, self.config)
@@ -255,7 +254,7 @@ class Scheduler:
             job = self._take(not self.active)  # wait for a job only when nothing else is decoding
             if job is None:
                 return
-            if _cancelled(job):
+            if job.cancelled:
                 if self.failed is not None:
                     self.failed(job, Cancelled())
                 continue
@@ -284,7 +283,7 @@ class Scheduler:
 
     def drop_cancelled(self) -> Iterator[Finished]:
         """Free the slots of cancelled sequences, yielding each (stop ``"cancelled"``)."""
-        gone = [a for a in self.active if _cancelled(a.job)]
+        gone = [a for a in self.active if a.job.cancelled]
         for a in gone:
             self.active.remove(a)
             a.run.stats.stop = "cancelled"

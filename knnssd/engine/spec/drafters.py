@@ -60,14 +60,18 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """What the decode loop asks of a drafter. One that drafts token trees (``NGram``, ``Suffix``) also has
-    ``tree`` (its node budget; 0: chains) and ``propose_tree(seq, depth, nodes)``."""
+    """What the decode loop asks of a drafter."""
 
     max_len: int  # most tokens per draft
     adaptive: bool  # shorten/lengthen drafts after rejections/full acceptances
     goodput: draft_policy.Goodput | None  # a lookup drafter's: keep the part of each draft that pays (None: all)
+    tree: int  # the node budget of its token trees (``NGram``, ``Suffix``); 0: it drafts chains only
 
     def propose(self, seq: "Sequence", k: int) -> Draft: ...
+
+    def propose_tree(self, seq: "Sequence", depth: int, nodes: int) -> Draft:
+        """A token tree of at most ``min(tree, nodes)`` nodes, each at most ``depth`` deep (asked only where
+        ``tree`` > 0)."""
 
     def next_len(self, k: int, drafted: int, accepted: int) -> int: ...
 
@@ -80,6 +84,7 @@ class _Feedback:
     max_len: int
     adaptive = False
     goodput: draft_policy.Goodput | None = None
+    tree = 0  # chains only, unless a lookup drafter sets a node budget
 
     def next_len(self, k: int, drafted: int, accepted: int) -> int:
         """The next draft length after a step that drafted ``drafted`` tokens and accepted ``accepted``."""

@@ -210,7 +210,7 @@ class Run:
         self._offer: tuple[tuple[int, int], list[int], int] | None = None  # this step's: state, draft, kept
         self._last: tuple[int, int] | None = None  # (reached, accepted): how the last draft on offer fared
         # token trees where this sequence decodes alone and greedily, on a decoder that verifies them (tree.py)
-        self.trees = getattr(drafter, "tree", 0) > 0 and config.warp.greedy and seq.decoder.can_tree
+        self.trees = drafter is not None and drafter.tree > 0 and config.warp.greedy and seq.decoder.can_tree
         warp = config.warp
         seq.last = (first_logits.argmax(-1) if warp.greedy else draw(probs(first_logits, warp), seq.generator)).view(1)
         first = int(seq.last)
