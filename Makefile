@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
 	@# the embedded model converted for transformers and the CPU kernels compiled, once per machine (a fresh
 	@# machine's first demo or test paid them: about 30 s on a 2-core Zen 3)
-	$(BIN)/python -c "from knnssd import models; from knnssd.engine.model import native_library; native_library.library(); \
-	  models.convert_gguf(models.embedded_gguf(models.DEFAULT_MODEL), models.DEFAULT_MODEL)"
+	$(BIN)/python -c "from knnssd import conversion, models; from knnssd.engine.model import native_library; \
+	  native_library.library(); name = models.DEFAULT_MODEL; conversion.convert_gguf(conversion.embedded_gguf(name), name)"
 	touch $@
 
 demo: $(STAMP)

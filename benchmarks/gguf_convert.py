@@ -1,4 +1,4 @@
-"""A GGUF file's first conversion (``models.convert_gguf``) with and without ``shims.gguf_parsed_once``.
+"""A GGUF file's first conversion (``conversion.convert_gguf``) with and without ``shims.gguf_parsed_once``.
 
 Each round converts the embedded model into an empty cache twice, as transformers reads the file and with
 the shim, in turns, and checks that the two folders' weights are bitwise equal and their tokenizer and
@@ -19,11 +19,11 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from knnssd import models, shims
+from knnssd import conversion, shims
 
 
 def convert(name: str, parsed_once: bool) -> tuple[float, tuple]:
-    gguf = models.embedded_gguf(name)  # Gemma's parts are joined into the knnssd cache: not timed
+    gguf = conversion.embedded_gguf(name)  # Gemma's parts are joined into the knnssd cache: not timed
     cache = tempfile.mkdtemp(prefix="knnssd-convert-")
     saved, before = shims.gguf_parsed_once, os.environ.get("KNNSSD_CACHE")
     os.environ["KNNSSD_CACHE"] = cache  # settings.cache_dir() reads it at each call
@@ -31,7 +31,7 @@ def convert(name: str, parsed_once: bool) -> tuple[float, tuple]:
         shims.gguf_parsed_once = lambda: contextlib.nullcontext(False)
     try:
         t = time.perf_counter()
-        folder = models.convert_gguf(gguf, name)
+        folder = conversion.convert_gguf(gguf, name)
         secs = time.perf_counter() - t
         return secs, (load_file(folder / "model.safetensors"), (folder / "tokenizer.json").read_bytes(),
                       (folder / "config.json").read_bytes())
@@ -46,7 +46,7 @@ def convert(name: str, parsed_once: bool) -> tuple[float, tuple]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", choices=sorted(models.EMBEDDED))
+    ap.add_argument("--model", default="smollm2", choices=sorted(conversion.EMBEDDED))
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args(argv)
     secs: dict[bool, list[float]] = {False: [], True: []}

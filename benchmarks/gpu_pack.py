@@ -89,11 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     prompts = eval_prompts(Path(a.data), a.prompts)  # a bad --data or --prompts ends here, before the model loads
     from safetensors.torch import load_file
 
-    from knnssd import models
+    from knnssd import conversion, models
 
     _, folder = models._source("smollm2")
     config = json.loads((folder / "config.json").read_text())
-    blocks = read_blocks(models.embedded_gguf("smollm2"), config)
+    blocks = read_blocks(conversion.embedded_gguf("smollm2"), config)
     want = load_file(folder / "model.safetensors")
     for name, w in want.items():
         if name not in blocks:

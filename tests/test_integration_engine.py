@@ -118,7 +118,7 @@ def test_concurrent_loads_share_one_converted_cache(tmp_path, monkeypatch):
     """Two processes load one GGUF at once: both wait on the conversion lock (held here until they
     do), then one converts while the other waits; both load the same folder, with no temp leftovers
     (nor torch's compile cache folder, which loading makes). A tiny GGUF: the race is the point, not the size."""
-    from knnssd import models
+    from knnssd import conversion
 
     gguf = tiny_gguf(tmp_path / "tiny.gguf")
     monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path / "cache"))
@@ -126,8 +126,8 @@ def test_concurrent_loads_share_one_converted_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     code = f"from knnssd import models; lm = models.load({str(gguf)!r}, dtype='float32'); print(lm.fingerprint)"
-    target = models._converted_dir(gguf, gguf.stem)
-    with models._locked(target):
+    target = conversion._converted_dir(gguf, gguf.stem)
+    with conversion._locked(target):
         procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
         deadline = time.time() + 120

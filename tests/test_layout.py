@@ -16,7 +16,7 @@ LAYERS = [
     ("engine.batch", ["knnssd.engine.batch"]),
     ("engine.static", ["knnssd.engine.static"]),
     ("engine", ["knnssd.engine"]),
-    ("models", ["knnssd.models"]),
+    ("models", ["knnssd.conversion", "knnssd.models"]),  # a GGUF converted once; a model loaded
     ("routing", ["knnssd.routing"]),
     ("registry", ["knnssd.tracking"]),
     ("search", ["knnssd.search"]),

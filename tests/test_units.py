@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from knnssd import models
+from knnssd import conversion, models
 from knnssd.engine.model.cache import BUCKET, SPAN, CacheFull, KVCache, Span
 from knnssd.engine.spec.loop import GenerationConfig, generate
 from knnssd.engine.spec.drafters import DrafterConfig, NGram, build
@@ -151,7 +151,7 @@ def test_corrupt_cache_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path))
     folder = tmp_path / "m"
     tiny("llama").save_pretrained(folder)
-    (folder / models.CACHE_MARKER).write_text("{}")
+    (folder / conversion.CACHE_MARKER).write_text("{}")
     (folder / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(models.ModelError, match="delete the folder to rebuild it") as e:
         models.load(str(folder))
@@ -179,22 +179,22 @@ def test_a_gguf_converts_once_wherever_it_is_installed(tmp_path, monkeypatch):
 
     def path_keyed(key: str, gguf: Path | str) -> Path:
         (root / f"tiny-{key}").mkdir()
-        (root / f"tiny-{key}" / models.CACHE_MARKER).write_text(json.dumps({"gguf": str(gguf), "size": 1}))
+        (root / f"tiny-{key}" / conversion.CACHE_MARKER).write_text(json.dumps({"gguf": str(gguf), "size": 1}))
         (root / f"tiny-{key}.lock").touch()
         return root / f"tiny-{key}"
 
     gone, changed = path_keyed("000000000000", tmp_path / "gone.gguf"), path_keyed("111111111111", c)
-    later = (changed / models.CACHE_MARKER).stat().st_mtime + 10
+    later = (changed / conversion.CACHE_MARKER).stat().st_mtime + 10
     os.utime(c, (later, later))  # reinstalled after its conversion
     kept, relative = path_keyed("444444444444", a), path_keyed("555555555555", "tiny.gguf")
     killed, busy = root / ".tiny-222222222222.k7x_q1z0", root / ".tiny-333333333333.a1b2c3d4"
     killed.mkdir()
     busy.mkdir()
     (root / "tiny-222222222222.lock").touch()  # a killed conversion leaves its lock file, not held
-    with models._locked(root / "tiny-333333333333"):
-        target = models.convert_gguf(a, "tiny")
-    assert models.convert_gguf(b, "tiny") == target
-    assert json.loads((target / models.CACHE_MARKER).read_text())["sha256"] == models._digest(b)
+    with conversion._locked(root / "tiny-333333333333"):
+        target = conversion.convert_gguf(a, "tiny")
+    assert conversion.convert_gguf(b, "tiny") == target
+    assert json.loads((target / conversion.CACHE_MARKER).read_text())["sha256"] == conversion._digest(b)
     left = {p.name for p in root.iterdir()}
     assert left == {target.name, kept.name, relative.name, busy.name} | {
         f"tiny-{k}.lock" for k in ("000000000000", "111111111111", "222222222222", "333333333333",
@@ -210,7 +210,7 @@ def test_fingerprint_ignores_dtype():
 
 def test_missing_model_package_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("KNNSSD_CACHE", str(tmp_path))
-    monkeypatch.setitem(models.EMBEDDED, "ghost", models.Embedded("no_such_package_xyz", "pip install ghost", "g.gguf"))
+    monkeypatch.setitem(conversion.EMBEDDED, "ghost", conversion.Embedded("no_such_package_xyz", "pip install ghost", "g.gguf"))
     with pytest.raises(models.ModelError, match="needs package no_such_package_xyz: pip install ghost"):
         models.load("ghost")
 
@@ -290,7 +290,7 @@ def test_a_gguf_header_read_again_is_shared_until_the_file_changes(tmp_path):
 
 
 def test_the_bench_puts_routed_over_the_best_fixed_drafter_of_each_set():
-    from knnssd.bench.bank import best_fixed, targets, versus_best_fixed
+    from knnssd.bench.bank_summary import best_fixed, targets, versus_best_fixed
 
     sp = lambda **kw: {m: {"speedup_vs_ar": v} for m, v in kw.items()}  # noqa: E731
     rep = {"mixed": sp(ar=1.0, ngram=1.4, suffix=1.5, knn_routed=1.65),
