@@ -1,6 +1,7 @@
 """``knnssd serve``: an OpenAI-compatible HTTP server (FastAPI) over the running batch (``Batcher``).
 
-``create_app`` holds the routes; a request to ``/v1/*`` passes the key check (``access``), the body bound
+The routes are module-level (``router``) and read the running batch from the app's state (``ServerState``);
+``create_app`` puts them together. A request to ``/v1/*`` passes the key check (``access``), the body bound
 (``connections.BoundedBody``), then its route; completions are answered by ``completions.Completions``, errors
 in OpenAI's shape by ``errors``. ``run`` serves the app with uvicorn until SIGTERM, and follows the alias for a
 new champion (``champion``).
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from knnssd.serving import errors
@@ -25,19 +27,75 @@ from knnssd.serving.serve_config import ServeConfig
 MAX_BODY = 16 << 20  # bytes: far more text than a context holds, which a prompt must fit (else a 400)
 
 
-def create_app(batcher: Batcher, metrics: ServerMetrics, config: ServeConfig, stopping=lambda: False,
-               connections: set | None = None) -> FastAPI:
-    """The server's app over ``batcher``, as ``config`` says; ``stopping``: whether the server is shutting down
-    (a request cancelled then is told so, not cut off); ``connections``: the open ones, counted by the server's
-    protocol (``connections.with_head_deadline``), for ``config.max_connections`` (None: no cap)."""
-    app = FastAPI(title="knnssd", docs_url=None, redoc_url=None, openapi_url=None)  # no routes beyond the API's
-    metrics.queue.set_function(lambda: batcher.queued)
-    metrics.active.set_function(lambda: batcher.active)
-    answer_error = errors.answerer(metrics)
-    errors.add_handlers(app, answer_error)
-    served = config.served
-    completions_ = Completions(batcher, metrics, served, config.request_timeout_s, config.caps, answer_error, stopping)
+@dataclass(frozen=True)
+class ServerState:
+    """What the routes read from ``app.state.knnssd``: the running batch, its metrics, what serve was asked
+    for, and the answerer of completions."""
 
+    batcher: Batcher
+    metrics: ServerMetrics
+    config: ServeConfig
+    completions: Completions
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.knnssd
+
+
+router = APIRouter()
+
+
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
+async def health(request: Request):
+    s = _state(request)
+    if not s.batcher.alive:
+        return JSONResponse(error_body("the batch's thread has stopped", "server_error"), status_code=503)
+    return {"status": "ok", "model": s.config.served, "bank_version": s.batcher.version}
+
+
+def _card(s: ServerState) -> dict:
+    batcher = s.batcher
+    return {"id": s.config.served, "object": "model", "created": 0, "owned_by": "knnssd",
+            "knnssd": {"bank_version": batcher.version, "source": s.config.model_uri,
+                       "base_model": batcher.gen.bank.model,
+                       "clusters": [c.label for c in batcher.gen.bank.clusters], "slots": batcher.slots,
+                       "exact": bool(batcher.plan and batcher.plan.exact),
+                       "static_slots": bool(batcher.plan and batcher.plan.decodes_on is not None)},
+            "max_model_len": batcher.limits.positions}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    return {"object": "list", "data": [_card(_state(request))]}
+
+
+@router.get("/v1/models/{model:path}")  # the client's models.retrieve
+async def model(model: str, request: Request):
+    s = _state(request)
+    s.completions.check_served(model)
+    return _card(s)
+
+
+@router.get("/metrics")
+async def prometheus(request: Request):
+    return Response(_state(request).metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    return await _state(request).completions.answer(body, body.text(), False, request)
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatRequest, request: Request):
+    s = _state(request)
+    prompt = await asyncio.to_thread(body.render, s.batcher.gen.lm.tokenizer)
+    return await s.completions.answer(body, prompt, True, request)
+
+
+def _add_middleware(app: FastAPI, config: ServeConfig, answer_error, stopping, connections: set | None) -> None:
+    """The checks a request passes before its route, outermost last: the body's bound and pace, the API key
+    (before the body is read), and the connection cap (before the key: a flood of connections needs none)."""
     too_large = ApiError(413, f"the body is larger than {MAX_BODY >> 20} MiB", type="too_large")
     too_slow = ApiError(408, f"the body stopped arriving for {config.head_timeout_s:g} s (--head-timeout)",
                         type="timeout")
@@ -49,7 +107,6 @@ def create_app(batcher: Batcher, metrics: ServerMetrics, config: ServeConfig, st
                else "the API key given is not one this server takes")
         return answer_error(ApiError(401, why, code="invalid_api_key", headers=CHALLENGE))
 
-    # before the body is read
     app.add_middleware(RequireKey, keys=config.keys, refuse=refuse, metrics_open=config.metrics_open)
 
     def busy(n: int):
@@ -57,46 +114,25 @@ def create_app(batcher: Batcher, metrics: ServerMetrics, config: ServeConfig, st
                                           f"(--max-connections {config.max_connections}); retry later",
                                      type="server_busy", headers={"Retry-After": "1"}))
 
-    if connections is not None:  # outermost: before the key (a flood of connections needs none)
+    if connections is not None:
         app.add_middleware(ConnectionCap, counted=connections, most=config.max_connections, busy=busy)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
-    async def health():
-        if not batcher.alive:
-            return JSONResponse(error_body("the batch's thread has stopped", "server_error"), status_code=503)
-        return {"status": "ok", "model": served, "bank_version": batcher.version}
 
-    def card() -> dict:
-        return {"id": served, "object": "model", "created": 0, "owned_by": "knnssd",
-                "knnssd": {"bank_version": batcher.version, "source": config.model_uri,
-                           "base_model": batcher.gen.bank.model,
-                           "clusters": [c.label for c in batcher.gen.bank.clusters], "slots": batcher.slots,
-                           "exact": bool(batcher.plan and batcher.plan.exact),
-                           "static_slots": bool(batcher.plan and batcher.plan.decodes_on is not None)},
-                "max_model_len": batcher.limits.positions}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [card()]}
-
-    @app.get("/v1/models/{model:path}")  # the client's models.retrieve
-    async def model(model: str):
-        completions_.check_served(model)
-        return card()
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await completions_.answer(body, body.text(), False, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        prompt = await asyncio.to_thread(body.render, batcher.gen.lm.tokenizer)
-        return await completions_.answer(body, prompt, True, request)
-
+def create_app(batcher: Batcher, metrics: ServerMetrics, config: ServeConfig, stopping=lambda: False,
+               connections: set | None = None) -> FastAPI:
+    """The server's app over ``batcher``, as ``config`` says; ``stopping``: whether the server is shutting down
+    (a request cancelled then is told so, not cut off); ``connections``: the open ones, counted by the server's
+    protocol (``connections.with_head_deadline``), for ``config.max_connections`` (None: no cap)."""
+    app = FastAPI(title="knnssd", docs_url=None, redoc_url=None, openapi_url=None)  # no routes beyond the API's
+    metrics.queue.set_function(lambda: batcher.queued)
+    metrics.active.set_function(lambda: batcher.active)
+    answer_error = errors.answerer(metrics)
+    errors.add_handlers(app, answer_error)
+    answers = Completions(batcher, metrics, config.served, config.request_timeout_s, config.caps, answer_error,
+                          stopping)
+    app.state.knnssd = ServerState(batcher, metrics, config, answers)
+    app.include_router(router)
+    _add_middleware(app, config, answer_error, stopping, connections)
     return app
 
 
