@@ -1,7 +1,8 @@
 """`knnssd ...` command line. Errors in inputs print one line and exit with status 2.
 
-Each command lives with its options in a module of this package (``add`` makes its parsers, ``cmd_*`` runs
-it): ``demo``, ``generation``, ``serving``, ``calibration``, ``benches``; what several take is in ``options``.
+Each command is one ``command.Command``, declared where its handler is, with its options function beside
+it, in a module of this package by group: ``demo``, ``generation``, ``serving``, ``calibration``,
+``benches`` (each lists its ``COMMANDS``); what several take is in ``options``.
 This module assembles the parser and runs a command: its signals, its log and its one-line errors.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ for _key, _value in ENV_DEFAULTS.items():
 
 from knnssd.cli import benches, calibration, demo, generation, serving  # noqa: E402 - after the defaults above
 
-COMMANDS = (demo, generation, serving, calibration, benches)  # in the order `knnssd --help` lists them
+GROUPS = (demo, generation, serving, calibration, benches)  # in the order `knnssd --help` lists them
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,8 +41,9 @@ def parser() -> argparse.ArgumentParser:
     # what a command uses MLflow for is set up before it runs; those that do not use it say so (mlflow=False)
     p.set_defaults(mlflow=True)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
-    for module in COMMANDS:
-        module.add(sub)
+    for group in GROUPS:
+        for command in group.COMMANDS:
+            command.add(sub)
     p.commands = sub.choices  # each command's parser, for its own usage errors
     return p
 

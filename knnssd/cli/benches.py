@@ -1,13 +1,45 @@
 """Measuring: `bench`, `bench-engine`, `bench-throughput`, `route-eval`, and `plant` (a test model)."""
 from __future__ import annotations
 
+import argparse
+
 import json
 from pathlib import Path
 
+from knnssd.cli.command import command
 from knnssd.cli.options import (bank_arg, check_tracking, counts, device_arg, dtype_arg, float_list, int_list,
                                 model_args, run_flow, tracking_arg)
 
 
+def _bench_options(p: argparse.ArgumentParser) -> None:
+    from knnssd.prompts import DOMAINS, OOD
+
+    bank_arg(p)
+    p.add_argument("--masks-bank", default=None, help="layer-skip-only bank (calibrate --kinds layer_skip --no-int8)")
+    p.add_argument("--static-bank", default=None, help="single-cluster bank (calibrate --unlabelled --clusters 1)")
+    p.add_argument("--model", default=None, help="default: the bank's model")
+    dtype_arg(p)
+    device_arg(p)
+    p.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
+    p.add_argument("--domains", default=",".join(DOMAINS))
+    p.add_argument("--ood", default=",".join(OOD), help="out-of-domain sets (empty: none)")
+    p.add_argument("--prompts", type=int, default=4, help="eval prompts per domain")
+    p.add_argument("--ood-prompts", type=int, default=2, help="prompts per OOD set")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=4, help="passes; pass j runs the stream with ratio r[j %% len(r)]")
+    p.add_argument("--ratios", default="0.0,0.3,0.7,1.0", help="mix ratios r (probability of switching domain)")
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="results folder, resuming its measurement journal "
+                                              "(default $KNNSSD_WORK/bench, else artifacts/bench)")
+    tracking_arg(p)
+    p.add_argument("--throughput", type=int, default=0, metavar="N",
+                   help="add bench-throughput's table over N mixed eval prompts of --domains (0: none)")
+    p.add_argument("--throughput-sizes", default="4,8,16", help="its fixed batch sizes (>= 2)")
+    p.add_argument("--flow", action="store_true", help="run as the Prefect flow `bench`")
+
+
+@command("bench", "all methods side by side on eval streams and OOD sets (the paper's tables)", _bench_options)
 def cmd_bench(a) -> int:
     from knnssd.bench.bank import BenchConfig, markdown, run
 
@@ -31,6 +63,20 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def _bench_engine_options(p: argparse.ArgumentParser) -> None:
+    from knnssd.prompts import DOMAINS
+
+    model_args(p)
+    p.add_argument("--prompts", type=int, default=2, help="eval prompts per domain")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--domains", default=",".join(DOMAINS))
+    p.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--no-hf", action="store_true", help="skip timing HF generate")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@command("bench-engine", "own AR vs HF generate vs fixed drafters, side by side", _bench_engine_options, mlflow=False)
 def cmd_bench_engine(a) -> int:
     from knnssd.bench import engine as bench_engine
 
@@ -45,6 +91,20 @@ def cmd_bench_engine(a) -> int:
     return 0
 
 
+def _bench_throughput_options(p: argparse.ArgumentParser) -> None:
+    bank_arg(p)
+    dtype_arg(p)
+    device_arg(p)
+    p.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
+    p.add_argument("--prompts", type=int, default=64, help="mixed eval prompts, round-robin over the domains")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--sizes", default="4,8,16", help="fixed batch sizes (>= 2) besides b=1 and auto")
+    p.add_argument("--repeats", type=int, default=1, help="runs of the whole list; each setting keeps its best")
+    p.add_argument("--json", action="store_true")
+    tracking_arg(p)
+
+
+@command("bench-throughput", "batch tokens/s: routed b=1, batched plain and routed, auto", _bench_throughput_options)
 def cmd_bench_throughput(a) -> int:
     from knnssd.bench import throughput
 
@@ -57,6 +117,17 @@ def cmd_bench_throughput(a) -> int:
     return 0
 
 
+def _route_eval_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-uri", required=True)
+    p.add_argument("--data", default=None)
+    p.add_argument("--prompts", type=int, default=None, help="eval prompts per domain (default all)")
+    p.add_argument("--timed", type=int, default=2, help="prompts per domain generated to time the overhead")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    dtype_arg(p)
+    tracking_arg(p)
+
+
+@command("route-eval", "routing accuracy and overhead on the eval rows of the five domains", _route_eval_options)
 def cmd_route_eval(a) -> int:
     from knnssd.serving.evaluate import routing_accuracy
 
@@ -67,6 +138,17 @@ def cmd_route_eval(a) -> int:
     return 0
 
 
+def _plant_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--layers", type=int, default=8, help="zero layers to insert")
+    p.add_argument("--every", type=int, default=3, help="insert one after every N-th original layer")
+    p.add_argument("--out", required=True, help="new model folder (for --model of other commands)")
+
+
+@command("plant",
+         "a test model with planted redundancy: zero-output layers the mask search must skip",
+         _plant_options,
+         mlflow=False)
 def cmd_plant(a) -> int:
     from knnssd import models
     from knnssd.bench.planted import plant, save
@@ -83,72 +165,5 @@ def cmd_plant(a) -> int:
     return 0
 
 
-def add(sub) -> None:
-    from knnssd.prompts import DOMAINS, OOD
-
-    e = sub.add_parser("bench", help="all methods side by side on eval streams and OOD sets (the paper's tables)")
-    bank_arg(e)
-    e.add_argument("--masks-bank", default=None, help="layer-skip-only bank (calibrate --kinds layer_skip --no-int8)")
-    e.add_argument("--static-bank", default=None, help="single-cluster bank (calibrate --unlabelled --clusters 1)")
-    e.add_argument("--model", default=None, help="default: the bank's model")
-    dtype_arg(e)
-    device_arg(e)
-    e.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
-    e.add_argument("--domains", default=",".join(DOMAINS))
-    e.add_argument("--ood", default=",".join(OOD), help="out-of-domain sets (empty: none)")
-    e.add_argument("--prompts", type=int, default=4, help="eval prompts per domain")
-    e.add_argument("--ood-prompts", type=int, default=2, help="prompts per OOD set")
-    e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--repeats", type=int, default=4, help="passes; pass j runs the stream with ratio r[j %% len(r)]")
-    e.add_argument("--ratios", default="0.0,0.3,0.7,1.0", help="mix ratios r (probability of switching domain)")
-    e.add_argument("--no-hf", action="store_true")
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--out", default=None, help="results folder, resuming its measurement journal "
-                                              "(default $KNNSSD_WORK/bench, else artifacts/bench)")
-    tracking_arg(e)
-    e.add_argument("--throughput", type=int, default=0, metavar="N",
-                   help="add bench-throughput's table over N mixed eval prompts of --domains (0: none)")
-    e.add_argument("--throughput-sizes", default="4,8,16", help="its fixed batch sizes (>= 2)")
-    e.add_argument("--flow", action="store_true", help="run as the Prefect flow `bench`")
-    e.set_defaults(fn=cmd_bench)
-
-    b = sub.add_parser("bench-engine", help="own AR vs HF generate vs fixed drafters, side by side")
-    model_args(b)
-    b.add_argument("--prompts", type=int, default=2, help="eval prompts per domain")
-    b.add_argument("--max-new-tokens", type=int, default=64)
-    b.add_argument("--domains", default=",".join(DOMAINS))
-    b.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
-    b.add_argument("--repeats", type=int, default=1)
-    b.add_argument("--no-hf", action="store_true", help="skip timing HF generate")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.set_defaults(fn=cmd_bench_engine, mlflow=False)
-
-    t = sub.add_parser("bench-throughput", help="batch tokens/s: routed b=1, batched plain and routed, auto")
-    bank_arg(t)
-    dtype_arg(t)
-    device_arg(t)
-    t.add_argument("--data", default=None, help="folder of <domain>.jsonl (default ../shared/data)")
-    t.add_argument("--prompts", type=int, default=64, help="mixed eval prompts, round-robin over the domains")
-    t.add_argument("--max-new-tokens", type=int, default=128)
-    t.add_argument("--sizes", default="4,8,16", help="fixed batch sizes (>= 2) besides b=1 and auto")
-    t.add_argument("--repeats", type=int, default=1, help="runs of the whole list; each setting keeps its best")
-    t.add_argument("--json", action="store_true")
-    tracking_arg(t)
-    t.set_defaults(fn=cmd_bench_throughput)
-
-    r = sub.add_parser("route-eval", help="routing accuracy and overhead on the eval rows of the five domains")
-    r.add_argument("--model-uri", required=True)
-    r.add_argument("--data", default=None)
-    r.add_argument("--prompts", type=int, default=None, help="eval prompts per domain (default all)")
-    r.add_argument("--timed", type=int, default=2, help="prompts per domain generated to time the overhead")
-    r.add_argument("--max-new-tokens", type=int, default=128)
-    dtype_arg(r)
-    tracking_arg(r)
-    r.set_defaults(fn=cmd_route_eval)
-
-    pl = sub.add_parser("plant", help="a test model with planted redundancy: zero-output layers the mask search must skip")
-    pl.add_argument("--model", default="smollm2")
-    pl.add_argument("--layers", type=int, default=8, help="zero layers to insert")
-    pl.add_argument("--every", type=int, default=3, help="insert one after every N-th original layer")
-    pl.add_argument("--out", required=True, help="new model folder (for --model of other commands)")
-    pl.set_defaults(fn=cmd_plant, mlflow=False)
+# in the order `knnssd --help` lists them
+COMMANDS = (cmd_bench, cmd_bench_engine, cmd_bench_throughput, cmd_route_eval, cmd_plant)

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from knnssd.cli.command import command
 from knnssd.cli.options import (budget_args, budget_values, check_tracking, counts, dtype_arg, json_option, model_args,
                                 run_flow, tracking_arg)
 
@@ -57,6 +58,24 @@ def _check_calibrate(a, params) -> list:
     return rows
 
 
+def _calibrate_args(k: argparse.ArgumentParser) -> None:
+    model_args(k)
+    k.add_argument("--input", action="append", help="prompt file (jsonl/parquet/csv); repeat; default: the five domains")
+    k.add_argument("--domain-from-file", action="store_true", help="rows without a domain take the file name")
+    k.add_argument("--unlabelled", action="store_true", help="ignore domains: cluster the pool, K by silhouette")
+    k.add_argument("--k-per-domain", type=int, default=10, help="anchors per labelled domain")
+    k.add_argument("--clusters", type=int, default=None, help="clusters for an unlabelled pool (default: silhouette)")
+    k.add_argument("--pooling", default="mean", choices=["mean", "last"])
+    k.add_argument("--layer", type=int, default=-1, help="hidden state to pool (-1: after the final norm)")
+    budget_args(k)
+    k.add_argument("--storage", default=None, help="Optuna storage: journal file path or URL (sqlite:///, postgresql://)")
+    tracking_arg(k)
+    k.add_argument("--alias", default="candidate", help="alias for the new version (default candidate)")
+
+
+@command("calibrate",
+         "prompts -> anchors -> per-cluster search -> a new bank version (Prefect flow)",
+         _calibrate_args)
 def cmd_calibrate(a) -> int:
     import time
 
@@ -79,6 +98,13 @@ def cmd_calibrate(a) -> int:
     return 0
 
 
+def _search_worker_options(p: argparse.ArgumentParser) -> None:
+    _calibrate_args(p)
+    p.add_argument("--worker-trials", type=int, default=8, help="trials this worker adds per cluster")
+    p.add_argument("--cluster", action="append", help="cluster label to work on (repeat; default all)")
+
+
+@command("search-worker", "add stage-1 trials to a calibration's shared studies (scale-out)", _search_worker_options)
 def cmd_search_worker(a) -> int:
     from knnssd.flows.search_worker import WorkerParams, search_worker
 
@@ -105,6 +131,19 @@ def _worker_start(params) -> None:
           "and embedding the calib prompts first", file=sys.stderr, flush=True)
 
 
+def _add_domain_options(p: argparse.ArgumentParser) -> None:
+    model_args(p)
+    p.add_argument("--name", required=True, help="the new domain's name")
+    p.add_argument("--input", action="append", required=True, help="the new domain's prompt file(s)")
+    p.add_argument("--model-uri", default=None, help="base version (default models:/knnssd-<model>@champion)")
+    p.add_argument("--k-per-domain", type=int, default=10)
+    p.add_argument("--warm", type=int, default=3, help="nearest old clusters to warm-start from (0: cold)")
+    budget_args(p)
+    p.add_argument("--storage", default=None)
+    tracking_arg(p)
+
+
+@command("add-domain", "a new version = a base version + a new domain's clusters (Prefect flow)", _add_domain_options)
 def cmd_add_domain(a) -> int:
     from knnssd.flows.add_domain import AddDomainParams, add_domain
 
@@ -129,6 +168,22 @@ def cmd_add_domain(a) -> int:
     return 0
 
 
+def _promote_options(p: argparse.ArgumentParser) -> None:
+    from knnssd.serving.promote import REPEATS, TOLERANCE
+
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--candidate", default="candidate", help="alias or version")
+    p.add_argument("--champion", default="champion", help="alias or version")
+    p.add_argument("--input", action="append", help="prompt files (eval rows; default: the five domains)")
+    p.add_argument("--per-file", type=int, default=4)
+    dtype_arg(p)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--tolerance", type=float, default=TOLERANCE, help="promote when candidate >= (1 - tolerance) x champion speed")
+    p.add_argument("--repeats", type=int, default=REPEATS, help="runs per prompt and bank; the best time counts")
+    tracking_arg(p)
+
+
+@command("promote", "time candidate vs champion on eval prompts; move champion if not worse", _promote_options)
 def cmd_promote(a) -> int:
     from knnssd.flows.promote import PromoteParams, promote
 
@@ -150,6 +205,18 @@ def cmd_promote(a) -> int:
     return 0
 
 
+def _watch_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drop", required=True, help="drop folder")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--min-prompts", type=int, default=20)
+    p.add_argument("--no-unmatched", action="store_true", help="ignore the unmatched-prompts log")
+    dtype_arg(p)
+    p.add_argument("--search", default="{}", help='add-domain settings as JSON, e.g. \'{"proxy_trials": 16}\'')
+    p.add_argument("--promote", default="{}", help='promote settings as JSON, e.g. \'{"per_file": 2}\'')
+    tracking_arg(p)
+
+
+@command("watch", "once: add new drop-folder files / unmatched prompts as domains, then promote", _watch_options)
 def cmd_watch(a) -> int:
     from knnssd.flows.watch import WatchParams, watch
     from knnssd.serving.watch import check_drop, load_state
@@ -164,66 +231,5 @@ def cmd_watch(a) -> int:
     return 0
 
 
-def _calibrate_args(k: argparse.ArgumentParser) -> None:
-    model_args(k)
-    k.add_argument("--input", action="append", help="prompt file (jsonl/parquet/csv); repeat; default: the five domains")
-    k.add_argument("--domain-from-file", action="store_true", help="rows without a domain take the file name")
-    k.add_argument("--unlabelled", action="store_true", help="ignore domains: cluster the pool, K by silhouette")
-    k.add_argument("--k-per-domain", type=int, default=10, help="anchors per labelled domain")
-    k.add_argument("--clusters", type=int, default=None, help="clusters for an unlabelled pool (default: silhouette)")
-    k.add_argument("--pooling", default="mean", choices=["mean", "last"])
-    k.add_argument("--layer", type=int, default=-1, help="hidden state to pool (-1: after the final norm)")
-    budget_args(k)
-    k.add_argument("--storage", default=None, help="Optuna storage: journal file path or URL (sqlite:///, postgresql://)")
-    tracking_arg(k)
-    k.add_argument("--alias", default="candidate", help="alias for the new version (default candidate)")
-
-
-def add(sub) -> None:
-    from knnssd.serving.promote import REPEATS, TOLERANCE
-
-    k = sub.add_parser("calibrate", help="prompts -> anchors -> per-cluster search -> a new bank version (Prefect flow)")
-    _calibrate_args(k)
-    k.set_defaults(fn=cmd_calibrate)
-
-    w = sub.add_parser("search-worker", help="add stage-1 trials to a calibration's shared studies (scale-out)")
-    _calibrate_args(w)
-    w.add_argument("--worker-trials", type=int, default=8, help="trials this worker adds per cluster")
-    w.add_argument("--cluster", action="append", help="cluster label to work on (repeat; default all)")
-    w.set_defaults(fn=cmd_search_worker)
-
-    n = sub.add_parser("add-domain", help="a new version = a base version + a new domain's clusters (Prefect flow)")
-    model_args(n)
-    n.add_argument("--name", required=True, help="the new domain's name")
-    n.add_argument("--input", action="append", required=True, help="the new domain's prompt file(s)")
-    n.add_argument("--model-uri", default=None, help="base version (default models:/knnssd-<model>@champion)")
-    n.add_argument("--k-per-domain", type=int, default=10)
-    n.add_argument("--warm", type=int, default=3, help="nearest old clusters to warm-start from (0: cold)")
-    budget_args(n)
-    n.add_argument("--storage", default=None)
-    tracking_arg(n)
-    n.set_defaults(fn=cmd_add_domain)
-
-    o = sub.add_parser("promote", help="time candidate vs champion on eval prompts; move champion if not worse")
-    o.add_argument("--model", default="smollm2")
-    o.add_argument("--candidate", default="candidate", help="alias or version")
-    o.add_argument("--champion", default="champion", help="alias or version")
-    o.add_argument("--input", action="append", help="prompt files (eval rows; default: the five domains)")
-    o.add_argument("--per-file", type=int, default=4)
-    dtype_arg(o)
-    o.add_argument("--max-new-tokens", type=int, default=64)
-    o.add_argument("--tolerance", type=float, default=TOLERANCE, help="promote when candidate >= (1 - tolerance) x champion speed")
-    o.add_argument("--repeats", type=int, default=REPEATS, help="runs per prompt and bank; the best time counts")
-    tracking_arg(o)
-    o.set_defaults(fn=cmd_promote)
-
-    t = sub.add_parser("watch", help="once: add new drop-folder files / unmatched prompts as domains, then promote")
-    t.add_argument("--drop", required=True, help="drop folder")
-    t.add_argument("--model", default="smollm2")
-    t.add_argument("--min-prompts", type=int, default=20)
-    t.add_argument("--no-unmatched", action="store_true", help="ignore the unmatched-prompts log")
-    dtype_arg(t)
-    t.add_argument("--search", default="{}", help='add-domain settings as JSON, e.g. \'{"proxy_trials": 16}\'')
-    t.add_argument("--promote", default="{}", help='promote settings as JSON, e.g. \'{"per_file": 2}\'')
-    tracking_arg(t)
-    t.set_defaults(fn=cmd_watch)
+# in the order `knnssd --help` lists them
+COMMANDS = (cmd_calibrate, cmd_search_worker, cmd_add_domain, cmd_promote, cmd_watch)

@@ -1,9 +1,20 @@
 """`knnssd demo`: the main job."""
 from __future__ import annotations
 
+import argparse
+
+from knnssd.cli.command import command
 from knnssd.cli.options import model_args, run_flow
 
 
+def _demo_options(p: argparse.ArgumentParser) -> None:
+    model_args(p)
+    p.add_argument("--trials", type=int, default=6)
+    p.add_argument("--candidates", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+
+
+@command("demo", "the main job: calibrate a small bank, register it, generate a mixed stream", _demo_options)
 def cmd_demo(a) -> int:
     from knnssd.demo import DemoConfig, calibrate_params, run
 
@@ -14,10 +25,5 @@ def cmd_demo(a) -> int:
     return 0
 
 
-def add(sub) -> None:
-    d = sub.add_parser("demo", help="the main job: calibrate a small bank, register it, generate a mixed stream")
-    model_args(d)
-    d.add_argument("--trials", type=int, default=6)
-    d.add_argument("--candidates", type=int, default=2)
-    d.add_argument("--max-new-tokens", type=int, default=64)
-    d.set_defaults(fn=cmd_demo)
+# in the order `knnssd --help` lists them
+COMMANDS = (cmd_demo,)

@@ -1,13 +1,29 @@
 """`knnssd complete` (one prompt) and `knnssd generate` (a prompt file into parquet)."""
 from __future__ import annotations
 
+import argparse
+
 import json
 import sys
 
+from knnssd.cli.command import command
 from knnssd.cli.options import (check_tracking, device_arg, dtype_arg, model_args, read_file, run_flow, sampling_args,
                                 tracking_arg)
 
 
+def _complete_options(p: argparse.ArgumentParser) -> None:
+    model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--drafter", default="hybrid", choices=["none", "layer_skip", "ngram", "hybrid", "suffix"])
+    p.add_argument("--mask", default=None, help="skip mask JSON file")
+    p.add_argument("--max-draft", type=int, default=6)
+    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--int8", action="store_true", help="draft on int8 weights")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    sampling_args(p)
+
+
+@command("complete", "generate for one prompt with a drafter", _complete_options, mlflow=False)
 def cmd_complete(a) -> int:
     import dataclasses
 
@@ -41,6 +57,23 @@ def cmd_complete(a) -> int:
     return 0
 
 
+def _generate_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-uri", required=True, help="models:/knnssd-<model>@<alias> | models:/<name>/<version> | bank folder")
+    p.add_argument("--input", required=True, help="jsonl/parquet/csv with a 'prompt' field (and optional 'id')")
+    p.add_argument("--output", required=True, help="parquet file; an existing one is resumed (finished ids skipped)")
+    p.add_argument("--overwrite", action="store_true", help="start the output over instead of resuming it")
+    p.add_argument("--split", default=None, help="only rows of this split (e.g. eval)")
+    dtype_arg(p)
+    device_arg(p)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    sampling_args(p)
+    p.add_argument("--batch-size", default="auto", metavar="auto|N",
+                   help="sequences decoded together, one full-model pass per step for all (default auto: measured; "
+                        "1: one at a time)")
+    tracking_arg(p)
+
+
+@command("generate", "routed generation over a prompt file into parquet (Prefect flow, resumable)", _generate_options)
 def cmd_generate(a) -> int:
     from knnssd.flows.generate import generate
 
@@ -76,31 +109,5 @@ def cmd_generate(a) -> int:
     return 0
 
 
-def add(sub) -> None:
-    c = sub.add_parser("complete", help="generate for one prompt with a drafter")
-    model_args(c)
-    c.add_argument("--prompt", required=True)
-    c.add_argument("--drafter", default="hybrid", choices=["none", "layer_skip", "ngram", "hybrid", "suffix"])
-    c.add_argument("--mask", default=None, help="skip mask JSON file")
-    c.add_argument("--max-draft", type=int, default=6)
-    c.add_argument("--threshold", type=float, default=0.5)
-    c.add_argument("--int8", action="store_true", help="draft on int8 weights")
-    c.add_argument("--max-new-tokens", type=int, default=64)
-    sampling_args(c)
-    c.set_defaults(fn=cmd_complete, mlflow=False)
-
-    g = sub.add_parser("generate", help="routed generation over a prompt file into parquet (Prefect flow, resumable)")
-    g.add_argument("--model-uri", required=True, help="models:/knnssd-<model>@<alias> | models:/<name>/<version> | bank folder")
-    g.add_argument("--input", required=True, help="jsonl/parquet/csv with a 'prompt' field (and optional 'id')")
-    g.add_argument("--output", required=True, help="parquet file; an existing one is resumed (finished ids skipped)")
-    g.add_argument("--overwrite", action="store_true", help="start the output over instead of resuming it")
-    g.add_argument("--split", default=None, help="only rows of this split (e.g. eval)")
-    dtype_arg(g)
-    device_arg(g)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    sampling_args(g)
-    g.add_argument("--batch-size", default="auto", metavar="auto|N",
-                   help="sequences decoded together, one full-model pass per step for all (default auto: measured; "
-                        "1: one at a time)")
-    tracking_arg(g)
-    g.set_defaults(fn=cmd_generate)
+# in the order `knnssd --help` lists them
+COMMANDS = (cmd_complete, cmd_generate)

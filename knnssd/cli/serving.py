@@ -1,12 +1,54 @@
 """`knnssd serve` (the OpenAI-compatible server) and `knnssd ui` (the MLflow UI)."""
 from __future__ import annotations
 
+import argparse
+
 import os
 import sys
 
+from knnssd.cli.command import command
 from knnssd.cli.options import check_tracking, counts, device_arg, dtype_arg, tracking_arg, url
 
 
+def _serve_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-uri", required=True, help="models:/knnssd-<model>@<alias> (followed live) | "
+                   "models:/<name>/<version> | bank folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    dtype_arg(p)
+    device_arg(p)
+    p.add_argument("--batch-size", default="auto", metavar="auto|N", help="sequences decoded together (default auto)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="the most tokens of prompt and completion a request may take; more get 400 (default: the "
+                        "model's context, and prompts of 4096 tokens at most). Bounded, batches may run on the static "
+                        "step's slots (CUDA graphs on a GPU)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 503")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled")
+    p.add_argument("--reload-s", type=float, default=30.0,
+                   help="seconds between checks of the alias for a new version to swap in (0: never)")
+    p.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, seconds requests in flight may finish in")
+    p.add_argument("--no-draft", action="store_true", help="route, but decode without drafting (a baseline)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="a key /v1 asks for as Authorization: Bearer KEY (repeat for several; also $KNNSSD_API_KEY)")
+    p.add_argument("--api-key-file", metavar="PATH", help="a file of keys, one a line (# starts a comment)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve beyond loopback (--host 0.0.0.0) with no API key: anyone who reaches it may use it")
+    p.add_argument("--open-metrics", action="store_true",
+                   help="/metrics without the key from any address (default: only from loopback)")
+    p.add_argument("--head-timeout", type=float, default=10.0,
+                   help="seconds a request's line and headers may take to arrive; a slower connection is closed")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections past which a request gets 503 (slow clients cannot hold every socket)")
+    p.add_argument("--key-concurrency", type=int, default=None, metavar="N",
+                   help="requests one API key may have running or queued at once; more get 429 (default: no cap; "
+                        "without keys, the cap is shared by all clients)")
+    p.add_argument("--key-tokens-per-minute", type=int, default=None, metavar="N",
+                   help="prompt and completion tokens one API key may use in any 60 s; more get 429 with "
+                        "Retry-After (default: no cap)")
+    tracking_arg(p)
+
+
+@command("serve", "an OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming)", _serve_options)
 def cmd_serve(a) -> int:
     import math
 
@@ -65,6 +107,20 @@ def cmd_serve(a) -> int:
     return 0
 
 
+def _ui_options(p: argparse.ArgumentParser) -> None:
+    tracking_arg(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve beyond loopback: the UI asks for no password, so anyone who reaches it may use it")
+
+
+@command("ui",
+         "the MLflow UI on 127.0.0.1",
+         _ui_options,
+         mlflow=False,
+         description="The MLflow UI on 127.0.0.1, with one worker and MLflow's GenAI jobs off "
+                                   "(MLFLOW_WORKERS and MLFLOW_SERVER_ENABLE_JOB_EXECUTION, where set, win).")
 def cmd_ui(a) -> int:
     import subprocess
 
@@ -98,51 +154,5 @@ def cmd_ui(a) -> int:
         processes.stop_group(proc)
 
 
-def add(sub) -> None:
-    v = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions, streaming)")
-    v.add_argument("--model-uri", required=True, help="models:/knnssd-<model>@<alias> (followed live) | "
-                   "models:/<name>/<version> | bank folder")
-    v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
-    dtype_arg(v)
-    device_arg(v)
-    v.add_argument("--batch-size", default="auto", metavar="auto|N", help="sequences decoded together (default auto)")
-    v.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="the most tokens of prompt and completion a request may take; more get 400 (default: the "
-                        "model's context, and prompts of 4096 tokens at most). Bounded, batches may run on the static "
-                        "step's slots (CUDA graphs on a GPU)")
-    v.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 503")
-    v.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled")
-    v.add_argument("--reload-s", type=float, default=30.0,
-                   help="seconds between checks of the alias for a new version to swap in (0: never)")
-    v.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, seconds requests in flight may finish in")
-    v.add_argument("--no-draft", action="store_true", help="route, but decode without drafting (a baseline)")
-    v.add_argument("--api-key", action="append", metavar="KEY",
-                   help="a key /v1 asks for as Authorization: Bearer KEY (repeat for several; also $KNNSSD_API_KEY)")
-    v.add_argument("--api-key-file", metavar="PATH", help="a file of keys, one a line (# starts a comment)")
-    v.add_argument("--insecure-no-auth", action="store_true",
-                   help="serve beyond loopback (--host 0.0.0.0) with no API key: anyone who reaches it may use it")
-    v.add_argument("--open-metrics", action="store_true",
-                   help="/metrics without the key from any address (default: only from loopback)")
-    v.add_argument("--head-timeout", type=float, default=10.0,
-                   help="seconds a request's line and headers may take to arrive; a slower connection is closed")
-    v.add_argument("--max-connections", type=int, default=1024,
-                   help="open connections past which a request gets 503 (slow clients cannot hold every socket)")
-    v.add_argument("--key-concurrency", type=int, default=None, metavar="N",
-                   help="requests one API key may have running or queued at once; more get 429 (default: no cap; "
-                        "without keys, the cap is shared by all clients)")
-    v.add_argument("--key-tokens-per-minute", type=int, default=None, metavar="N",
-                   help="prompt and completion tokens one API key may use in any 60 s; more get 429 with "
-                        "Retry-After (default: no cap)")
-    tracking_arg(v)
-    v.set_defaults(fn=cmd_serve)
-
-    u = sub.add_parser("ui", help="the MLflow UI on 127.0.0.1",
-                       description="The MLflow UI on 127.0.0.1, with one worker and MLflow's GenAI jobs off "
-                                   "(MLFLOW_WORKERS and MLFLOW_SERVER_ENABLE_JOB_EXECUTION, where set, win).")
-    tracking_arg(u)
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=5000)
-    u.add_argument("--insecure-no-auth", action="store_true",
-                   help="serve beyond loopback: the UI asks for no password, so anyone who reaches it may use it")
-    u.set_defaults(fn=cmd_ui, mlflow=False)
+# in the order `knnssd --help` lists them
+COMMANDS = (cmd_serve, cmd_ui)
