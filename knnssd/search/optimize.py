@@ -150,13 +150,30 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
 
     t0 = time.perf_counter()
     deadline = t0 + budget.minutes * 60 if budget.minutes else None
-    dec = m.dec
-    n = dec.n_layers
     stage1 = proxy_stage(m, job, budget, progress, deadline=deadline)
-    proxy, samples, proposals, kinds, costs = stage1.study, stage1.samples, stage1.proposals, stage1.kinds, stage1.costs
+    real, measured = real_stage(m, job, budget, candidates(stage1, budget, m.dec.n_layers), progress, deadline)
+    results = [{**t.user_attrs, "config": json.loads(key), "speedup": t.value}
+               for key, t in measured.items() if t.state == optuna.trial.TrialState.COMPLETE]
+    best = objective.choose(results, budget.kinds)
+    return ClusterResult(
+        cluster=job.cluster, config=best["config"], speedup=best["speedup"], acceptance_rate=best["acceptance"],
+        mean_accepted=best["mean_accepted"], ms_per_token=best["ms_per_token"],
+        ar_ms_per_token=best["ar_ms_per_token"], proxy_speedup=best["proxy_speedup"],
+        proxy_trials=len(finished(stage1.study)), real_trials=len(finished(real)), search_s=time.perf_counter() - t0,
+        candidates=results, best_fixed_speedup=best["best_fixed_speedup"], timing_noise=best["timing_noise"],
+    )
 
-    # candidates for stage 2: the fixed drafters (so no bank is measured slower than them here), the best pure
-    # lookup policies of the kinds searched, then the best distinct proxy configurations
+
+def config_key(cfg: DrafterConfig) -> str:
+    """A candidate's configuration as the real study records it (its trials' ``config``)."""
+    return json.dumps(cfg.to_dict(), sort_keys=True)
+
+
+def candidates(stage1: Proxy, budget: Budget, n_layers: int) -> list[tuple[DrafterConfig, float]]:
+    """What stage 2 times, each with its proxy speedup: the fixed drafters (so no bank is measured slower
+    than them here), the best pure lookup policies of the kinds searched, then up to
+    ``budget.real_candidates`` of the best distinct proxy configurations."""
+    samples, proposals, costs = stage1.samples, stage1.proposals, stage1.costs
     cands: list[tuple[DrafterConfig, float]] = []
     for kind in FIXED if objective.takes_fixed(budget.kinds) else ():
         cfg = untuned(kind)
@@ -168,35 +185,41 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
         cands.append((to_config(pol, None, False), sp))
     unique: dict[str, tuple[DrafterConfig, float]] = {}  # the best policy may be the fixed one
     for c, sp in cands:
-        unique.setdefault(json.dumps(c.to_dict(), sort_keys=True), (c, sp))
+        unique.setdefault(config_key(c), (c, sp))
     cands, seen = list(unique.values()), set(unique)
-    ranked = sorted((t for t in proxy.trials if t.value is not None), key=lambda t: -t.value) if kinds else []
+    scored = [t for t in stage1.study.trials if t.value is not None] if stage1.kinds else []
     quota = budget.real_candidates + len(cands)
-    for t in ranked:
+    for t in sorted(scored, key=lambda t: -t.value):
         if len(cands) >= quota:
             break
-        mask = trial_mask(t.params, n)
         p = t.user_attrs["policy"]
         cfg = to_config(Policy(p["kind"], p["max_len"], p["threshold"], p["adaptive"], tuple(p["ngram_sizes"]),
                                p.get("tree", 0)),
-                        mask, t.params["int8"])
-        key = json.dumps(cfg.to_dict(), sort_keys=True)
+                        trial_mask(t.params, n_layers), t.params["int8"])
+        key = config_key(cfg)
         if key not in seen:
             seen.add(key)
             cands.append((cfg, t.value))
+    return cands
 
-    # stage 2: real timing, interleaved with plain AR prompt by prompt
+
+def real_stage(m: SearchModel, job: ClusterJob, budget: Budget, cands: list[tuple[DrafterConfig, float]],
+               progress=None, deadline: float | None = None) -> tuple[object, dict]:
+    """Stage 2: time each candidate not measured yet, interleaved with plain AR prompt by prompt. Past the
+    deadline only the fixed drafters are timed; a tuned one only where its proxy speedup beats theirs by more
+    than the timing's noise (``objective.worth_timing``). Returns the real study and its measured
+    trials by ``config_key``."""
     real = job.study("real", budget.seed)
     measured = {t.user_attrs["config"]: t for t in finished(real) if "config" in t.user_attrs}
     prompt_ids = [m.tokenizer(x).input_ids for x in job.texts[: budget.real_prompts]]
     gen = GenerationConfig(max_new_tokens=budget.max_new_tokens, eos_ids=m.eos)
     if any(cfg.goodput for cfg, _ in cands):
-        sequence_costs(dec)  # timed once, outside every candidate's timing
+        sequence_costs(m.dec)  # timed once, outside every candidate's timing
     fixed_predicted = max((sp for cfg, sp in cands if fixed_kind(cfg.to_dict())), default=None)
     skipped = 0
     for cfg, proxy_sp in cands:
         cancel.check()
-        key = json.dumps(cfg.to_dict(), sort_keys=True)
+        key = config_key(cfg)
         late = deadline is not None and time.perf_counter() > deadline
         tuned = not fixed_kind(cfg.to_dict())
         if key in measured or (late and tuned):  # the fixed drafters: past it too
@@ -206,44 +229,45 @@ def search_cluster(m: SearchModel, job: ClusterJob, budget: Budget, progress=Non
             if not objective.worth_timing(proxy_sp, fixed_predicted, noise):
                 skipped += 1
                 continue
-        drafter = build(cfg, n, dec.can_skip, SuffixCache() if cfg.kind == "suffix" else None)
-        trial = real.ask()
-        trial.set_user_attr("config", key)
-        trial.set_user_attr("proxy_speedup", proxy_sp)
-
-        def stop(trial=trial) -> None:
-            if cancel.requested():  # told failed: a rerun measures the candidate again
-                real.tell(trial, state=optuna.trial.TrialState.FAIL)
-                cancel.check()
-
-        def report(speedup: float, i: int, trial=trial) -> bool:
-            trial.report(speedup, i)
-            return trial.should_prune()
-
-        got = objective.measure(dec, drafter, prompt_ids, gen, report, stop)
-        for name, value in got.attrs().items():
-            trial.set_user_attr(name, value)
-        if got.pruned:
-            real.tell(trial, state=optuna.trial.TrialState.PRUNED)
-        else:
-            real.tell(trial, got.speedup)
-        measured[key] = real.trials[trial.number]
+        number = time_candidate(m, real, cfg, proxy_sp, prompt_ids, gen)
+        measured[key] = real.trials[number]
         if progress:
-            progress(real, real.trials[trial.number])
-
+            progress(real, real.trials[number])
     if skipped:
         log.info("cluster %s: %d candidate(s) not timed, predicted no faster than the fixed drafters (%.2fx) by the "
                  "timing's noise", job.cluster, skipped, fixed_predicted)
-    results = [{**t.user_attrs, "config": json.loads(key), "speedup": t.value}
-               for key, t in measured.items() if t.state == optuna.trial.TrialState.COMPLETE]
-    best = objective.choose(results, budget.kinds)
-    return ClusterResult(
-        cluster=job.cluster, config=best["config"], speedup=best["speedup"], acceptance_rate=best["acceptance"],
-        mean_accepted=best["mean_accepted"], ms_per_token=best["ms_per_token"],
-        ar_ms_per_token=best["ar_ms_per_token"], proxy_speedup=best["proxy_speedup"],
-        proxy_trials=len(finished(proxy)), real_trials=len(finished(real)), search_s=time.perf_counter() - t0,
-        candidates=results, best_fixed_speedup=best["best_fixed_speedup"], timing_noise=best["timing_noise"],
-    )
+    return real, measured
+
+
+def time_candidate(m: SearchModel, real, cfg: DrafterConfig, proxy_sp: float, prompt_ids: list[list[int]],
+                   gen: GenerationConfig) -> int:
+    """Time one candidate against plain AR as a new trial of the real study (pruned where it falls behind,
+    failed where the search is cancelled); returns the trial's number."""
+    import optuna
+
+    dec = m.dec
+    drafter = build(cfg, dec.n_layers, dec.can_skip, SuffixCache() if cfg.kind == "suffix" else None)
+    trial = real.ask()
+    trial.set_user_attr("config", config_key(cfg))
+    trial.set_user_attr("proxy_speedup", proxy_sp)
+
+    def stop() -> None:
+        if cancel.requested():  # told failed: a rerun measures the candidate again
+            real.tell(trial, state=optuna.trial.TrialState.FAIL)
+            cancel.check()
+
+    def report(speedup: float, i: int) -> bool:
+        trial.report(speedup, i)
+        return trial.should_prune()
+
+    got = objective.measure(dec, drafter, prompt_ids, gen, report, stop)
+    for name, value in got.attrs().items():
+        trial.set_user_attr(name, value)
+    if got.pruned:
+        real.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    else:
+        real.tell(trial, got.speedup)
+    return trial.number
 
 
 def warm_params(config: dict, n_layers: int) -> dict | None:
