@@ -19,6 +19,8 @@ from pathlib import Path
 # or weights in blocks (``BLOCKS``), each a precision of its own with bf16 activations (``engine.model.quantized``)
 BLOCKS = ("gguf", "q4_1", "q8_0")  # a GGUF model's own blocks; any model's weights quantized at load
 DTYPES = ("auto", "bfloat16", "float32", *BLOCKS)
+DTYPE_HELP = ("auto (bf16 where the CPU or GPU runs it fast, else fp32) | bfloat16 | float32 | gguf (a GGUF file's "
+              "own blocks) | q4_1 | q8_0 (blocks made at load)")  # --dtype's help, the CLI's and the benchmarks'
 # What $KNNSSD_GRAPHS takes: whether generation runs the static step, replayed from CUDA graphs
 # (``engine.static.graphs``): auto (on CUDA, where kernel launches set a step's time), on (any device; on the CPU it
 # runs eagerly, slower than the native kernels: for tests), off

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from knnssd import prompts
+from knnssd.bench import markdown, options
 from knnssd.bench.throughput import mixed_prompts
 
 
@@ -29,8 +30,8 @@ def add_arguments(ap: argparse.ArgumentParser, mixed: int) -> None:
     ap.add_argument("--data", default=None, help="the prompt folder (default: ../shared/data)")
     ap.add_argument("--mixed", type=int, default=mixed, help="eval prompts, round robin over the domains")
     ap.add_argument("--repetitive", default="text_to_sql:20", help="DOMAIN:N eval prompts of one domain")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="auto")
+    options.max_new_tokens(ap)
+    options.dtype(ap)
 
 
 def from_arguments(ap: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[dict[str, list[str]], str]:
@@ -49,7 +50,7 @@ def from_arguments(ap: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[
 def table(title: str, first: str, rows: dict[str, dict], columns: list[tuple[str, str, str]]) -> str:
     """A Markdown table under ``title``: a row per key of ``rows`` (its column headed ``first``), then
     ``columns``, each (header, field, format spec)."""
-    head = "| " + " | ".join([first, *(h for h, _, _ in columns)]) + " |"
-    rule = "|---|" + "---:|" * len(columns)
-    lines = [f"| {name} | " + " | ".join(format(r[f], spec) for _, f, spec in columns) + " |" for name, r in rows.items()]
-    return "\n".join([f"\n{title}\n", head, rule, *lines])
+    lines = markdown.table([first, *(h for h, _, _ in columns)],
+                           ([name, *(format(r[f], spec) for _, f, spec in columns)] for name, r in rows.items()),
+                           "l" + "r" * len(columns))
+    return "\n".join([f"\n{title}\n", *lines])

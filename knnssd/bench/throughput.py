@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from knnssd import models, prompts
+from knnssd.bench import markdown as md
 from knnssd.bench import peers
 from knnssd.engine.batch import plan as batch_plan
 from knnssd.engine.batch.scheduler import BatchStats, PromptJob, decode_batch
@@ -174,13 +175,13 @@ def measure(gen, cfg: ThroughputBench, log=lambda msg: print(msg, file=sys.stder
 def markdown(rep: dict) -> str:
     lines = [f"{rep['model']} {rep['dtype']}, {rep['prompts']} mixed eval prompts x {rep['max_new_tokens']} tokens; "
              f"auto picked {rep['auto_batch_size']} slots", "",
-             "| setting | tok/s | vs routed b=1 | p50 s | p95 s | rows/step | draft/step | prefill s | reused | same as b=1 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             *md.head(["setting", "tok/s", "vs routed b=1", "p50 s", "p95 s", "rows/step", "draft/step", "prefill s",
+                       "reused", "same as b=1"])]
     for r in rep["table"]:
         own = r["prefill_s"] is not None  # knnssd's, not a peer's
-        steps = (f"{r.get('rows_per_step', 1.0):.1f} | {r.get('draft_per_step', 0.0):.1f} | {r['prefill_s']:.1f} | "
-                 f"{r.get('reused', 0)}") if own else "- | - | - | -"
-        lines.append(f"| {r['setting']} | {r['tokens_per_s']:.1f} | {r['vs_routed_b1']:.2f}x | {r['latency_p50_s']:.2f} | "
-                     f"{r['latency_p95_s']:.2f} | {steps} | {r['same_as_b1']:.2f} |")
+        steps = [f"{r.get('rows_per_step', 1.0):.1f}", f"{r.get('draft_per_step', 0.0):.1f}", f"{r['prefill_s']:.1f}",
+                 r.get("reused", 0)] if own else ["-"] * 4
+        lines.append(md.row([r["setting"], f"{r['tokens_per_s']:.1f}", f"{r['vs_routed_b1']:.2f}x",
+                             f"{r['latency_p50_s']:.2f}", f"{r['latency_p95_s']:.2f}", *steps, f"{r['same_as_b1']:.2f}"]))
     lines.append(f"\nauto / best fixed batch size: {rep['auto_vs_best_fixed']:.2f}")
     return "\n".join(lines)

@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from knnssd.settings import DTYPES
+from knnssd.settings import DTYPE_HELP, DTYPES
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
@@ -15,9 +15,7 @@ def model_args(p: argparse.ArgumentParser) -> None:
 
 
 def dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="auto (bf16 where the CPU or GPU runs it fast, else fp32) | bfloat16 | float32 | gguf (a GGUF "
-                        "file's own blocks) | q4_1 | q8_0 (blocks made at load)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
 
 
 def tracking_arg(p: argparse.ArgumentParser) -> None:
