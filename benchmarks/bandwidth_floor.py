@@ -14,26 +14,27 @@ import argparse
 import torch
 
 from knnssd import models, prompts
+from knnssd.bench import markdown as md
+from knnssd.bench import options
 from knnssd.engine.spec.loop import GenerationConfig, generate
 from knnssd.engine.model.timing import read_bandwidth
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", action="append", choices=["bfloat16", "float32"])
-    ap.add_argument("--prompts", type=int, default=4, help="eval prompts: up to ceil(n / 5) per domain, domain by domain")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
+    options.model(ap)
+    options.dtypes(ap, ("bfloat16", "float32"), choices=("bfloat16", "float32"))
+    options.prompts(ap, 4, help="eval prompts: up to ceil(n / 5) per domain, domain by domain")
+    options.max_new_tokens(ap)
+    options.threads(ap)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     per_domain = -(-a.prompts // len(prompts.DOMAINS))
     rows = prompts.load_domains(prompts.default_data_dir(), prompts.DOMAINS, "eval", per_domain)[: a.prompts]
     bw = read_bandwidth()
     print(f"read bandwidth {bw / 1e9:.1f} GB/s ({a.threads} threads)")
-    print("| dtype | step | weight MB per token | floor tok/s | own AR tok/s | own AR / floor |")
-    print("|---|---|---|---|---|---|")
-    for dtype in a.dtype or ["bfloat16", "float32"]:
+    print("\n".join(md.head(["dtype", "step", "weight MB per token", "floor tok/s", "own AR tok/s", "own AR / floor"])))
+    for dtype in a.dtype:
         lm = models.load(a.model, dtype=dtype)
         dec = lm.decoder
         weight_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
@@ -44,7 +45,8 @@ def main() -> None:
             _, st = generate(dec, x, None, GenerationConfig(max_new_tokens=a.max_new_tokens))
             tokens, seconds = tokens + st.new_tokens - 1, seconds + st.decode_s  # the first token is the prefill's
         floor, own = bw / weight_bytes, tokens / seconds
-        print(f"| {dtype} | {dec.exactness.step} | {weight_bytes / 1e6:.0f} | {floor:.1f} | {own:.1f} | {own / floor:.2f} |")
+        print(md.row([dtype, dec.exactness.step, f"{weight_bytes / 1e6:.0f}", f"{floor:.1f}", f"{own:.1f}",
+                      f"{own / floor:.2f}"]))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from knnssd.bench import options
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -66,9 +68,9 @@ def old_config(drafters, cfg):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rev", required=True)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prompts", type=int, default=2, help="eval prompts per domain")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    options.dtype(ap, "bfloat16")
+    options.prompts(ap, 2, help="eval prompts per domain")
+    options.max_new_tokens(ap)
     ap.add_argument("--batched", type=int, default=0, metavar="N", help="also decode all prompts N at a time (0: no)")
     ap.add_argument("--reps", type=int, default=2, help="batched runs of each engine, alternating; the best counts")
     a = ap.parse_args()

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_cpp_peer  # noqa: E402  (the llama.cpp build)
 
+from knnssd.bench import markdown as md  # noqa: E402
 from knnssd.engine.model import native, native_library  # noqa: E402
 from knnssd.engine.model.quantized import quantize  # noqa: E402
 from knnssd.engine.model.weights import PackedLinear  # noqa: E402
@@ -138,9 +139,9 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     bin_dir = llama_cpp_peer.build()
     print(f"{llama_cpp_peer._cpu()}, {THREADS} threads; knnssd kernels: {native_library.kernel_path()}")
-    print("| weights | N x K | rows | ggml rows unlike alone | ggml us | knnssd rows unlike alone | knnssd us "
-          "| oneDNN rows unlike alone | oneDNN us |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(md.head(["weights", "N x K", "rows", "ggml rows unlike alone", "ggml us",
+                             "knnssd rows unlike alone", "knnssd us", "oneDNN rows unlike alone", "oneDNN us"],
+                            "llrrrrrrr")))
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(bin_dir, Path(tmp))
         for kind in TYPES:
@@ -150,7 +151,7 @@ def main() -> None:
                     d, us = theirs[M]
                     od, ous = mine.get(M, ("-", float("nan")))
                     nd, nus = dnn.get(M, ("-", float("nan")))
-                    print(f"| {kind} | {N} x {K} | {M} | {d} | {us:.0f} | {od} | {ous:.0f} | {nd} | {nus:.0f} |")
+                    print(md.row([kind, f"{N} x {K}", M, d, f"{us:.0f}", od, f"{ous:.0f}", nd, f"{nus:.0f}"]))
 
 
 if __name__ == "__main__":

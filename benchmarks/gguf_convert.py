@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from knnssd import conversion, shims
+from knnssd.bench import options
 
 
 def convert(name: str, parsed_once: bool) -> tuple[float, tuple]:
@@ -46,7 +47,7 @@ def convert(name: str, parsed_once: bool) -> tuple[float, tuple]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", choices=sorted(conversion.EMBEDDED))
+    options.model(ap, choices=sorted(conversion.EMBEDDED))
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args(argv)
     secs: dict[bool, list[float]] = {False: [], True: []}

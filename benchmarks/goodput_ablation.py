@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from knnssd import models, prompts
+from knnssd.bench import options
 from knnssd.engine.spec import suffix
 from knnssd.engine.spec.loop import GenerationConfig, generate
 from knnssd.engine.spec.drafters import DrafterConfig, build, untuned
@@ -30,8 +31,8 @@ SETS = ("summarization", "reasoning", "translation", "storytelling", "text_to_sq
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--per-set", type=int, default=3)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    options.dtype(ap, "bfloat16")
+    options.max_new_tokens(ap, 96)
     ap.add_argument("--skip", type=int, default=10, help="eval rows of each set to pass over first")
     a = ap.parse_args()
     lm = models.load(dtype=a.dtype)

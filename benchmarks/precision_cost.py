@@ -16,6 +16,8 @@ import math
 import torch
 
 from knnssd import models, prompts
+from knnssd.bench import markdown as md
+from knnssd.bench import options
 from knnssd.engine.spec.loop import GenerationConfig, generate
 
 
@@ -32,13 +34,13 @@ def perplexity(dec, windows: list[list[int]]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", action="append", help="precisions to compare with bf16 (default: gguf and float32)")
-    ap.add_argument("--prompts", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    options.model(ap)
+    options.dtypes(ap, ("gguf", "float32"), help="precisions to compare with bf16 (default: gguf and float32)")
+    options.prompts(ap, 20)
+    options.max_new_tokens(ap, 64)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
+    options.threads(ap)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     per_domain = -(-a.prompts // len(prompts.DOMAINS))
@@ -46,7 +48,7 @@ def main() -> None:
     chosen = [r for i, r in enumerate(rows) if i % (per_domain + 20) < per_domain][: a.prompts]
     held = [r for r in rows if r not in chosen]
     results = {}
-    for dtype in ["bfloat16", *(a.dtype or ["gguf", "float32"])]:
+    for dtype in ["bfloat16", *a.dtype]:
         lm = models.load(a.model, dtype=dtype)
         dec, tok = lm.decoder, lm.tokenizer
         ids = [tok.apply_chat_template([{"role": "user", "content": r.prompt}], add_generation_prompt=True,
@@ -59,12 +61,12 @@ def main() -> None:
     base = results["bfloat16"][0]
     print(f"{a.model}: {len(chosen)} mixed eval prompts x {a.max_new_tokens} greedy tokens; perplexity over "
           f"{results['bfloat16'][2]} held eval tokens ({a.window}-token windows)")
-    print("| precision | prompts all equal to bf16 | tokens before the first difference | perplexity |")
-    print("|---|---|---|---|")
+    print("\n".join(md.head(["precision", "prompts all equal to bf16", "tokens before the first difference",
+                             "perplexity"])))
     for dtype, (outs, ppl, _) in results.items():
         same = sum(o == b for o, b in zip(outs, base))
         prefix = [next((i for i, (x, y) in enumerate(zip(o, b)) if x != y), len(b)) / len(b) for o, b in zip(outs, base)]
-        print(f"| {dtype} | {same}/{len(outs)} | {sum(prefix) / len(prefix):.0%} | {ppl:.3f} |")
+        print(md.row([dtype, f"{same}/{len(outs)}", f"{sum(prefix) / len(prefix):.0%}", f"{ppl:.3f}"]))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import time
 import torch
 
 from knnssd import models
+from knnssd.bench import markdown as md
+from knnssd.bench import options
 from knnssd.engine.model import exactness
 from knnssd.engine.model.decoder import Decoder
 from knnssd.engine.model.packed import forward_slots
@@ -36,14 +38,13 @@ def probe(model, prune: bool) -> tuple[float, str]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", default="bfloat16,float32", help="comma-separated dtypes")
+    options.model(ap)
+    options.dtypes(ap, ("bfloat16", "float32"))
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| dtype | every round, s | pruned, s | pruned / every | choices |")
-    print("|---|---:|---:|---:|---|")
-    for dtype in args.dtype.split(","):
+    print("\n".join(md.head(["dtype", "every round, s", "pruned, s", "pruned / every", "choices"], "lrrrl")))
+    for dtype in args.dtype:
         model = models.load(args.model, dtype).model
         secs: dict[bool, list[float]] = {False: [], True: []}
         chosen: dict[bool, set[str]] = {False: set(), True: set()}
@@ -53,8 +54,8 @@ def main(argv: list[str] | None = None) -> None:
                 secs[prune].append(s)
                 chosen[prune].add(step)
         every, pruned = statistics.median(secs[False]), statistics.median(secs[True])
-        print(f"| {dtype} | {every:.2f} | {pruned:.2f} | {pruned / every:.2f} | "
-              f"every: {', '.join(sorted(chosen[False]))}; pruned: {', '.join(sorted(chosen[True]))} |")
+        print(md.row([dtype, f"{every:.2f}", f"{pruned:.2f}", f"{pruned / every:.2f}",
+                      f"every: {', '.join(sorted(chosen[False]))}; pruned: {', '.join(sorted(chosen[True]))}"]))
 
 
 if __name__ == "__main__":

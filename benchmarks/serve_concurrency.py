@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from knnssd import prompts
+from knnssd.bench import options
 from knnssd.reachable import free_port
 
 WARM_UP = "Say hello."
@@ -42,12 +43,11 @@ def ask(port: int, prompt: str, max_new_tokens: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model-uri", required=True)
-    ap.add_argument("--tracking-uri", required=True)
+    options.bank(ap, required=True)
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    options.max_new_tokens(ap, 64)
     ap.add_argument("--batch-size", default="auto", help="the server's KNNSSD_BATCH_SIZE")
-    ap.add_argument("--dtype", default="auto")
+    options.dtype(ap)
     ap.add_argument("--repeats", type=int, default=1, help="sequential and concurrent runs, alternately (medians)")
     a = ap.parse_args()
     rows = prompts.load_domains(prompts.default_data_dir(), prompts.DOMAINS, "eval", None)

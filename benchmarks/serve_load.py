@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from knnssd import prompts as prompt_sets  # noqa: E402
+from knnssd.bench import markdown as md  # noqa: E402
+from knnssd.bench import options  # noqa: E402
 from knnssd.reachable import free_port  # noqa: E402
 from knnssd.settings import cache_dir  # noqa: E402
 
@@ -182,12 +184,11 @@ def auto_figures(a, prompts: list[str]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-uri", default="models:/knnssd-smollm2@champion")
-    p.add_argument("--tracking-uri", default=None)
-    p.add_argument("--dtype", default="auto")
+    options.bank(p)
+    options.dtype(p)
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--requests", default="8,16,64,64", help="requests at each concurrency")
-    p.add_argument("--prompts", type=int, default=64)
+    options.prompts(p, 64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--targets", default="routed,plain,pyfunc,llama-server")
     p.add_argument("--llama-slots", type=int, default=16)
@@ -212,12 +213,11 @@ def main() -> None:
         finally:
             stop(proc)
     extra = auto_figures(a, prompts) if a.auto else {}
-    print("| target | C | tok/s | TTFT p50/p95 ms | ITL p50/p95 ms | e2e p50/p95 s | tokens/request |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['target']} | {r['concurrency']} | {r['tok_s']:.0f} | {1e3 * r['ttft_p50']:.0f} / "
-              f"{1e3 * r['ttft_p95']:.0f} | {1e3 * r['itl_p50']:.1f} / {1e3 * r['itl_p95']:.1f} | "
-              f"{r['e2e_p50']:.2f} / {r['e2e_p95']:.2f} | {r['tokens'] / r['requests']:.0f} |")
+    print("\n".join(md.table(
+        ["target", "C", "tok/s", "TTFT p50/p95 ms", "ITL p50/p95 ms", "e2e p50/p95 s", "tokens/request"],
+        ([r["target"], r["concurrency"], f"{r['tok_s']:.0f}", f"{1e3 * r['ttft_p50']:.0f} / {1e3 * r['ttft_p95']:.0f}",
+          f"{1e3 * r['itl_p50']:.1f} / {1e3 * r['itl_p95']:.1f}", f"{r['e2e_p50']:.2f} / {r['e2e_p95']:.2f}",
+          f"{r['tokens'] / r['requests']:.0f}"] for r in rows), "lrrrrrr")))
     if extra:
         print(json.dumps(extra))
     if a.json:

@@ -13,33 +13,24 @@ the glue: views, slices, masks, the cache write's indexing and the Python betwee
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from knnssd import models
+from knnssd.bench import markdown as md
+from knnssd.bench import options
 from knnssd.engine.model import native, native_library
 from knnssd.engine.model.layers import embed, heads, span_masks
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+from knnssd.engine.model.timing import median_ms
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    options.model(ap)
+    options.dtype(ap, "bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=200)
-    ap.add_argument("--threads", type=int, default=2)
+    options.threads(ap)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     lm = models.load(a.model, dtype=a.dtype)
@@ -54,9 +45,9 @@ def main() -> None:
     L = len(layers)
 
     one_call = dec.layers_call(dec.stack) is not None
-    fused = median_ms(lambda: dec.forward(tok, start, last=True), a.repeats) if one_call else None
+    fused = median_ms(lambda: dec.forward(tok, start, last=True), "cpu", a.repeats) if one_call else None
     dec._layers_call = lambda stack: None  # the per-op path from here on
-    step = median_ms(lambda: dec.forward(tok, start, last=True), a.repeats)
+    step = median_ms(lambda: dec.forward(tok, start, last=True), "cpu", a.repeats)
 
     # the step's own intermediate values, one per layer, to call each op on
     with torch.inference_mode():
@@ -83,7 +74,7 @@ def main() -> None:
         rows = []  # (op, calls per step, ms per step)
 
         def add(name, calls, fn):
-            rows.append((name, calls, median_ms(fn, a.repeats)))
+            rows.append((name, calls, median_ms(fn, "cpu", a.repeats)))
 
         add("embed", 1, lambda: embed(s, tok))
         add("rope tables", 1, lambda: dec.rope_at(pos, h))
@@ -118,28 +109,27 @@ def main() -> None:
                 outs = [torch.empty(1, kk.n, dtype=torch.bfloat16) for kk in kern]
                 bare[f"{name} linear"] = median_ms(
                     lambda: [kk.kernel(xin.data_ptr(), xin.stride(0), *kk.weights, o.data_ptr(), 1, kk.k, kk.n, threads)
-                             for kk, o in zip(kern, outs)], a.repeats)
+                             for kk, o in zip(kern, outs)], "cpu", a.repeats)
             head = s.lm_head.kernel
             hin = hidden[-1:].contiguous()
             hout = torch.empty(1, head.n, dtype=torch.bfloat16)
             bare["lm_head"] = median_ms(lambda: head.kernel(hin.data_ptr(), hin.stride(0), *head.weights,
-                                                            hout.data_ptr(), 1, head.k, head.n, threads), a.repeats)
+                                                            hout.data_ptr(), 1, head.k, head.n, threads),
+                                        "cpu", a.repeats)
 
     weight_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     total = sum(ms for _, _, ms in rows)
     print(f"{a.model} {a.dtype}, {a.threads} threads, context {a.context}, step '{dec.exactness.step}', "
           f"weights {weight_bytes / 1e6:.0f} MB")
-    print("| op | calls per step | ms per step | share of step | bare C call, ms |")
-    print("|---|---|---|---|---|")
-    for name, calls, ms in rows:
-        b = f"{bare[name]:.2f}" if name in bare else ""
-        print(f"| {name} | {calls} | {ms:.2f} | {ms / step:.0%} | {b} |")
-    print(f"| sum of the ops | | {total:.2f} | {total / step:.0%} | |")
-    print(f"| glue (step less the ops) | | {step - total:.2f} | {(step - total) / step:.0%} | |")
-    print(f"| **whole step, per-op path** | | **{step:.2f}** | 100% | |")
+    table = [*([name, calls, f"{ms:.2f}", f"{ms / step:.0%}", f"{bare[name]:.2f}" if name in bare else ""]
+               for name, calls, ms in rows),
+             ["sum of the ops", "", f"{total:.2f}", f"{total / step:.0%}", ""],
+             ["glue (step less the ops)", "", f"{step - total:.2f}", f"{(step - total) / step:.0%}", ""],
+             ["**whole step, per-op path**", "", f"**{step:.2f}**", "100%", ""]]
     if fused is not None:
-        print(f"| **whole step, one native call for the layers** (``native.Layers``) | | **{fused:.2f}** | "
-              f"{fused / step:.0%} | |")
+        table.append(["**whole step, one native call for the layers** (``native.Layers``)", "", f"**{fused:.2f}**",
+                      f"{fused / step:.0%}", ""])
+    print("\n".join(md.table(["op", "calls per step", "ms per step", "share of step", "bare C call, ms"], table)))
     if bare:
         print(f"bare C linears, head included: {sum(bare.values()):.2f} ms a step "
               f"({weight_bytes / sum(bare.values()) / 1e6:.1f} GB/s of weights)")

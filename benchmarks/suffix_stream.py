@@ -36,7 +36,7 @@ from dataclasses import replace
 
 import torch
 
-from knnssd.bench import streams
+from knnssd.bench import options, streams
 from knnssd.engine.spec.loop import GenerationConfig, generate, mean_accepted
 from knnssd.engine.spec.drafters import DrafterConfig, build, untuned
 from knnssd.engine.spec.request_params import GenerateParams
@@ -124,8 +124,7 @@ def batched(gen: RoutedGenerator, texts: list[str], max_new: int, slots: int, tr
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-uri", default="models:/knnssd-smollm2@champion")
-    ap.add_argument("--tracking-uri", default=None)
+    options.bank(ap)
     streams.add_arguments(ap, mixed=20)
     ap.add_argument("--batched", type=int, default=0, metavar="N", help="also the repetitive stream in N slots")
     ap.add_argument("--tree", type=int, default=8, metavar="N", help="nodes of the suffix-tree methods' trees")

@@ -1,5 +1,5 @@
-"""``benchmarks/gpu_check.py``, the prepared GPU check, run as it is in its smoke mode on the CPU, and its
-de-quantization of the packed weights against ``gguf``'s own."""
+"""``benchmarks/gpu_check.py``, the prepared GPU check, run as it is in its smoke mode on the CPU, and the
+de-quantization of its packed weights (``knnssd.bench.packed_blocks``) against ``gguf``'s own."""
 from __future__ import annotations
 
 import json
@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_check  # noqa: E402
 import gpu_pack  # noqa: E402
 from conftest import DATA  # noqa: E402
+
+from knnssd.bench import packed_blocks  # noqa: E402
 
 
 def test_the_gpu_check_runs_as_prepared_and_writes_its_report(tmp_path):
@@ -35,7 +37,7 @@ def test_packed_blocks_de_quantize_as_gguf_does(kind):
     raw = gguf.quants.quantize(w, qtype)
     want = gguf.quants.dequantize(raw, qtype)
     data = torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8).reshape(6, -1)
-    got = gpu_check.dequantize(dict(type=kind, shape=(6, 64), data=data))
+    got = packed_blocks.dequantize(dict(type=kind, shape=(6, 64), data=data))
     assert torch.equal(got, torch.from_numpy(want))
 
 
@@ -46,7 +48,7 @@ def test_the_packed_model_is_the_one_knnssd_loads(tmp_path):
     from knnssd import models
 
     gpu_pack.main(["--out", str(tmp_path / "gpu"), "--data", str(DATA), "--prompts", "5"])
-    packed, tok = gpu_check.load_packed(tmp_path / "gpu", torch.device("cpu"))
+    packed, tok = packed_blocks.load_packed(tmp_path / "gpu", torch.device("cpu"))
     lm = models.load("smollm2", "bfloat16", "cpu")
     ids = torch.tensor([tok("The capital of France is").input_ids])
     with torch.inference_mode():
