@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 
@@ -225,3 +226,18 @@ def run_cli(cases: list[list[str]], env: dict | None = None, timeout: float = 30
         raise AssertionError((done["status"], err[-3000:]))
     return [Case(code, [line for line in e.strip().splitlines() if line.strip()], s)
             for code, e, s in json.loads(done["results"])]
+
+
+def hold_output(output, seconds=60) -> subprocess.Popen:
+    """A child process that holds ``output``'s writer lock (``batch.writing``), as a running `generate`
+    does, for ``seconds``; it holds the lock once this returns."""
+    code = textwrap.dedent(f"""
+        import sys, time
+        from knnssd.serving import batch
+        with batch.writing({str(output)!r}):
+            print("held", flush=True)
+            time.sleep({seconds})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc

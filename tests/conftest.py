@@ -121,7 +121,7 @@ FILE_SECONDS: dict[str, float] = {
     "test_integration_extend.py": 362, "test_integration_generate.py": 311, "test_integration_calibrate.py": 284,
     "test_integration_serve.py": 226, "test_integration_engine.py": 190, "test_integration_bench.py": 143,
     "test_sampling.py": 141, "test_integration_exact.py": 90, "test_integration_planted.py": 73,
-    "test_reliability.py": 60, "test_batched.py": 46, "test_exact_step.py": 40, "test_exactness.py": 40,
+    "test_cli.py": 55, "test_batched.py": 46, "test_exact_step.py": 40, "test_exactness.py": 40,
     "test_integration_processes.py": 38, "test_static_step.py": 32, "test_search.py": 29, "test_gpu_check.py": 25,
     "test_device_step.py": 20, "test_native_isa.py": 18, "test_tree.py": 12,
 }

@@ -129,3 +129,15 @@ def test_a_missing_id_read_as_nan_gets_its_own_id(tmp_path):
     path.write_text('{"id": NaN, "prompt": "a"}\n{"id": NaN, "prompt": "b"}\n{"id": 7, "prompt": "c"}\n')
     ids = [r.id for r in prompts.load(path)]
     assert ids[2] == "7" and "nan" not in ids and len(set(ids)) == 3
+
+
+def test_ids_of_rows_without_one_follow_the_prompt_not_its_position(tmp_path):
+    """Defect 1: auto ids were positional (``<file>-00000``), so a prompt put in front of the others took
+    the first id, and a resume paired it with the old first prompt's answer."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "b"}\n{"prompt": "c"}\n{"prompt": "b"}\n')
+    before = {r.prompt + str(i): r.id for i, r in enumerate(prompts.load(path))}
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n{"prompt": "b"}\n')
+    after = [r.id for r in prompts.load(path)]
+    assert after[1:] == [before["b0"], before["c1"], before["b2"]]  # the same prompts keep their ids
+    assert after[0] not in before.values() and len(set(after)) == 4 and after[3] == after[1] + "-2"
