@@ -311,7 +311,7 @@ def machine_key(device: torch.device) -> str:
 def source_digest(files: Iterable[Path]) -> str:
     """The sha256 of these files' bytes, in order: the code a measurement or search ran, for the records
     and caches that keep what it found (``machine_key``, the batched plan's record, the search cache), or
-    a model file's contents (``models.convert_gguf``'s key). Read in chunks: a GGUF may not fit in memory
+    a model file's contents (``conversion.convert_gguf``'s key). Read in chunks: a GGUF may not fit in memory
     twice."""
     h = hashlib.sha256()
     for f in files:
