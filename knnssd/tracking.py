@@ -69,8 +69,9 @@ def check_reachable(uri: str, registered: bool = False) -> None:
     new database; only the default one, under the work folder, is created). With ``registered`` (a
     command that reads a registered version), a sqlite file that does not exist is an error too: a
     new database would hold no version, and be left behind. MLflow itself retries for minutes, or
-    fails with a long traceback. Checked once per process and URI."""
-    if (uri, registered) in _reachable:
+    fails with a long traceback. Checked once per process and URI (a check with ``registered`` covers one
+    without: ``generate`` checks before its bank is fetched, and its MLflow run is logged to the same store)."""
+    if (uri, registered) in _reachable or (uri, True) in _reachable:
         return
     use = "use sqlite:///<path>/mlflow.db or http(s)://<server>"
     if not uri.strip():

@@ -1,19 +1,14 @@
-"""Generation tasks: read prompts, generate (resumable), log the summary to MLflow, each on one
-``GenerateRequest`` (its prompts, bank and generator read once a process)."""
+"""Generation tasks: generate (resumable), then log the summary to MLflow, each on one ``GenerateRequest``
+(prepared once by its flow or the CLI: ``serving.prepare``)."""
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from knnssd import prompts, tracking
+from knnssd import tracking
 from knnssd.serving import batch
 from knnssd.serving.request import GenerateRequest
 from knnssd.tasks.retry import transient
-
-
-@task(retries=2, retry_condition_fn=transient, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def read_prompts(request: GenerateRequest) -> list[prompts.Prompt]:
-    return request.rows()
 
 
 @task(retries=1, retry_condition_fn=transient, retry_delay_seconds=5, cache_policy=NO_CACHE)

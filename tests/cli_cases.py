@@ -229,12 +229,12 @@ def run_cli(cases: list[list[str]], env: dict | None = None, timeout: float = 30
 
 
 def hold_output(output, seconds=60) -> subprocess.Popen:
-    """A child process that holds ``output``'s writer lock (``batch.writing``), as a running `generate`
+    """A child process that holds ``output``'s writer lock (``output_paths.writing``), as a running `generate`
     does, for ``seconds``; it holds the lock once this returns."""
     code = textwrap.dedent(f"""
         import sys, time
-        from knnssd.serving import batch
-        with batch.writing({str(output)!r}):
+        from knnssd.serving import output_paths
+        with output_paths.writing({str(output)!r}):
             print("held", flush=True)
             time.sleep({seconds})
     """)

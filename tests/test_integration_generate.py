@@ -10,6 +10,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -88,6 +89,51 @@ def test_batch_flow_routes_each_domain(registered, data_dir, prefect_harness, tm
     assert again["generated"] == 0 and again["rows"] == 6
 
 
+def count_calls(monkeypatch, functions: dict[str, object], methods: dict[str, tuple[type, str]]) -> Counter:
+    """Count each call of ``functions`` wherever a knnssd module binds one (its own module, and every
+    ``from ... import`` of it), and of ``methods`` on their classes; each still does its work."""
+    calls = Counter()
+
+    def spy(name, fn):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for name, fn in functions.items():
+        for module in [m for n, m in sys.modules.items() if n.split(".")[0] == "knnssd"]:
+            for attr, value in list(vars(module).items()):
+                if value is fn:
+                    monkeypatch.setattr(module, attr, spy(name, fn))
+    for name, (cls, attr) in methods.items():
+        monkeypatch.setattr(cls, attr, spy(name, getattr(cls, attr)))
+    return calls
+
+
+def test_a_generate_request_runs_each_check_once(registered, data_dir, tmp_path, prefect_harness, monkeypatch):
+    """Issue 65: `generate` checked at each layer (the CLI, then the flow, then the batch): the limits, the
+    output's settings and its lock twice each, the paths three times. Through the CLI's handler, the flow,
+    its task and the batch, each check runs once, and the prompts and the output are read once."""
+    from knnssd.cli import parser
+    from knnssd.engine.spec.request_params import Limits, check_prompt
+    from knnssd.serving import output_paths, request, resume
+
+    monkeypatch.setattr(tracking, "_reachable", set())  # as in a new process: no store checked yet
+    calls = count_calls(monkeypatch, {
+        "prompts": prompts.load, "rows": request.check_rows, "each prompt": check_prompt,
+        "paths": output_paths.check_paths, "lock": output_paths._lock, "tracking store": tracking._check_sqlite,
+        "settings": resume.check_output, "finished rows": resume.read_done},
+        {"limits": (Limits, "check"), "slots": (Limits, "check_slots")})
+    inp, out = eval_file(data_dir, tmp_path / "eval.jsonl", n=2), tmp_path / "out.parquet"
+    a = parser().parse_args(["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp),
+                             "--output", str(out), "--max-new-tokens", "4", "--dtype", FLOW_DTYPE, "--batch-size", "2",
+                             "--tracking-uri", registered["uri"]])
+    assert a.fn(a) == 0
+    assert dict(calls) == {**{name: 1 for name in ("prompts", "rows", "paths", "lock", "tracking store", "settings",
+                                                   "finished rows", "limits", "slots")}, "each prompt": 4}
+    assert sorted(r["id"] for r in pq.read_table(out).to_pylist()) == sorted(p.id for p in prompts.load(inp))
+
+
 def test_sigkill_mid_batch_then_rerun_has_every_id_once(registered, data_dir, tmp_path, prefect_api):
     """A second run on the same output refuses at once, naming the first; the first, SIGKILLed mid-batch,
     leaves no process, temp file or lock behind; a rerun completes with every id exactly once."""
@@ -150,12 +196,12 @@ def alive(pid: int) -> bool:
 
 
 def _locked(out: Path) -> bool:
-    from knnssd.serving import batch
+    from knnssd.serving import output_paths
 
     try:
-        with batch.writing(out):
+        with output_paths.writing(out):
             return False
-    except batch.OutputError:
+    except output_paths.OutputError:
         return True
 
 
@@ -218,7 +264,7 @@ def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registere
     every row keeps its own prompt's answer; a prompt changed under an explicit id is generated again
     (warned); other parameters or another bank are refused in one line, before any model loads."""
     from knnssd.engine.spec.request_params import GenerateParams
-    from knnssd.serving import batch
+    from knnssd.serving import batch, resume
     from knnssd.serving.routed import RoutedGenerator
 
     texts = [p.prompt for p in prompts.load(eval_file(data_dir, tmp_path / "eval.jsonl", n=2))]
@@ -230,7 +276,7 @@ def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registere
     assert batch.run(job(inp, out, params, 1), routed, prompts.load(inp)).generated == 1
     table = {r["id"]: r for r in pq.read_table(out).to_pylist()}
     for p in prompts.load(inp):
-        assert table[p.id]["prompt_hash"] == batch.prompt_hash(p.prompt)
+        assert table[p.id]["prompt_hash"] == resume.prompt_hash(p.prompt)
     first = prompts.load(inp)[0]
     assert table[first.id]["tokens"] == routed.generate(first.prompt, params).tokens  # its own answer
 
@@ -241,7 +287,7 @@ def test_resume_regenerates_changed_prompts_and_refuses_other_settings(registere
     with caplog.at_level("WARNING"):
         assert batch.run(job(named, out2, params, 1), routed, prompts.load(named)).generated == 1
     assert "1 row(s) hold the answer to another prompt under the same id" in caplog.text
-    assert {r["id"]: r["prompt_hash"] for r in pq.read_table(out2).to_pylist()}["q2"] == batch.prompt_hash(texts[2])
+    assert {r["id"]: r["prompt_hash"] for r in pq.read_table(out2).to_pylist()}["q2"] == resume.prompt_hash(texts[2])
 
     before = out.read_bytes()
     argv = ["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp), "--output", str(out),
@@ -376,7 +422,7 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(registered, routed, data_
 
 
 def test_bad_prompt_files_and_existing_outputs(registered, tmp_path):
-    from knnssd.serving import batch
+    from knnssd.serving import resume
     from knnssd.serving.request import check_rows
 
     bad = tmp_path / "bad.jsonl"
@@ -395,8 +441,8 @@ def test_bad_prompt_files_and_existing_outputs(registered, tmp_path):
     import pyarrow as pa
 
     pq.write_table(pa.table({"a": [1]}), other)
-    with pytest.raises(batch.OutputError, match="not a knnssd generation output"):
-        batch.read_done(other)
+    with pytest.raises(resume.OutputError, match="not a knnssd generation output"):
+        resume.read_done(other)
     assert pq.read_table(other).num_rows == 1  # untouched
 
 

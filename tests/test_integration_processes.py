@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from knnssd.serving import batch
+from knnssd.serving import output_paths
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ def test_sigterm_mid_flow_unwinds_the_command_and_removes_its_lock(tmp_path, pre
         import sys, time
         from prefect import flow, task
         from knnssd.cli import Terminated, _signals_unwind
-        from knnssd.serving import batch
+        from knnssd.serving import output_paths
 
         @task
         def nap():
@@ -40,7 +40,7 @@ def test_sigterm_mid_flow_unwinds_the_command_and_removes_its_lock(tmp_path, pre
 
         with _signals_unwind():
             try:
-                with batch.writing({str(out)!r}):
+                with output_paths.writing({str(out)!r}):
                     run()
             except Terminated as e:
                 sys.exit(128 + e.signum)
@@ -50,10 +50,10 @@ def test_sigterm_mid_flow_unwinds_the_command_and_removes_its_lock(tmp_path, pre
     try:
         while proc.stdout.readline().strip() != "napping":
             assert proc.poll() is None, "the flow ended before its task ran"
-        assert batch.lock_path(out).exists()
+        assert output_paths.lock_path(out).exists()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 128 + signal.SIGTERM
-        assert not batch.lock_path(out).exists()
+        assert not output_paths.lock_path(out).exists()
     finally:
         proc.kill()
         proc.wait()

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from knnssd.models import ModelError, resolve_device
     from knnssd.prompts import PromptError
     from knnssd.routing.bank import BankError
-    from knnssd.serving.batch import OutputError
+    from knnssd.serving.output_paths import OutputError
     from knnssd.settings import check_cache_dir, check_work_dir, graphs
     from knnssd.tracking import RegistryError
 

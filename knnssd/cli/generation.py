@@ -7,7 +7,7 @@ import json
 import sys
 
 from knnssd.cli.command import command
-from knnssd.cli.options import (check_tracking, device_arg, dtype_arg, model_args, read_file, run_flow, sampling_args,
+from knnssd.cli.options import (device_arg, dtype_arg, model_args, read_file, run_flow, sampling_args,
                                 tracking_arg)
 
 
@@ -77,31 +77,21 @@ def _generate_options(p: argparse.ArgumentParser) -> None:
 def cmd_generate(a) -> int:
     from knnssd.flows.generate import generate
 
-    from knnssd import models
     from knnssd.engine.spec.request_params import GenerateParams, batch_size
-    from knnssd.serving.batch import already_complete, check_output, run_settings, writing
+    from knnssd.serving.batch import already_complete
+    from knnssd.serving.prepare import prepared
     from knnssd.serving.request import GenerateRequest
 
-    # every check a retry cannot change runs here, in seconds, before any server starts or model loads; the
-    # prompts and the bank read here are the ones the flow's tasks take (``GenerateRequest``: once a process)
+    # every check runs here once, in seconds, before any server starts or model loads; the flow and its
+    # tasks take the same prepared job (``serving.prepare``)
     params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                            top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
     request = GenerateRequest(a.model_uri, a.input, a.output, params, a.split, a.dtype, a.device,
                               batch_size(a.batch_size), a.overwrite, a.tracking_uri)
-    rows = request.rows()
-    output = request.output_path()
-    with writing(output):  # one writer per output: a second run fails here, naming this process
-        check_tracking(request.tracking_uri, registered=request.model_uri.startswith(("models:/", "runs:/")))
-        bank = request.bank()
-        limits = models.limits(bank.model, request.dtype, request.device)
-        limits.check(params)
-        if request.batch_size is not None:  # each sequence takes its new tokens at least (prompts count after the load)
-            limits.check_slots(min(request.batch_size, len(rows)), params.max_new_tokens + 1, "--batch-size")
-        dtype = models.precision_name(request.dtype, request.device)
-        done = check_output(output, request.overwrite, run_settings(params, dtype, bank))  # a resume: the same settings
-        complete = None if request.overwrite else already_complete(output, rows, done)
+    with prepared(request) as job:
+        complete = None if request.overwrite else already_complete(job.output, list(job.rows), job.done)
         if complete is not None:  # nothing to do: no Prefect server, no model load, no MLflow run
-            print(f"knnssd: every prompt of {request.input} is in {output} already", file=sys.stderr)
+            print(f"knnssd: every prompt of {request.input} is in {job.output} already", file=sys.stderr)
             summary = complete.report(None)
         else:
             summary = run_flow(generate, request)

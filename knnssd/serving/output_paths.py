@@ -1,9 +1,14 @@
-"""An output file's paths (the parquet, its progress journal and its lock file) and the checks made on them
-before anything is written: ``output_path``, ``check_paths``, each failure an ``OutputError`` of one line."""
+"""An output file's paths (the parquet, its progress journal and its lock file), the checks made on them
+before anything is written (``output_path``, ``check_paths``, each failure an ``OutputError`` of one
+line), and the lock that lets one process at a time write an output (``writing``)."""
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+
+from knnssd import locks
 
 
 class OutputError(ValueError):
@@ -85,3 +90,56 @@ def _check_name(output: Path) -> None:
     if size + len(JOURNAL_SUFFIX) > name_max:
         raise OutputError(f"output file name is too long ({size} bytes; at most {name_max - len(JOURNAL_SUFFIX)} "
                           f"here, to leave room for its {JOURNAL_SUFFIX} journal)")
+
+
+_held: dict[Path, int] = {}  # outputs this process holds: lock file descriptor
+
+
+@contextlib.contextmanager
+def writing(output: str | os.PathLike) -> Iterator[None]:
+    """Hold ``<output>.lock`` while writing ``output``: a second writer (another process) fails at once
+    with an ``OutputError`` naming the holder. The lock is an ``flock``, so the kernel releases it on
+    any exit, SIGKILL included; the file itself is removed on a normal exit. Re-entrant in a process."""
+    output = Path(output).resolve()
+    if output in _held:
+        yield
+        return
+    path = lock_path(output)
+    fd = _lock(path)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except OSError as e:  # a full disk
+        path.unlink(missing_ok=True)
+        os.close(fd)
+        raise OutputError(f"cannot write the lock file {path} ({e.strerror or e})") from None
+    _held[output] = fd
+    try:
+        yield
+    finally:
+        del _held[output]
+        path.unlink(missing_ok=True)  # while still holding it: a waiter then finds its file gone and retries
+        os.close(fd)
+
+
+def _lock(path: Path) -> int:
+    """An fd holding ``flock`` on the file now at ``path`` (not one a finishing holder just unlinked)."""
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputError(f"cannot create the lock file {path} ({e.strerror or e})") from None
+        if not locks.try_lock(fd):
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            output = path.with_name(path.name[: -len(".lock")])
+            raise OutputError(f"{output} is being written by process {holder}; wait for it or choose another "
+                              "--output") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)

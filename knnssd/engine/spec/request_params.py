@@ -117,9 +117,11 @@ class Limits:
 
     def prompt_tokens(self, params: "GenerateParams") -> int:
         """The most prompt tokens kept: ``max_prompt_tokens``, or fewer where the prompt and
-        ``max_new_tokens`` would not fit (checked)."""
-        self.check(params)
-        return min(params.max_prompt_tokens, self.positions - params.max_new_tokens)
+        ``max_new_tokens`` would not fit. ``params`` are checked once a request, by its caller (``check``)."""
+        kept = min(params.max_prompt_tokens, self.positions - params.max_new_tokens)
+        if kept < 1:  # a caller that did not check: its error, not a slice ``ids[-0:]`` that keeps the whole prompt
+            self.check(params)
+        return kept
 
 
 def too_many_slots(name: str, slots: int, most: int, positions: int, memory: int = KV_MEMORY) -> ValueError:
@@ -209,8 +211,8 @@ def check_fits(n: int, params: GenerateParams, limits: Limits, where: str = "pro
 def prompt_ids(tokenizer, prompt: str, params: GenerateParams, limits: Limits | None = None) -> tuple[list[int], bool]:
     """Token ids of ``prompt``, keeping the last ``limits.prompt_tokens(params)`` of a longer one
     (``max_prompt_tokens`` without ``limits``; warned); True if truncated. The prompt policy of ``generate``,
-    ``complete`` and the pyfunc server (the OpenAI server refuses instead: ``whole_prompt_ids``)."""
-    check_prompt(prompt)
+    ``complete`` and the pyfunc server (the OpenAI server refuses instead: ``whole_prompt_ids``). Each of them
+    checks the prompt once, before any model loads (``check_prompt``): it is not checked again here."""
     limit = limits.prompt_tokens(params) if limits is not None else params.max_prompt_tokens
     ids = tokenizer(prompt).input_ids
     if len(ids) > limit:
