@@ -1,10 +1,15 @@
 """Does a server answer? One quick check for the services a command depends on: an HTTP server
 (``error``) or a database behind an SQLAlchemy URL (``database_error``); and can a server of ours
-listen where it is told to (``listen_error``), or on a free port (``free_port``)."""
+listen where it is told to (``listen_error``), or on a free port (``free_port``). ``NoWorker``: a work
+pool that has no worker to answer."""
 from __future__ import annotations
 
 import urllib.error
 import urllib.request
+
+
+class NoWorker(RuntimeError):
+    """No worker came online in a Prefect work pool in time; one line naming the command that starts one."""
 
 
 def error(url: str, timeout: float) -> str | None:

@@ -29,7 +29,7 @@ def test_resume_refuses_other_settings_and_names_them(tmp_path):
     """Defect 4: a rerun with other parameters reported ``"generated": 0`` and kept the old rows."""
     out = tmp_path / "o.parquet"
     made = _settings(max_new_tokens=8)
-    batch.write_parquet([_row("a", "p", made)], out)
+    resume.write_parquet([_row("a", "p", made)], out)
     assert set(resume.check_output(out, False, settings=made)) == {"a"}
     with pytest.raises(resume.OutputError) as e:
         resume.check_output(out, False, settings=_settings(max_new_tokens=24, temperature=0.9, seed=3))
@@ -64,7 +64,7 @@ def test_a_complete_output_is_known_before_any_work(tmp_path):
     made = _settings(max_new_tokens=8)
     rows = [Prompt("a", "pa"), Prompt("b", "pb")]
     assert batch.already_complete(out, rows, resume.check_output(out, False, made)) is None  # no output yet
-    batch.write_parquet([_row("b", "pb", made), _row("a", "pa", made)], out)
+    resume.write_parquet([_row("b", "pb", made), _row("a", "pa", made)], out)
     done = resume.check_output(out, False, made)
     summary = batch.already_complete(out, rows, done)
     assert summary.rows == 2 and summary.generated == 0 and summary.new_tokens == 4 and summary.output == str(out)

@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from knnssd.routing.bank import BankError
     from knnssd.serving.output_paths import OutputError
     from knnssd.settings import check_cache_dir, check_work_dir, graphs
+    from knnssd.reachable import NoWorker
     from knnssd.tracking import RegistryError
 
     p = parser()
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 # any server starts or model loads
             return a.fn(a)
         except (ModelError, PromptError, MaskError, BankError, RegistryError, OutputError, ValueError,
-                FileNotFoundError, PrefectUnavailable) as e:
+                FileNotFoundError, PrefectUnavailable, NoWorker) as e:
             return _error(e)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):

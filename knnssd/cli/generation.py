@@ -70,6 +70,12 @@ def _generate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", default="auto", metavar="auto|N",
                    help="sequences decoded together, one full-model pass per step for all (default auto: measured; "
                         "1: one at a time)")
+    p.add_argument("--shards", type=int, default=1, metavar="N",
+                   help="cut the input into N shards, each a flow run on --pool's workers, joined into --output (needs "
+                        "$PREFECT_API_URL; docs/cluster.md)")
+    p.add_argument("--pool", default="knnssd-process", help="the Prefect work pool whose workers run the shards")
+    p.add_argument("--worker-wait", type=float, default=600.0, metavar="S",
+                   help="with --shards: how long to wait for a worker in --pool before giving up (seconds)")
     tracking_arg(p)
 
 
@@ -79,7 +85,7 @@ def cmd_generate(a) -> int:
 
     from knnssd.engine.spec.request_params import GenerateParams, batch_size
     from knnssd.serving.batch import already_complete
-    from knnssd.serving.prepare import prepared
+    from knnssd.serving.prepare import pin_version, prepared
     from knnssd.serving.request import GenerateRequest
 
     # every check runs here once, in seconds, before any server starts or model loads; the flow and its
@@ -87,16 +93,30 @@ def cmd_generate(a) -> int:
     params = GenerateParams.from_dict(dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                            top_p=a.top_p, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens))
     request = GenerateRequest(a.model_uri, a.input, a.output, params, a.split, a.dtype, a.device,
-                              batch_size(a.batch_size), a.overwrite, a.tracking_uri)
+                              batch_size(a.batch_size), a.overwrite, a.tracking_uri, a.shards)
+    if request.sharded:
+        check_shared_api(a.worker_wait)
+        request = pin_version(request)  # every shard on the version the alias names now
     with prepared(request) as job:
         complete = None if request.overwrite else already_complete(job.output, list(job.rows), job.done)
         if complete is not None:  # nothing to do: no Prefect server, no model load, no MLflow run
             print(f"knnssd: every prompt of {request.input} is in {job.output} already", file=sys.stderr)
             summary = complete.report(None)
         else:
-            summary = run_flow(generate, request)
+            summary = run_flow(generate, request, a.pool, a.worker_wait)
     print(json.dumps(summary))
     return 0
+
+
+def check_shared_api(worker_wait: float) -> None:
+    """A sharded run needs a Prefect server its workers reach (a temporary one has none)."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not worker_wait > 0:
+        raise ValueError(f"--worker-wait must be above 0 seconds, got {worker_wait:g}")
+    if not PREFECT_API_URL.value():  # the environment's, or the Prefect profile's
+        raise ValueError("--shards runs each shard on a work pool's workers: set PREFECT_API_URL to the Prefect server "
+                         "they use (docs/cluster.md)")
 
 
 # in the order `knnssd --help` lists them

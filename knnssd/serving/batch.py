@@ -28,7 +28,7 @@ from knnssd.prompts import Prompt
 from knnssd.serving.output_paths import OutputError, progress_path
 from knnssd.serving.prepare import PreparedGenerate, prepared
 from knnssd.serving.request import GenerateRequest
-from knnssd.serving.resume import COLUMNS, prompt_hash, read_done, settings_text, to_generate
+from knnssd.serving.resume import prompt_hash, read_done, settings_text, to_generate, write_parquet
 from knnssd.serving.routed import Result, RoutedGenerator
 
 log = logging.getLogger(__name__)
@@ -60,18 +60,6 @@ class Summary:
     def report(self, mlflow_run_id: str | None) -> dict:
         """What `knnssd generate` prints: every field, and the MLflow run it was logged as (None: not logged)."""
         return {**asdict(self), "mlflow_run_id": mlflow_run_id}
-
-
-def write_parquet(rows: list[dict], output: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
-    try:
-        pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows]), tmp)
-        os.replace(tmp, output)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def run(request: GenerateRequest, gen: RoutedGenerator | None = None, rows: list[Prompt] | None = None,

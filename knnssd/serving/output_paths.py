@@ -15,6 +15,11 @@ class OutputError(ValueError):
     """The output path cannot be used; one line."""
 
 
+class ShardFailed(OutputError):
+    """A shard of a sharded run failed for good, so the output is not written; one line naming the shard
+    and why (its part is kept for the rerun)."""
+
+
 def progress_path(output: Path) -> Path:
     return output.with_name(output.name + ".progress.jsonl")
 
@@ -143,3 +148,16 @@ def _lock(path: Path) -> int:
         if same:
             return fd
         os.close(fd)
+
+
+def held(output: str | os.PathLike) -> bool:
+    """Is ``output`` being written now, by a process anywhere that shares its folder (``writing``)? Only
+    looks: the lock is taken and dropped at once, and its file is left as it is."""
+    try:
+        fd = os.open(lock_path(Path(output)), os.O_RDONLY)
+    except OSError:  # no lock file: no writer
+        return False
+    try:
+        return not locks.try_lock(fd)
+    finally:
+        os.close(fd)  # drops the lock, if this took it

@@ -4,9 +4,11 @@ The CLI prepares its request before any Prefect server starts; the flow, its tas
 ask again, and take the job already open on the same request (``prepared``), so a layer never checks
 what another has. A deployment's run has no CLI above it: its flow prepares, once. What is checked:
 
-1. the prompts (read once a process and checked: ``request.check_rows``), and the output's paths
-   (``output_paths.check_paths``: never the input);
-2. the output's writer lock (``output_paths.writing``): a second writer is refused here;
+1. the prompts (read once a process and checked: ``request.check_rows``), a sharded run's count of
+   shards against them (``shards.check_shards``), and the output's paths (``output_paths.check_paths``:
+   never the input);
+2. the output's writer lock (``output_paths.writing``): a second writer is refused here; a sharded
+   run's parts folder is writable and holds no other cut's parts (``shards.check_parts``);
 3. the tracking store answers (``tracking.check_reachable``), and the bank is fetched;
 4. the new tokens against the model's context, and a fixed ``--batch-size`` against the KV budget
    (``Limits``, from the model's config, without loading it);
@@ -15,6 +17,7 @@ what another has. A deployment's run has no CLI above it: its flow prepares, onc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,7 @@ from pathlib import Path
 from knnssd.engine.spec.request_params import Limits
 from knnssd.prompts import Prompt
 from knnssd.routing.bank import Bank
-from knnssd.serving import resume
+from knnssd.serving import resume, shards
 from knnssd.serving.output_paths import progress_path, writing
 from knnssd.serving.request import GenerateRequest, check_rows
 
@@ -57,8 +60,12 @@ def prepared(request: GenerateRequest, gen=None, rows: list[Prompt] | None = Non
         rows = request.rows()  # checked as it was read
     else:
         check_rows(rows)
+    if request.sharded:
+        shards.check_shards(request.shards, rows)
     output = request.output_path()
     with writing(output):  # one writer per output: a second fails here, naming the first
+        if request.sharded:  # every worker writes its part there
+            shards.check_parts(output, request.shards, request.overwrite)
         bank, limits, dtype = _bank(request, gen)
         limits.check(request.params)
         if request.batch_size is not None:  # each sequence takes its new tokens at least (prompts count after the load)
@@ -74,6 +81,8 @@ def prepared(request: GenerateRequest, gen=None, rows: list[Prompt] | None = Non
             yield job
         finally:
             _open.remove(job)
+            if request.sharded:  # a run that wrote no part (no worker came) leaves no folder
+                shards.remove_empty_folder(output)
 
 
 def _bank(request: GenerateRequest, gen) -> tuple[Bank, Limits, str]:
@@ -88,3 +97,16 @@ def _bank(request: GenerateRequest, gen) -> tuple[Bank, Limits, str]:
     bank = request.bank()
     return (bank, models.limits(bank.model, request.dtype, request.device),
             models.precision_name(request.dtype, request.device))
+
+
+def pin_version(request: GenerateRequest) -> GenerateRequest:
+    """``request`` on the version its alias names now (``models:/<name>/<version>``), so that every
+    shard of a sharded run reads the same bank, even if the alias moves mid-run; as it is otherwise."""
+    if not (request.model_uri.startswith("models:/") and "@" in request.model_uri):
+        return request
+    from knnssd import tracking
+    from knnssd.settings import tracking_uri
+
+    tracking.check_reachable(tracking_uri(request.tracking_uri), registered=True)
+    version = tracking.resolve(request.model_uri, request.tracking_uri)
+    return dataclasses.replace(request, model_uri=f"models:/{version.name}/{version.version}")

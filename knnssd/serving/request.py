@@ -15,6 +15,7 @@ from knnssd.engine.spec.request_params import GenerateParams, check_batch_size, 
 from knnssd.prompts import Prompt
 from knnssd.routing import bank as banks
 from knnssd.serving.output_paths import check_paths, output_path
+from knnssd.serving.shards import check_count, rows_of
 from knnssd.settings import DTYPES
 
 
@@ -30,6 +31,8 @@ class GenerateRequest:
     batch_size: int | None = None  # sequences decoded together: None auto (measured), 1 one at a time
     overwrite: bool = False
     tracking_uri: str | None = None
+    shards: int = 1  # the input cut into this many shards, each run on a work pool's workers (``tasks.shards``)
+    shard: int | None = None  # only this shard's rows (``serving.shards.rows_of``): one part of a sharded run
 
     def __post_init__(self):
         if isinstance(self.params, dict):  # a deployment's JSON parameters
@@ -37,6 +40,14 @@ class GenerateRequest:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype '{self.dtype}' is not one of {', '.join(DTYPES)}")
         check_batch_size(self.batch_size)
+        check_count(self.shards)
+        if self.shard is not None and not 0 <= self.shard < self.shards:
+            raise ValueError(f"shard {self.shard} is not one of the {self.shards} shards")
+
+    @property
+    def sharded(self) -> bool:
+        """Is this the parent of a sharded run (its shards' runs do the generating)?"""
+        return self.shards > 1 and self.shard is None
 
     def output_path(self) -> Path:
         """Where the output is written (``output_paths.output_path``), checked against the input (``check_paths``):
@@ -44,14 +55,16 @@ class GenerateRequest:
         return _output(self.output, self.input)
 
     def rows(self) -> list[Prompt]:
-        """The input's prompts (of ``split``), checked (``check_rows``); read once while the file is unchanged."""
+        """The input's prompts (of ``split``; of ``shard``), checked (``check_rows``); read once while the file is
+        unchanged."""
         path = Path(self.input)
         try:
             st = path.stat()
             key = (st.st_mtime_ns, st.st_size)
         except OSError:  # hf:... or missing: ``prompts.load`` says which
             key = None
-        return list(_rows(self.input, self.split, key))
+        rows = list(_rows(self.input, self.split, key))
+        return rows if self.shard is None else rows_of(rows, self.shard, self.shards)
 
     def bank(self) -> banks.Bank:
         """The bank behind ``model_uri`` (a registered version is fetched once into the work folder)."""

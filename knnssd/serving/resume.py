@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 from knnssd.engine.spec.request_params import GenerateParams
@@ -148,3 +149,15 @@ def _settings_of(text: str) -> dict | None:
 def to_generate(rows: list[Prompt], done: dict[str, dict]) -> list[Prompt]:
     """The rows a resumed run generates: those not ``done``, and those whose id now holds another prompt."""
     return [r for r in rows if r.id not in done or done[r.id]["prompt_hash"] != prompt_hash(r.prompt)]
+
+
+def write_parquet(rows: list[dict], output: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+    try:
+        pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows]), tmp)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)

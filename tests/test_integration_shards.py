@@ -1,0 +1,161 @@
+"""A sharded `knnssd generate` on real parts: the session's Prefect server, a `process` work pool, two
+workers started here, and a real MLflow; one worker killed mid-shard, and the alias moved mid-run."""
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from knnssd import prompts, tracking
+from knnssd.engine.spec.drafters import DrafterConfig
+from knnssd.search import steps
+from knnssd.serving import resume
+from cli_cases import run_cli
+from servers import PREFECT
+from test_integration_calibrate import fixed_bank
+from test_integration_generate import cli_env, descendants, generate_argv, registered  # noqa: F401
+
+pytestmark = pytest.mark.integration
+
+
+def eval_prompts(data_dir: Path, out: Path, n: int) -> Path:
+    """``n`` eval prompts, taken in turn from every domain."""
+    files = sorted(p for p in data_dir.glob("*.jsonl") if not p.name.startswith(("ood", "unmatched")))
+    by_domain = [[json.loads(x) for x in f.read_text().splitlines() if '"eval"' in x] for f in files]
+    rows = [r for group in zip(*by_domain) for r in group][:n]
+    assert len(rows) == n
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        if time.time() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.2)
+
+
+def writing(parts: Path) -> tuple[Path, int] | None:
+    """A part with a finished row whose shard is still writing it, and that shard's process."""
+    for journal in parts.glob("*.progress.jsonl"):
+        lock = journal.with_name(journal.name[:-len(".progress.jsonl")] + ".lock")
+        try:
+            if journal.stat().st_size and lock.read_text().strip():
+                return journal.with_name(journal.name[:-len(".progress.jsonl")]), int(lock.read_text())
+        except (OSError, ValueError):  # finished between the two looks
+            continue
+    return None
+
+
+def stop(pids: list[int], sig=signal.SIGKILL) -> None:
+    """``pids`` and everything under them (a worker's flow runs start sessions of their own)."""
+    for pid in [c for p in pids for c in descendants(p)] + pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def test_sharded_generate_equals_one_process_through_a_killed_worker_and_a_moved_alias(registered, data_dir,
+                                                                                       tmp_path, prefect_api):
+    inp = eval_prompts(data_dir, tmp_path / "eval.jsonl", 120)
+    one, out = tmp_path / "one.parquet", tmp_path / "sharded.parquet"
+    env = cli_env(registered, {**os.environ, **prefect_api})
+    run = subprocess.run(generate_argv(inp, one, 8), env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    other_bank = fixed_bank(tmp_path, data_dir, "other", lambda c: DrafterConfig(kind="ngram", max_len=3))
+
+    pool = f"test-{uuid.uuid4().hex[:8]}"
+    subprocess.run([PREFECT, "work-pool", "create", pool, "--type", "process"], env=env, check=True,
+                   capture_output=True, timeout=120)
+    worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "2"}
+    logs = [open(tmp_path / f"worker-{i}.log", "w") for i in range(2)]
+    workers = [subprocess.Popen([PREFECT, "worker", "start", "--pool", pool, "--name", f"w{i}"], env=worker_env,
+                                stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True) for i in range(2)]
+    parent = None
+    try:
+        with open(tmp_path / "parent.log", "w") as log:
+            parent = subprocess.Popen(generate_argv(inp, out, 8) + ["--shards", "4", "--pool", pool,
+                                                                    "--worker-wait", "120"],
+                                      env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+            parts = out.with_name(out.name + ".parts")
+            wait_for(lambda: writing(parts), 420, "no shard made a row")
+            steps.register(other_bank, {"test": "moved"}, registered["uri"], alias="champion")  # the alias moves
+            part, writer = writing(parts)
+            victim = next(w for w in workers if writer in descendants(w.pid))
+            stop([victim.pid])  # its machine dies: the worker and the shards it runs
+            victim.wait(30)
+            kept = resume.read_done(part)  # what the killed shard had finished
+            summary = json.loads(parent.communicate(timeout=600)[0].strip().splitlines()[-1])
+        stderr = (tmp_path / "parent.log").read_text()
+        assert parent.returncode == 0, stderr[-3000:]
+        assert "starting it again" in stderr, stderr[-3000:]
+        assert summary["rows"] == 120 and summary["mlflow_run_id"]
+        sharded, single = pq.read_table(out).to_pylist(), pq.read_table(one).to_pylist()
+        assert [r["id"] for r in sharded] == [r["id"] for r in single] == [p.id for p in prompts.load(inp)]
+        assert [r["tokens"] for r in sharded] == [r["tokens"] for r in single]
+        assert {r["settings"] for r in sharded} == {r["settings"] for r in single}  # the bank the parent resolved
+        assert kept and all(r == kept[r["id"]] for r in sharded if r["id"] in kept)  # finished rows never redone
+        assert not parts.exists() and not out.with_name(out.name + ".lock").exists()
+        from mlflow import MlflowClient
+
+        client = MlflowClient(registered["uri"])
+        table = json.loads(Path(client.download_artifacts(summary["mlflow_run_id"], "shards.json", str(tmp_path)))
+                           .read_text())
+        assert sorted(t["shard"] for t in table) == [0, 1, 2, 3] and sum(t["rows"] for t in table) == 120
+        assert max(t["starts"] for t in table) >= 2 and all(t["worker"] for t in table)
+    finally:
+        if parent is not None and parent.poll() is None:
+            parent.kill()
+        stop([w.pid for w in workers], signal.SIGTERM)
+        for w in workers:
+            try:
+                w.wait(30)
+            except subprocess.TimeoutExpired:
+                stop([w.pid])
+        for f in logs:
+            f.close()
+        tracking.set_alias("smollm2", "champion", "1", registered["uri"])
+        subprocess.run([PREFECT, "work-pool", "delete", pool], env=env, capture_output=True, input="y\n", text=True,
+                       timeout=60)
+
+
+def test_sharded_bad_input_is_one_line_before_any_work(registered, tmp_path, prefect_api):
+    """``--shards 0``, more shards than prompts, no Prefect server for the workers, a parts folder that
+    cannot be made, and a pool with no worker (a wait message, then an error when the wait runs out)."""
+    inp = tmp_path / "p.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": f"Translate German to English: Hallo {i}."}) + "\n" for i in range(6)))
+    out = tmp_path / "o.parquet"
+    blocked = tmp_path / "blocked.parquet"
+    blocked.with_name(blocked.name + ".parts").write_text("a file where the parts' folder goes")
+    pool = f"empty-{uuid.uuid4().hex[:8]}"
+    env = cli_env(registered, {**os.environ, **prefect_api})
+    subprocess.run([PREFECT, "work-pool", "create", pool, "--type", "process"], env=env, check=True,
+                   capture_output=True, timeout=120)
+    gen = ["generate", "--model-uri", "models:/knnssd-smollm2@champion", "--input", str(inp), "--max-new-tokens", "4"]
+    cases = [([*gen, "--output", str(out), "--shards", "0"], "--shards must be an integer from 1 to 1024, got 0"),
+             ([*gen, "--output", str(out), "--shards", "7"], "--shards 7 is more than the input's 6 prompts"),
+             ([*gen, "--output", str(blocked), "--shards", "2"], "cannot write the shards' parts in"),
+             ([*gen, "--output", str(out), "--shards", "2", "--pool", pool, "--worker-wait", "3"],
+              f"no worker came online in pool '{pool}' within 3 s; start one with `prefect worker start --pool {pool}`")]
+    try:
+        results = run_cli([args for args, _ in cases], env)
+        no_api = run_cli([[*gen, "--output", str(out), "--shards", "2"]],
+                         {k: v for k, v in env.items() if k != "PREFECT_API_URL"})
+    finally:
+        subprocess.run([PREFECT, "work-pool", "delete", pool], env=env, capture_output=True, input="y\n", text=True,
+                       timeout=60)
+    for (args, message), res in zip(cases, results):
+        assert res.code == 2 and message in res.stderr[-1], (args, res)
+        assert len(res.stderr) == (2 if "--worker-wait" in args else 1), res
+    assert "waiting up to 3 s for a worker in pool" in results[-1].stderr[0]
+    assert no_api[0].code == 2 and no_api[0].stderr == ["knnssd: error: --shards runs each shard on a work pool's "
+                                                        "workers: set PREFECT_API_URL to the Prefect server they use "
+                                                        "(docs/cluster.md)"], no_api
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["blocked.parquet.parts", "p.jsonl"]  # nothing written
