@@ -61,7 +61,12 @@ def main() -> None:
     options.max_new_tokens(ap, 32)
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--worker-threads", type=int, default=None,
+                    help="OMP_NUM_THREADS of each worker's shards (default: the cores shared out, as on machines of "
+                         "their own); 0: torch's default")
     a = ap.parse_args()
+    if a.worker_threads is None:
+        a.worker_threads = max(1, (os.cpu_count() or 2) // a.workers)
 
     from knnssd.flows.server import local_api
 
@@ -71,7 +76,8 @@ def main() -> None:
         env = {**os.environ, "PREFECT_API_URL": url, "PREFECT_WORKER_QUERY_SECONDS": "1"}
         subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process"], env=env, check=True,
                        capture_output=True)
-        workers = [subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool], env=env,
+        threads = {"OMP_NUM_THREADS": str(a.worker_threads)} if a.worker_threads else {}
+        workers = [subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool], env={**env, **threads},
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
                    for _ in range(a.workers)]
         try:

@@ -44,13 +44,24 @@ log = logging.getLogger(__name__)
 def plan(job: PreparedGenerate) -> list[Shard]:
     """The shards of a prepared sharded request (checked there), each a request of its own into a part
     beside the output, on the version the parent pinned and its tracking store."""
-    rows, output, n = list(job.rows), job.output, job.request.shards
-    base = dataclasses.replace(job.request, overwrite=False, tracking_uri=tracking_uri(job.request.tracking_uri))
+    rows, output, n = list(job.rows), job.output.resolve(), job.request.shards
+    base = _portable(job.request)
     plan = [Shard(dataclasses.replace(base, output=str(shards.part_path(output, i, n)), shard=i),
                   shards.rows_of(rows, i, n)) for i in range(n)]
     for s in plan:
         s.before = shards.finished(s.part)
     return plan
+
+
+def _portable(request: GenerateRequest) -> GenerateRequest:
+    """``request`` as a worker reads it from another folder: its input, a bank folder and a sqlite store by
+    absolute paths, and the tracking store named (not left to the worker's environment)."""
+    uri = tracking_uri(request.tracking_uri)
+    if uri.startswith("sqlite:///"):
+        uri = "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+    model = request.model_uri if request.model_uri.startswith("models:/") else str(Path(request.model_uri).resolve())
+    inp = request.input if request.input.startswith("hf:") else str(Path(request.input).resolve())
+    return dataclasses.replace(request, input=inp, model_uri=model, tracking_uri=uri, overwrite=False)
 
 
 @task(cache_policy=NO_CACHE)
