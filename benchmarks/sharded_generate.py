@@ -76,8 +76,10 @@ def main() -> None:
         env = {**os.environ, "PREFECT_API_URL": url, "PREFECT_WORKER_QUERY_SECONDS": "1"}
         subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process"], env=env, check=True,
                        capture_output=True)
-        threads = {"OMP_NUM_THREADS": str(a.worker_threads)} if a.worker_threads else {}
-        workers = [subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool], env={**env, **threads},
+        worker_env = {"OMP_NUM_THREADS": str(a.worker_threads)} if a.worker_threads else {}
+        worker_env["TMPDIR"] = str(tmp)  # a flow run's runner leaves an empty runner_storage/<id> folder in its temp
+        workers = [subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", pool],
+                                    env={**env, **worker_env},
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
                    for _ in range(a.workers)]
         try:

@@ -33,7 +33,8 @@ from knnssd.settings import tracking_uri
 DEPLOYMENT = "knnssd-shard-{pool}"  # of the ``generate`` flow, one a pool (a deployment names its pool)
 ENTRYPOINT = "knnssd.flows.generate.generate"  # a module path: the installed package, no checkout or storage
 POLL_S = 1.0
-GONE_S = 15.0  # Running with its part's lock free this long: the shard's process is gone
+PROGRESS_S = 5.0  # the parts are read for the progress bar this often: each read parses every part
+GONE_S = 10.0  # Running with its part's lock free this long: the shard's process is gone
 STARTING_S = 180.0  # Pending this long (a worker took it, its process never started): gone too
 RETRIES = 2  # starts of a shard after its first, for processes that died or runs that failed
 
@@ -130,7 +131,7 @@ def wait_for_worker(pool: str, wait_s: float) -> int:
                 return len(online)
             if time.monotonic() > deadline:
                 raise NoWorker(f"no worker came online in pool '{pool}' within {wait_s:g} s; start one with "
-                                   f"`prefect worker start --pool {pool}`")
+                               f"`prefect worker start --pool {pool}`")
             if not said:  # a warning: the terminal shows it (the flow's prints are logged at INFO)
                 log.warning("waiting up to %g s for a worker in pool '%s' (start one: prefect worker start --pool %s)",
                             wait_s, pool, pool)
@@ -169,13 +170,15 @@ def watch(deployment: str, plan: list[Shard]) -> list[Shard]:
     total = sum(len(s.rows) for s in plan)
     with get_client(sync_client=True) as client, tqdm(total=total, desc="generate", unit="row",
                                                       file=sys.stderr, mininterval=2.0) as bar:
+        counted = 0.0
         while not all(s.done for s in plan):
             for s in plan:
                 if not s.done:
                     _step(client, deployment, s)
-            bar.n = sum(shards.finished(s.part) for s in plan)
-            bar.set_postfix_str(f"{sum(s.done for s in plan)}/{len(plan)} shards done", refresh=False)
-            bar.refresh()
+            if time.monotonic() - counted >= PROGRESS_S or all(s.done for s in plan):
+                bar.n, counted = sum(shards.finished(s.part) for s in plan), time.monotonic()  # reads every part
+                bar.set_postfix_str(f"{sum(s.done for s in plan)}/{len(plan)} shards done", refresh=False)
+                bar.refresh()
             if not all(s.done for s in plan):
                 time.sleep(POLL_S)
     return plan

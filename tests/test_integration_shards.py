@@ -62,33 +62,84 @@ def stop(pids: list[int], sig=signal.SIGKILL) -> None:
             pass
 
 
-def test_sharded_generate_equals_one_process_through_a_killed_worker_and_a_moved_alias(registered, data_dir,
-                                                                                       tmp_path, prefect_api):
-    inp = eval_prompts(data_dir, tmp_path / "eval.jsonl", 120)
-    one, out = tmp_path / "one.parquet", tmp_path / "sharded.parquet"
-    env = cli_env(registered, {**os.environ, **prefect_api})
-    run = subprocess.run(generate_argv(inp, one, 8), env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    other_bank = fixed_bank(tmp_path, data_dir, "other", lambda c: DrafterConfig(kind="ngram", max_len=3))
+class Pool:
+    """A `process` work pool of the session's Prefect server with two workers started here, each in a
+    session of its own; ``stop`` ends them (and the flow runs they started) and deletes the pool."""
 
-    pool = f"test-{uuid.uuid4().hex[:8]}"
-    subprocess.run([PREFECT, "work-pool", "create", pool, "--type", "process"], env=env, check=True,
-                   capture_output=True, timeout=120)
-    worker_env = {**env, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "2"}
-    logs = [open(tmp_path / f"worker-{i}.log", "w") for i in range(2)]
-    workers = [subprocess.Popen([PREFECT, "worker", "start", "--pool", pool, "--name", f"w{i}"], env=worker_env,
-                                stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True) for i in range(2)]
+    def __init__(self, env: dict, logs: Path):
+        self.name, self.env = f"test-{uuid.uuid4().hex[:8]}", env
+        subprocess.run([PREFECT, "work-pool", "create", self.name, "--type", "process"], env=env, check=True,
+                       capture_output=True, timeout=120)
+        self.folder, self.logs, self.workers = logs, [], []
+        self.revive()
+
+    def revive(self) -> None:
+        """Two workers again: a new one for each that died."""
+        self.workers = [w for w in self.workers if w.poll() is None]
+        while len(self.workers) < 2:
+            n = len(self.logs)
+            self.logs.append(open(self.folder / f"worker-{n}.log", "w"))
+            self.workers.append(subprocess.Popen(
+                [PREFECT, "worker", "start", "--pool", self.name, "--name", f"w{n}"],
+                env={**self.env, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "2"},
+                stdout=self.logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+
+    def stop(self) -> None:
+        stop([w.pid for w in self.workers], signal.SIGTERM)
+        for w in self.workers:
+            try:
+                w.wait(30)
+            except subprocess.TimeoutExpired:
+                stop([w.pid])
+                w.wait(30)
+        for f in self.logs:
+            f.close()
+        subprocess.run([PREFECT, "work-pool", "delete", self.name], env=self.env, capture_output=True, input="y\n",
+                       text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pool(registered, prefect_api, tmp_path_factory):
+    pool = Pool(cli_env(registered, {**os.environ, **prefect_api}), tmp_path_factory.mktemp("workers"))
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(registered, data_dir, prefect_api, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """120 eval prompts, and a plain one-process `knnssd generate` of them (8 new tokens)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    inp, one = eval_prompts(data_dir, tmp / "eval.jsonl", 120), tmp / "one.parquet"
+    run = subprocess.run(generate_argv(inp, one, 8), env=cli_env(registered, {**os.environ, **prefect_api}),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return inp, pq.read_table(one).to_pylist()
+
+
+def sharded(inp: Path, out: Path, pool: Pool, model_uri: str | None = None) -> list[str]:
+    argv = generate_argv(inp, out, 8) + ["--shards", "4", "--pool", pool.name, "--worker-wait", "120"]
+    return argv if model_uri is None else [model_uri if a == "models:/knnssd-smollm2@champion" else a for a in argv]
+
+
+def moved(registered, data_dir, tmp_path) -> None:
+    """``champion`` moved to a new version with another bank (its rows' ``settings`` differ)."""
+    other = fixed_bank(tmp_path, data_dir, "other", lambda c: DrafterConfig(kind="ngram", max_len=3))
+    steps.register(other, {"test": "moved"}, registered["uri"], alias="champion")
+
+
+def test_sharded_generate_equals_one_process_through_a_killed_worker_and_a_moved_alias(registered, data_dir, pool,
+                                                                                       reference, tmp_path):
+    inp, single = reference
+    out, parts = tmp_path / "sharded.parquet", tmp_path / "sharded.parquet.parts"
     parent = None
     try:
         with open(tmp_path / "parent.log", "w") as log:
-            parent = subprocess.Popen(generate_argv(inp, out, 8) + ["--shards", "4", "--pool", pool,
-                                                                    "--worker-wait", "120"],
-                                      env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-            parts = out.with_name(out.name + ".parts")
+            parent = subprocess.Popen(sharded(inp, out, pool), env=pool.env, stdout=subprocess.PIPE, stderr=log,
+                                      text=True)
             wait_for(lambda: writing(parts), 420, "no shard made a row")
-            steps.register(other_bank, {"test": "moved"}, registered["uri"], alias="champion")  # the alias moves
+            moved(registered, data_dir, tmp_path)
             part, writer = writing(parts)
-            victim = next(w for w in workers if writer in descendants(w.pid))
+            victim = next(w for w in pool.workers if writer in descendants(w.pid))
             stop([victim.pid])  # its machine dies: the worker and the shards it runs
             victim.wait(30)
             kept = resume.read_done(part)  # what the killed shard had finished
@@ -97,33 +148,54 @@ def test_sharded_generate_equals_one_process_through_a_killed_worker_and_a_moved
         assert parent.returncode == 0, stderr[-3000:]
         assert "starting it again" in stderr, stderr[-3000:]
         assert summary["rows"] == 120 and summary["mlflow_run_id"]
-        sharded, single = pq.read_table(out).to_pylist(), pq.read_table(one).to_pylist()
-        assert [r["id"] for r in sharded] == [r["id"] for r in single] == [p.id for p in prompts.load(inp)]
-        assert [r["tokens"] for r in sharded] == [r["tokens"] for r in single]
-        assert {r["settings"] for r in sharded} == {r["settings"] for r in single}  # the bank the parent resolved
-        assert kept and all(r == kept[r["id"]] for r in sharded if r["id"] in kept)  # finished rows never redone
+        rows = pq.read_table(out).to_pylist()
+        assert [r["id"] for r in rows] == [r["id"] for r in single] == [p.id for p in prompts.load(inp)]
+        assert [r["tokens"] for r in rows] == [r["tokens"] for r in single]
+        assert {r["settings"] for r in rows} == {r["settings"] for r in single}  # the bank the parent resolved
+        assert kept and all(r == kept[r["id"]] for r in rows if r["id"] in kept)  # finished rows never redone
         assert not parts.exists() and not out.with_name(out.name + ".lock").exists()
         from mlflow import MlflowClient
 
-        client = MlflowClient(registered["uri"])
-        table = json.loads(Path(client.download_artifacts(summary["mlflow_run_id"], "shards.json", str(tmp_path)))
-                           .read_text())
+        table = json.loads(Path(MlflowClient(registered["uri"]).download_artifacts(
+            summary["mlflow_run_id"], "shards.json", str(tmp_path))).read_text())
         assert sorted(t["shard"] for t in table) == [0, 1, 2, 3] and sum(t["rows"] for t in table) == 120
         assert max(t["starts"] for t in table) >= 2 and all(t["worker"] for t in table)
     finally:
         if parent is not None and parent.poll() is None:
             parent.kill()
-        stop([w.pid for w in workers], signal.SIGTERM)
-        for w in workers:
-            try:
-                w.wait(30)
-            except subprocess.TimeoutExpired:
-                stop([w.pid])
-        for f in logs:
-            f.close()
+        pool.revive()
         tracking.set_alias("smollm2", "champion", "1", registered["uri"])
-        subprocess.run([PREFECT, "work-pool", "delete", pool], env=env, capture_output=True, input="y\n", text=True,
-                       timeout=60)
+
+
+def test_a_killed_parent_is_rerun_on_its_version_and_finishes_only_what_is_missing(registered, data_dir, pool,
+                                                                                     reference, tmp_path):
+    """The parent SIGKILLed mid-run (its shards go on); the alias moves. A rerun by the alias is refused in
+    one line (the parts hold the first version's rows); a rerun on that version waits for the shards
+    still running, starts what is missing, and joins the same rows."""
+    inp, single = reference
+    out, parts = tmp_path / "o.parquet", tmp_path / "o.parquet.parts"
+    with open(tmp_path / "parent.log", "w") as log:
+        parent = subprocess.Popen(sharded(inp, out, pool), env=pool.env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_for(lambda: writing(parts), 420, "no shard made a row")
+    finally:
+        parent.kill()
+        parent.wait(30)
+    moved(registered, data_dir, tmp_path)
+    try:
+        refused = subprocess.run(sharded(inp, out, pool), env=pool.env, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
+        assert "was generated with other settings: bank" in refused.stderr, refused.stderr
+        rerun = subprocess.run(sharded(inp, out, pool, "models:/knnssd-smollm2/1"), env=pool.env, capture_output=True,
+                               text=True, timeout=600)
+    finally:
+        tracking.set_alias("smollm2", "champion", "1", registered["uri"])
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    assert summary["rows"] == 120 and summary["generated"] < 120
+    rows = pq.read_table(out).to_pylist()
+    assert [(r["id"], r["tokens"]) for r in rows] == [(r["id"], r["tokens"]) for r in single]
+    assert not parts.exists()
 
 
 def test_sharded_bad_input_is_one_line_before_any_work(registered, tmp_path, prefect_api):

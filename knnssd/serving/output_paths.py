@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,7 +136,7 @@ def _lock(path: Path) -> int:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise OutputError(f"cannot create the lock file {path} ({e.strerror or e})") from None
-        if not locks.try_lock(fd):
+        if not _try_lock(fd):
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             output = path.with_name(path.name[: -len(".lock")])
@@ -148,6 +149,19 @@ def _lock(path: Path) -> int:
         if same:
             return fd
         os.close(fd)
+
+
+PROBE_S = 0.5  # a sharded run's watch (``held``) holds a part's lock for microseconds at a time
+
+
+def _try_lock(fd: int) -> bool:
+    """The lock now, or within ``PROBE_S``: a watch's look is not a writer."""
+    deadline = time.monotonic() + PROBE_S
+    while not locks.try_lock(fd):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def held(output: str | os.PathLike) -> bool:

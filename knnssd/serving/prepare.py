@@ -12,7 +12,8 @@ what another has. A deployment's run has no CLI above it: its flow prepares, onc
 3. the tracking store answers (``tracking.check_reachable``), and the bank is fetched;
 4. the new tokens against the model's context, and a fixed ``--batch-size`` against the KV budget
    (``Limits``, from the model's config, without loading it);
-5. an output to resume was made with the same settings (``resume.check_output``).
+5. an output to resume was made with the same settings (``resume.check_output``), and so was each part
+   of a sharded run already there (``shards.check_part_settings``).
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def prepared(request: GenerateRequest, gen=None, rows: list[Prompt] | None = Non
             limits.check_slots(min(request.batch_size, len(rows)), request.params.max_new_tokens + 1, "--batch-size")
         settings = resume.run_settings(request.params, dtype, bank)
         done = resume.check_output(output, request.overwrite, settings)  # read under the lock: no writer is mid-flush
+        if request.sharded:
+            shards.check_part_settings(output, request.shards, settings)
         if request.overwrite:  # once a job: a task's retry resumes what its first try wrote
             output.unlink(missing_ok=True)
             progress_path(output).unlink(missing_ok=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from knnssd.prompts import Prompt
 from knnssd.serving.output_paths import OutputError, lock_path, progress_path
-from knnssd.serving.resume import prompt_hash, read_done, to_generate, write_parquet
+from knnssd.serving.resume import check_output, prompt_hash, read_done, to_generate, write_parquet
 
 MAX_SHARDS = 1024
 
@@ -85,6 +85,15 @@ def check_parts(output: Path, shards: int, overwrite: bool) -> None:
             raise OutputError(f"{parts_folder(output)} holds the parts of a run cut into {cut} shards; run it again "
                               f"with --shards {cut}, or pass --overwrite")
     parts_folder(output).mkdir(exist_ok=True)
+
+
+def check_part_settings(output: Path, shards: int, settings: dict) -> None:
+    """Each part already there was made with ``settings`` (``resume.check_output``): a rerun after the
+    alias moved would otherwise join rows of two banks."""
+    for i in range(shards):
+        part = part_path(output, i, shards)
+        if part.exists() or progress_path(part).exists():
+            check_output(part, False, settings)
 
 
 def finished(part: Path) -> int:
