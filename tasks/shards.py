@@ -23,8 +23,8 @@ from prefect.cache_policies import NO_CACHE
 
 from knnssd import tracking
 from knnssd.prompts import Prompt
-from knnssd.serving import batch, resume, shards
 from knnssd.reachable import NoWorker
+from knnssd.serving import batch, resume, shards
 from knnssd.serving.output_paths import ShardFailed, held
 from knnssd.serving.prepare import PreparedGenerate
 from knnssd.serving.request import GenerateRequest
@@ -39,6 +39,26 @@ STARTING_S = 180.0  # Pending this long (a worker took it, its process never sta
 RETRIES = 2  # starts of a shard after its first, for processes that died or runs that failed
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Shard:
+    """One shard of the watch: its request, its rows, its flow run and how often it was started."""
+
+    request: GenerateRequest
+    rows: list[Prompt]
+    before: int = 0  # rows its part held when the run began
+    figures: dict = field(default_factory=dict)  # its part's tokens and speed, read when the parts are joined
+    run_id: str | None = None
+    starts: int = 0
+    gone_since: float | None = None
+    worker: str | None = None
+    done: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def part(self) -> Path:
+        return Path(self.request.output)
 
 
 @task(cache_policy=NO_CACHE)
@@ -137,26 +157,6 @@ def wait_for_worker(pool: str, wait_s: float) -> int:
                             wait_s, pool, pool)
                 said = True
             time.sleep(POLL_S)
-
-
-@dataclass
-class Shard:
-    """One shard of the watch: its request, its rows, its flow run and how often it was started."""
-
-    request: GenerateRequest
-    rows: list[Prompt]
-    before: int = 0  # rows its part held when the run began
-    figures: dict = field(default_factory=dict)  # its part's tokens and speed, read when the parts are joined
-    run_id: str | None = None
-    starts: int = 0
-    gone_since: float | None = None
-    worker: str | None = None
-    done: bool = False
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def part(self) -> Path:
-        return Path(self.request.output)
 
 
 @task(cache_policy=NO_CACHE)
