@@ -112,18 +112,19 @@ def _integration_file(nodeid: str) -> bool:
     return Path(nodeid.split("::")[0]).name.startswith("test_integration_")
 
 
-# Seconds each file took (``--durations=0``, summed by file) in a fresh clone's `make test` on the slowest kind
-# drawn, a 2-core Zen 3 (docs/benchmarks.md, 2026-11-29, session 4). `make test` hands whole files to its two
+# Seconds each file took (``--junitxml``, summed by file) in `make test` on the slowest kind drawn, a 2-core
+# Zen 3 (docs/benchmarks.md, 2026-12-07). `make test` hands whole files to its two
 # workers longest first (``--no-loadscope-reorder`` keeps this order; xdist's own puts the files with the most
 # tests first, which left the five longest files, of one to three tests each, to the end). A file not listed
 # goes after those listed.
 FILE_SECONDS: dict[str, float] = {
-    "test_integration_extend.py": 362, "test_integration_generate.py": 311, "test_integration_calibrate.py": 284,
-    "test_integration_serve.py": 226, "test_integration_engine.py": 190, "test_integration_bench.py": 143,
-    "test_sampling.py": 141, "test_integration_exact.py": 90, "test_integration_planted.py": 73,
-    "test_cli.py": 55, "test_batched.py": 46, "test_exact_step.py": 40, "test_exactness.py": 40,
-    "test_integration_processes.py": 38, "test_static_step.py": 32, "test_search.py": 29, "test_gpu_check.py": 25,
-    "test_device_step.py": 20, "test_native_isa.py": 18, "test_tree.py": 12,
+    "test_integration_shards.py": 300, "test_integration_generate.py": 237, "test_integration_extend.py": 204,
+    "test_integration_serve.py": 162, "test_integration_engine.py": 124, "test_integration_calibrate.py": 103,
+    "test_sampling.py": 97, "test_integration_bench.py": 81, "test_integration_exact.py": 63,
+    "test_integration_planted.py": 54, "test_static_step.py": 38, "test_batched.py": 35, "test_cli.py": 35,
+    "test_exact_step.py": 28, "test_exactness.py": 23, "test_gpu_check.py": 22, "test_integration_processes.py": 18,
+    "test_tree.py": 17, "test_search.py": 17, "test_device_step.py": 13, "test_serving_units.py": 11,
+    "test_native_isa.py": 10,
 }
 
 

@@ -142,3 +142,12 @@ def test_no_function_over_80_lines_and_no_file_over_500():
     assert all(name.startswith("knnssd/engine/") for name in NOT_YET_CUT), NOT_YET_CUT
     stale = NOT_YET_CUT - {line.split(":")[0] for line in over}
     assert not stale, f"within the limits now: take them out of NOT_YET_CUT: {sorted(stale)}"
+
+
+def test_every_integration_file_has_its_seconds_for_the_suites_order():
+    """`make test` starts the longest files first (``conftest.FILE_SECONDS``); an integration file left out
+    runs last, and a 400 s one there (test_integration_shards.py, once) held the suite three minutes longer."""
+    from conftest import FILE_SECONDS
+
+    files = {p.name for p in Path(__file__).parent.glob("test_integration_*.py")}
+    assert sorted(files - set(FILE_SECONDS)) == []
