@@ -113,12 +113,12 @@ def _integration_file(nodeid: str) -> bool:
 
 
 # Seconds each file took (``--junitxml``, summed by file) in `make test` on the slowest kind drawn, a 2-core
-# Zen 3 (docs/benchmarks.md, 2026-12-07). `make test` hands whole files to its two
+# Zen 3 (docs/benchmarks.md, "2026-12-07, later"). `make test` hands whole files to its two
 # workers longest first (``--no-loadscope-reorder`` keeps this order; xdist's own puts the files with the most
 # tests first, which left the five longest files, of one to three tests each, to the end). A file not listed
 # goes after those listed.
 FILE_SECONDS: dict[str, float] = {
-    "test_integration_shards.py": 300, "test_integration_generate.py": 237, "test_integration_extend.py": 204,
+    "test_integration_shards.py": 401, "test_integration_generate.py": 237, "test_integration_extend.py": 204,
     "test_integration_serve.py": 162, "test_integration_engine.py": 124, "test_integration_calibrate.py": 103,
     "test_sampling.py": 97, "test_integration_bench.py": 81, "test_integration_exact.py": 63,
     "test_integration_planted.py": 54, "test_static_step.py": 38, "test_batched.py": 35, "test_cli.py": 35,

@@ -169,10 +169,10 @@ def test_sharded_generate_equals_one_process_through_a_killed_worker_and_a_moved
 
 def test_a_killed_parent_is_rerun_on_its_version_and_finishes_only_what_is_missing(registered, data_dir, pool,
                                                                                      reference, tmp_path):
-    """The parent SIGKILLed mid-run with one of its shards (the others go on); the alias moves. A rerun by the alias is refused in
-    one line (the parts hold the first version's rows); a rerun on that version waits for the shards
-    still running, starts what is missing, and joins the same rows. On the reference's first 24 prompts and
-    4 tokens, the first 4 of its 8 (greedy: a shorter run is a prefix), which halves the module's time."""
+    """The parent SIGKILLed mid-run with one of its shards (the others go on); the alias moves. A rerun by
+    the alias is refused in one line (the parts hold the first version's rows); a rerun on that version
+    waits for the shards still running, starts what is missing, and joins the same rows. On the
+    reference's first 24 prompts at 4 tokens, the first 4 of its 8 (greedy: a shorter run is a prefix)."""
     full, single = reference
     inp, single = full.with_name("first24.jsonl"), single[:24]
     inp.write_text("".join(full.read_text().splitlines(keepends=True)[:24]))

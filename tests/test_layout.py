@@ -146,7 +146,7 @@ def test_no_function_over_80_lines_and_no_file_over_500():
 
 def test_every_integration_file_has_its_seconds_for_the_suites_order():
     """`make test` starts the longest files first (``conftest.FILE_SECONDS``); an integration file left out
-    runs last, and a 400 s one there (test_integration_shards.py, once) held the suite three minutes longer."""
+    runs after every listed one (test_integration_shards.py's 400 s did, once)."""
     from conftest import FILE_SECONDS
 
     files = {p.name for p in Path(__file__).parent.glob("test_integration_*.py")}
