@@ -173,34 +173,35 @@ def test_a_killed_parent_is_rerun_on_its_version_and_finishes_only_what_is_missi
     the alias is refused in one line (the parts hold the first version's rows); a rerun on that version
     waits for the shards still running, starts what is missing, and joins the same rows. On the
     reference's first 24 prompts at 4 tokens, the first 4 of its 8 (greedy: a shorter run is a prefix)."""
-    full, single = reference
-    inp, single = full.with_name("first24.jsonl"), single[:24]
-    inp.write_text("".join(full.read_text().splitlines(keepends=True)[:24]))
-    single = [{**r, "tokens": r["tokens"][:4]} for r in single]
+    full, reference_rows = reference
+    n, tokens = 24, 4
+    inp = full.with_name(f"first{n}.jsonl")
+    inp.write_text("".join(full.read_text().splitlines(keepends=True)[:n]))
+    single = [{**r, "tokens": r["tokens"][:tokens]} for r in reference_rows[:n]]
     out, parts = tmp_path / "o.parquet", tmp_path / "o.parquet.parts"
     with open(tmp_path / "parent.log", "w") as log:
-        parent = subprocess.Popen(sharded(inp, out, pool, tokens=4), env=pool.env, stdout=subprocess.DEVNULL,
+        parent = subprocess.Popen(sharded(inp, out, pool, tokens=tokens), env=pool.env, stdout=subprocess.DEVNULL,
                                   stderr=log)
     try:
         wait_for(lambda: writing(parts), 420, "no shard made a row")
     finally:
         parent.kill()
         parent.wait(30)
-    part, writer = writing(parts)  # dies with the parent: on 24 rows the others may finish before the rerun
+    _, writer = writing(parts)  # dies with the parent: on 24 rows the others may finish before the rerun
     stop([writer])
     moved(registered, data_dir, tmp_path)
     try:
-        refused = subprocess.run(sharded(inp, out, pool, tokens=4), env=pool.env, capture_output=True, text=True,
+        refused = subprocess.run(sharded(inp, out, pool, tokens=tokens), env=pool.env, capture_output=True, text=True,
                                  timeout=120)
         assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
         assert "was generated with other settings: bank" in refused.stderr, refused.stderr
-        rerun = subprocess.run(sharded(inp, out, pool, "models:/knnssd-smollm2/1", tokens=4), env=pool.env,
+        rerun = subprocess.run(sharded(inp, out, pool, "models:/knnssd-smollm2/1", tokens=tokens), env=pool.env,
                                capture_output=True, text=True, timeout=600)
     finally:
         tracking.set_alias("smollm2", "champion", "1", registered["uri"])
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
-    assert summary["rows"] == 24 and 0 < summary["generated"] < 24, summary
+    assert summary["rows"] == n and 0 < summary["generated"] < n, summary
     rows = pq.read_table(out).to_pylist()
     assert [(r["id"], r["tokens"]) for r in rows] == [(r["id"], r["tokens"]) for r in single]
     assert not parts.exists()
