@@ -164,7 +164,7 @@ def _serve_through_the_swap(uri: str, tmp_path: Path, sql: Path, worker: subproc
                     text += ch.choices[0].text
                     finish, extra = ch.choices[0].finish_reason, ch.choices[0].model_extra.get("knnssd", extra)
                 served.append((p == sql_prompt, finish, extra))
-                stop.wait(0.5)  # a client at a time's pace, leaving the search most of the machine
+                stop.wait(2.0)  # a slow client's pace: the worker's search and promote need the two cores
 
     pool = ThreadPoolExecutor(1)
     streaming = pool.submit(clients)
