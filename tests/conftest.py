@@ -113,18 +113,17 @@ def _integration_file(nodeid: str) -> bool:
 
 
 # Seconds each file took (``--junitxml``, summed by file) in `make test` on the slowest kind drawn, a 2-core
-# Zen 3 (docs/benchmarks.md, "2026-12-07, later"). `make test` hands whole files to its two
+# Zen 3 (docs/benchmarks.md, "2026-12-07, late night"). `make test` hands whole files to its two
 # workers longest first (``--no-loadscope-reorder`` keeps this order; xdist's own puts the files with the most
 # tests first, which left the five longest files, of one to three tests each, to the end). A file not listed
 # goes after those listed.
 FILE_SECONDS: dict[str, float] = {
-    "test_integration_shards.py": 401, "test_integration_generate.py": 237, "test_integration_extend.py": 204,
-    "test_integration_serve.py": 162, "test_integration_engine.py": 124, "test_integration_calibrate.py": 103,
-    "test_sampling.py": 97, "test_integration_bench.py": 81, "test_integration_exact.py": 63,
-    "test_integration_planted.py": 54, "test_static_step.py": 38, "test_batched.py": 35, "test_cli.py": 35,
-    "test_exact_step.py": 28, "test_exactness.py": 23, "test_gpu_check.py": 22, "test_integration_processes.py": 18,
-    "test_tree.py": 17, "test_search.py": 17, "test_device_step.py": 13, "test_serving_units.py": 11,
-    "test_native_isa.py": 10,
+    "test_integration_shards.py": 457, "test_integration_generate.py": 353, "test_integration_extend.py": 247,
+    "test_integration_serve.py": 236, "test_integration_engine.py": 183, "test_sampling.py": 151,
+    "test_integration_calibrate.py": 131, "test_integration_bench.py": 110, "test_integration_exact.py": 85,
+    "test_integration_planted.py": 79, "test_cli.py": 61, "test_exact_step.py": 54, "test_batched.py": 51,
+    "test_static_step.py": 37, "test_exactness.py": 35, "test_search.py": 28, "test_gpu_check.py": 26,
+    "test_integration_processes.py": 25, "test_tree.py": 20, "test_device_step.py": 18, "test_native_isa.py": 18,
 }
 
 
