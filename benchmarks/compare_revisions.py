@@ -88,7 +88,7 @@ def main() -> None:
         sys.path.insert(0, tmp)
         old_decode = _old_module(tmp, "spec.loop", "decode")
         old_drafters = _old_module(tmp, "spec.drafters", "drafters")
-        old_skip = _old_module(tmp, "model.decoder", "decoder", "skip")  # the decoder's module before it had its own
+        old_skip = _old_module(tmp, "model.build", "model.decoder", "decoder", "skip")  # make_decoder: build, then older homes
 
         lm = models.load("smollm2", a.dtype)
         engines = {"old": (old_skip.make_decoder(lm.model), old_decode, old_drafters),

@@ -99,7 +99,7 @@ def build(version: str = VERSION) -> Path:
     """The folder of the built llama.cpp binaries (built once per version, level and processor)."""
     root = cache_dir() / "llama.cpp" / (version + (f"-{isa()}" if isa() else ""))
     bin_dir = root / "src" / "build" / "bin"
-    if all((bin_dir / t).exists() for t in TARGETS):
+    if all((bin_dir / t).exists() for t in TARGETS) and not _amx_tile_config(root / "src"):
         return bin_dir
     root.mkdir(parents=True, exist_ok=True)
     sdist = _sdist(version, root)
@@ -111,6 +111,7 @@ def build(version: str = VERSION) -> Path:
         shutil.rmtree(src, ignore_errors=True)
         (root / top / "llama.cpp").rename(src)
         shutil.rmtree(root / top, ignore_errors=True)
+        _amx_tile_config(src)
     print(f"building llama.cpp {version} in {src} (about 8 minutes on 2 cores) ...", file=sys.stderr)
     subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), *cmake_level(isa()), "-DCMAKE_BUILD_TYPE=Release",
                     "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON"],
@@ -118,6 +119,32 @@ def build(version: str = VERSION) -> Path:
     subprocess.run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
                    check=True, capture_output=True)
     return bin_dir
+
+
+AMX_CONFIG = Path("ggml/src/ggml-cpu/amx/mmq.cpp")
+AMX_STACK_CONFIG = """    alignas(64) tile_config_t tc = {};
+    tc.palette_id = 1;"""
+
+
+def _amx_tile_config(src: Path) -> bool:
+    """Mend ggml's AMX tile config where this sdist still builds it on the stack, and say whether the source
+    changed. GCC 12 drops the stores to that stack copy before ``_tile_loadconfig`` reads it, so on an AMX CPU
+    the first tile instruction raised SIGILL in ``llama-bench`` (Q4_1); llama.cpp's PR 26954 moves the config to
+    static storage, as this does. Without it llama.cpp does not run on AMX machines at all; with it, it runs its
+    AMX int8 kernels, its fastest here."""
+    path = src / AMX_CONFIG
+    text = path.read_text() if path.exists() else ""
+    if AMX_STACK_CONFIG not in text:
+        return False
+    begin = text.index("inline void ggml_tile_config_init(void) {")
+    body = text[text.index(AMX_STACK_CONFIG, begin):text.index("    _tile_loadconfig(&tc);", begin)]
+    made = body.replace("    alignas(64) tile_config_t tc = {};", "    tile_config_t tc = {};")
+    path.write_text(text[:begin] + "static tile_config_t ggml_tile_config_make(void) {\n" + made + "    return tc;\n}\n\n"
+                    "alignas(64) static const tile_config_t ggml_tile_config = ggml_tile_config_make();  // knnssd\n\n"
+                    "inline void ggml_tile_config_init(void) {\n    static thread_local bool done = false;\n\n"
+                    "    if (done) {\n        return;\n    }\n    _tile_loadconfig(&ggml_tile_config);\n"
+                    + text[text.index("    done = true;", begin):])
+    return True
 
 
 def bf16_copy(bin_dir: Path, gguf: Path) -> Path:

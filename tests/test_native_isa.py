@@ -6,9 +6,10 @@ The wide paths (AVX2, AVX-512F, NEON) define the same arithmetic for the linears
 of their outputs must agree across instruction sets: an ARM64 build run under emulation checks the x86 build's
 bits, and the reverse. avx512_bf16's tiles round otherwise (``vdpbf16ps``): its builds are checked for invariance, and
 against each other. The 4-bit and 8-bit blocks are summed in integers on every path, avx512_bf16's included, so
-their digest is the same everywhere. AMX CPUs (Sapphire Rapids and later) run that form too (``native_library.linear_preferred``): the
-``sapphirerapids`` build is checked here, less the vector extensions this CPU lacks (AVX512-FP16, AVX-VNNI),
-which is as near to an AMX machine's ``-march=native`` build as a CPU without them can run."""
+their digest is the same everywhere. AMX CPUs (Sapphire Rapids and later) run the bf16 linears on tiles (``tdpbf16ps``,
+``native.c``'s ``amx_columns``) where this CPU has AMX, with bits of their own: the ``sapphirerapids`` build is checked
+for invariance there, and elsewhere, less the extensions this CPU lacks (AVX512-FP16, AVX-VNNI, AMX), it is
+avx512_bf16's form and must match that build."""
 from __future__ import annotations
 
 import os
@@ -30,6 +31,7 @@ X86 = {"x86-64-v3": ("avx2", "fma", "f16c"), "x86-64-v4": ("avx512f", "avx512bw"
 SPR_EXTRAS = {"avx512_fp16": "-mno-avx512fp16", "avx_vnni": "-mno-avxvnni", "amx_tile": "-mno-amx-tile",
               "amx_bf16": "-mno-amx-bf16", "amx_int8": "-mno-amx-int8"}
 PATHS = {"x86-64-v3": "avx2", "x86-64-v4": "avx512", "x86-64-v4+bf16": "avx512_bf16", "sapphirerapids": "avx512_bf16"}
+AMX = ("amx_tile", "amx_bf16")  # where this CPU has them, the sapphirerapids build runs the linears on tiles
 ARM = {"armv8-a": "neon", "armv8.2-a+dotprod": "neon"}  # -march -> the kernel path it builds
 
 
@@ -83,7 +85,7 @@ def bf16(tmp_path_factory) -> dict[str, str] | None:
 
 
 def _agrees(got: dict[str, str], wide: dict | None, bf16: dict | None) -> None:
-    reference = bf16 if got["path"] == "avx512_bf16" else wide
+    reference = bf16 if got["path"] == "avx512_bf16" else None if got["path"] == "amx" else wide
     if reference is not None:  # the same arithmetic as AVX2's (or avx512_bf16's), column by column
         assert got["linears"] == reference["linears"]
     if wide is not None:  # the blocks' integer sums: the same bits on every path
@@ -97,7 +99,7 @@ def test_each_x86_level_this_cpu_runs_keeps_rows_alone(level, tmp_path, wide, bf
     if not set(X86[level]) <= _flags():
         pytest.skip(f"this CPU cannot run {level} (it lacks {sorted(set(X86[level]) - _flags())})")
     got = _run([str(_build(tmp_path, "cc", level, _level_flags(level)))])
-    assert got["path"] == PATHS[level]
+    assert got["path"] == ("amx" if level == "sapphirerapids" and set(AMX) <= _flags() else PATHS[level])
     _agrees(got, wide, bf16)
 
 

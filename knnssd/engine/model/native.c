@@ -919,12 +919,110 @@ static void linear_columns(const uint16_t *x, int64_t xs, const void *wp, int64_
     }
 }
 
+/* AMX (Sapphire Rapids and later): the bf16 linear on tiles, where the CPU has them and Linux lets this process use
+   them (``amx_ready``; K % 32). The layout above is already what ``tdpbf16ps`` reads as its B tile: 16 pairs of
+   inputs x 16 columns x 2, 1 KiB, for each block of 16 columns and 32 inputs. A tile of up to 16 rows (tmm4) times
+   up to 4 such blocks (tmm5, tmm6 in turn) adds into 4 tiles of fp32 sums (tmm0..3), 32 inputs at a time from the
+   first; the sums are stored, the bias (fp32) added and each rounded once to bf16. A row's sums are computed
+   alone in the tile (its own row of A against B), in the same order whatever the tile's rows, so its outputs do
+   not depend on the call's rows nor on the thread: row-invariant by construction, as the vector form, though
+   with other bits than ``vdpbf16ps``'s (the instruction's own rounding). Used for every row count of a linear,
+   so a step, a verify pass and a prefill agree. On a 2-core Xeon (model 207) 16 rows cost 1.2-1.5x one row's
+   time and 256 rows 7-22x less than the vector form's, whose 16 rows cost 9x its one (docs/benchmarks.md). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define AMX_REQ_PERM 0x1023 /* arch_prctl ARCH_REQ_XCOMP_PERM */
+#define AMX_TILE_DATA 18    /* XFEATURE_XTILEDATA */
+static int amx_state = -1;  /* unknown, no, yes: once a process, so that every call of it takes one form */
+static int amx_ready(void) {
+    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (s < 0) {
+        s = syscall(SYS_arch_prctl, AMX_REQ_PERM, AMX_TILE_DATA) == 0;
+        __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
+    }
+    return s;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Tiles for ``rows`` rows: sums tmm0..3 and inputs tmm4 of ``rows`` x 64 bytes, weights tmm5, tmm6 of 16 x 64. */
+static void amx_configure(int rows) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) c.rows[t] = t < 5 ? rows : 16, c.colsb[t] = 64;
+    /* the stores must land before the config is read: GCC 12 dropped them for ggml's config on the stack, and
+       the first tile instruction then raised SIGILL (llama.cpp PR 26954) */
+    __asm__ volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+
+/* Rows m0..m0+rows-1 (``amx_configure(rows)`` done) against blocks b..b+nr-1 (nr <= 4). */
+static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, int64_t xs, const uint16_t *wp,
+        int64_t pairs, const float *bias, uint16_t *out, int64_t os, int rows, int64_t b, int nr) {
+    _tile_zero(0);
+    if (nr > 1) _tile_zero(1);
+    if (nr > 2) _tile_zero(2);
+    if (nr > 3) _tile_zero(3);
+    const uint16_t *w0 = wp + b * pairs * 32;
+    for (int64_t p = 0; p < pairs; p += 16) {
+        _tile_loadd(4, x + 2 * p, xs * 2);
+        _tile_loadd(5, w0 + p * 32, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nr > 1) { _tile_loadd(6, w0 + (pairs + p) * 32, 64); _tile_dpbf16ps(1, 4, 6); }
+        if (nr > 2) { _tile_loadd(5, w0 + (2 * pairs + p) * 32, 64); _tile_dpbf16ps(2, 4, 5); }
+        if (nr > 3) { _tile_loadd(6, w0 + (3 * pairs + p) * 32, 64); _tile_dpbf16ps(3, 4, 6); }
+    }
+    float sums[4][16 * 16] __attribute__((aligned(64)));
+    _tile_stored(0, sums[0], 64);
+    if (nr > 1) _tile_stored(1, sums[1], 64);
+    if (nr > 2) _tile_stored(2, sums[2], 64);
+    if (nr > 3) _tile_stored(3, sums[3], 64);
+    for (int n = 0; n < nr; n++)
+        for (int m = 0; m < rows; m++) {
+            __m512 v = _mm512_load_ps(sums[n] + m * 16);
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (b + n) * 16));
+            _mm256_storeu_si256((__m256i *)(out + m * os + (b + n) * 16), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+}
+
+/* Rows 0..M-1 against column blocks b0..b1-1: the whole tiles of 16 rows, then the last rows' tile, each pass
+   over the blocks 4 at a time with the rows inner, so that a group's weights are read from memory once. */
+static void amx_columns(const uint16_t *x, int64_t xs, const uint16_t *wp, int64_t pairs, const float *bias,
+                        uint16_t *out, int64_t os, int64_t M, int64_t b0, int64_t b1) {
+    int64_t whole = M / 16 * 16;
+    for (int part = 0; part < 2; part++) {
+        int rows = part ? (int)(M - whole) : 16;
+        int64_t r0 = part ? whole : 0, r1 = part ? M : whole;
+        if (r1 <= r0) continue;
+        amx_configure(rows);
+        for (int64_t b = b0; b < b1; b += 4) {
+            int nr = b1 - b < 4 ? (int)(b1 - b) : 4;
+            for (int64_t m = r0; m < r1; m += rows) amx_tile(x + m * xs, xs, wp, pairs, bias, out + m * os, os, rows, b, nr);
+        }
+    }
+    _tile_release();
+}
+#endif
+
 static int64_t linear_run(const uint16_t *x, int64_t x_stride, const void *wp, int int8, const float *scale,
                           const float *bias, uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads) {
     if (int8 >= 2) return qint_run(x, x_stride, wp, (const uint16_t *)scale, bias, out, M, K, N, threads, int8 == 2 ? 4 : 8);
     if (N % 16 || K % 2) return -1;
     if (M <= 0) return 0; /* the probe's call: nothing to do */
     int64_t blocks = N / 16, pairs = K / 2;
+#if defined(HAVE_AMX)
+    if (!int8 && K % 32 == 0 && amx_ready()) {
+        SHARE_COLUMNS(threads, blocks, amx_columns(x, x_stride, wp, pairs, bias, out, N, M, b0, b1));
+        return 0;
+    }
+#endif
     SHARE_COLUMNS(threads, blocks, linear_columns(x, x_stride, wp, pairs, pairs, scale, bias, out, 0, 0, N, M, b0, b1,
                                                   int8 ? LIN_INT8 : LIN_BF16));
     return 0;
@@ -1535,7 +1633,9 @@ int64_t attention_scratch(int64_t G, int64_t D, int64_t L) {
    on avx512_bf16's tiles (``vdpbf16ps``), or widened to fp32 on AVX-512F, AVX2 with FMA or ARM64's NEON, or
    none of those (the portable attention; no linears). */
 const char *kernel_path(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(HAVE_AMX)
+    return amx_ready() ? "amx" : "avx512_bf16";
+#elif defined(__AVX512BF16__) && defined(__AVX512F__)
     return "avx512_bf16";
 #elif defined(__AVX512F__)
     return "avx512";

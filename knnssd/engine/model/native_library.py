@@ -218,8 +218,8 @@ def available() -> bool:
 
 
 def kernel_path() -> str:
-    """Which kernels a bf16 step's linears run here, for reports: ``avx512_bf16``, ``avx512``, ``avx2`` or ``neon``
-    (``native.c``'s ``kernel_path``) where ``Linear`` is used, else ``torch`` (no library, a portable build, or
+    """Which kernels a bf16 step's linears run here, for reports: ``amx`` (tiles), ``avx512_bf16``, ``avx512``, ``avx2``
+    or ``neon`` (``native.c``'s ``kernel_path``) where ``Linear`` is used, else ``torch`` (no library, a portable build, or
     a library without OpenMP beside torch's threads: ``linear_preferred``)."""
     lib = library()
     return lib.path if lib is not None and tiled("linear") is not None else "torch"
@@ -233,17 +233,18 @@ def _has_amx() -> bool:
 @functools.cache
 def cpu_bf16_dot() -> bool:
     """Whether the CPU has bf16 dot products (avx512_bf16 or AMX): torch's own bf16 kernels use them, and the
-    native linears run on ``vdpbf16ps`` rather than widened to fp32."""
+    native linears run on ``vdpbf16ps`` or AMX's tiles rather than widened to fp32."""
     return "avx512_bf16" in processor() or _has_amx()
 
 
 def linear_preferred(lib: Kernels) -> bool:
     """Is ``Linear`` the GEMM to use here? Wherever the library has OpenMP, or torch runs one thread (else the
-    kernel would run on one core against oneDNN's threads). AMX CPUs included: they all have avx512_bf16, so they
-    run the kernels Zen 4 and Zen 5 run, exact by construction and with the one-call layers, where oneDNN's tile
-    GEMM would leave every other op of a step to torch's dispatch, which cost a 135M model's plain decoding 2.5-4x
-    on the machines measured (docs/benchmarks.md). Whether tiles would pay for a verify pass's rows is for
-    ``benchmarks/ggml_rows.py`` to measure on an AMX machine (its oneDNN column); none was at hand."""
+    kernel would run on one core against oneDNN's threads). AMX CPUs included: there the kernel multiplies on
+    AMX's own tiles (``native.c``'s ``amx_columns``), row-invariant by construction and inside the one-call layers,
+    where oneDNN's tile GEMM leaves every other op of a step to torch's dispatch and its rows past 16 depend on the
+    call's (9 of 64 rows differed from the same rows alone, on a Xeon of model 207). There the kernel's 16 rows
+    cost 1.2-1.5x its one row, and a 256-token prefill ran 2.8-5.2x the avx512_bf16 form's (docs/benchmarks.md,
+    2026-12-08)."""
     return lib.openmp or torch.get_num_threads() == 1
 
 
