@@ -541,6 +541,45 @@ static int64_t row_chunk(int64_t bytes, int rows) {
     return n < rows ? rows : n;
 }
 
+/* AMX's tiles (Sapphire Rapids and later), where the compiler targets them and Linux lets this process use them:
+   ``amx_ready`` asks once a process (arch_prctl), so that every call of the process takes one form. */
+#if defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX_TILES 1
+#define AMX_REQ_PERM 0x1023 /* arch_prctl ARCH_REQ_XCOMP_PERM */
+#define AMX_TILE_DATA 18    /* XFEATURE_XTILEDATA */
+static int amx_state = -1;  /* unknown, no, yes */
+static int amx_ready(void) {
+    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (s < 0) {
+        s = syscall(SYS_arch_prctl, AMX_REQ_PERM, AMX_TILE_DATA) == 0;
+        __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
+    }
+    return s;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* The calling thread's tiles: sums tmm0..3 (``rows`` x 64 bytes), inputs tmm4 (``rows`` x ``a_bytes``), weights
+   tmm5, tmm6 (``b_rows`` x 64 bytes). */
+static void amx_tiles(int rows, int a_bytes, int b_rows) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++)
+        c.rows[t] = t < 5 ? rows : b_rows, c.colsb[t] = t == 4 ? a_bytes : 64;
+    /* the stores must land before the config is read: GCC 12 dropped them for ggml's config on the stack, and
+       the first tile instruction then raised SIGILL (llama.cpp PR 26954) */
+    __asm__ volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+#endif
+
 /* The 4-bit and 8-bit blocks, on every vector instruction set: the rows' inputs quantized per block of 32, as
    llama.cpp quantizes activations for these blocks (Q8_0: d = max |x| / 127, q = x / d rounded to the nearest,
    ties away from zero), then each block's sum of q_w q_x in integers, exact whatever the instructions
@@ -790,6 +829,106 @@ static void qint_columns(const int8_t *xq, int64_t K, const float *dx, const flo
         }
 }
 
+/* The blocks on AMX's int8 tiles, where the CPU has them (``amx_ready``): each block's integer sums by ``tdpbsud``
+   (4-bit: signed inputs x unsigned weights) or ``tdpbssd`` (8-bit), exact as the vectors' are, then the same fp32
+   update, lane by lane (``qfloat``), and the same rounding; so a row's bits are the vector form's, and a call takes
+   either form by its rows alone (``QAMX_ROWS``). B is a block of 32 inputs x 16 columns, the 8 rows of 4 inputs
+   that the 8-bit packing already is; the 4-bit one is unpacked first (row 2g: group g's low nibbles, inputs 8g..;
+   row 2g+1: its high ones, 8g+4..), once per 4 column blocks for all the rows. A: up to 16 rows' 32 inputs of
+   the block, in order (``quant_rows``' bytes regathered). 4 column blocks (tmm0..3) share each A. */
+#if defined(HAVE_AMX_TILES) && defined(__AMX_INT8__)
+#define HAVE_AMX_INT8 1
+#define QAMX_ROWS 4 /* from these rows a call takes the tiles; fewer stream faster on the vectors (the same bits) */
+
+/* ``quant_rows``' bytes (each group of 4 broadcast, ``QXB`` a block) as M rows of kb blocks of 32, in order. */
+static int8_t *qamx_plain(const int8_t *xq, int64_t M, int64_t kb) {
+    static _Thread_local int8_t *buf;
+    static _Thread_local int64_t cap;
+    if (M * kb * 32 > cap) {
+        free(buf);
+        buf = malloc(M * kb * 32);
+        cap = buf ? M * kb * 32 : 0;
+        if (!buf) return NULL;
+    }
+    for (int64_t i = 0; i < M * kb; i++)
+        for (int g = 0; g < 8; g++) memcpy(buf + i * 32 + 4 * g, xq + i * QXB + 32 * g, 4);
+    return buf;
+}
+
+static void qamx_columns(const int8_t *xp, int64_t kb, const float *dx, const float *dsx, const uint8_t *w8,
+                         const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int64_t M, int64_t b0,
+                         int64_t b1, int bits) {
+    static _Thread_local uint8_t *ub; /* 4-bit: 4 column blocks' weights unpacked, 512 bytes a block */
+    static _Thread_local int64_t ucap;
+    int64_t wb = bits == 4 ? 256 : 512, db = bits == 4 ? 32 : 16, need = 4 * kb * 512;
+    if (bits == 4 && need > ucap) {
+        free(ub);
+        ub = aligned_alloc(64, need);
+        ucap = ub ? need : 0;
+        if (!ub) return;
+    }
+    float tot[4][16][16] __attribute__((aligned(64)));
+    int32_t sums[4][16 * 16] __attribute__((aligned(64)));
+    const __m512i low = _mm512_set1_epi8(15);
+    int64_t whole = M / 16 * 16;
+    for (int part = 0; part < 2; part++) {
+        int rows = part ? (int)(M - whole) : 16;
+        int64_t r0 = part ? whole : 0, r1 = part ? M : whole;
+        if (r1 <= r0) continue;
+        amx_tiles(rows, 32, 8);
+        for (int64_t c = b0; c < b1; c += 4) {
+            int nr = b1 - c < 4 ? (int)(b1 - c) : 4;
+            if (bits == 4)
+                for (int64_t i = 0; i < nr * kb; i++)
+                    for (int g = 0; g < 4; g++) {
+                        __m512i v = _mm512_loadu_si512(w8 + c * kb * wb + i * wb + 64 * g);
+                        _mm512_store_si512(ub + i * 512 + 128 * g, _mm512_and_si512(v, low));
+                        _mm512_store_si512(ub + i * 512 + 128 * g + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                    }
+            const uint8_t *wc = bits == 4 ? ub : w8 + c * kb * wb;
+            for (int64_t m0 = r0; m0 < r1; m0 += rows) {
+                for (int j = 0; j < nr; j++)
+                    for (int m = 0; m < rows; m++) _mm512_store_ps(tot[j][m], _mm512_setzero_ps());
+                for (int64_t b = 0; b < kb; b++) {
+                    _tile_loadd(4, xp + (m0 * kb + b) * 32, kb * 32);
+#define QAMX_DOT(J, T)                                                                             \
+    if (nr > J) {                                                                                  \
+        _tile_zero(J);                                                                             \
+        _tile_loadd(T, wc + (J * kb + b) * 512, 64);                                               \
+        if (bits == 4) _tile_dpbsud(J, 4, T);                                                      \
+        else _tile_dpbssd(J, 4, T);                                                                \
+        _tile_stored(J, sums[J], 64);                                                              \
+    }
+                    QAMX_DOT(0, 5) QAMX_DOT(1, 6) QAMX_DOT(2, 5) QAMX_DOT(3, 6)
+#undef QAMX_DOT
+                    for (int j = 0; j < nr; j++) {
+                        const uint16_t *at = dm + ((c + j) * kb + b) * db;
+                        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+                        __m512 mw = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 16)))
+                                              : _mm512_setzero_ps();
+                        for (int m = 0; m < rows; m++) { /* qfloat's operations, on 16 lanes */
+                            int64_t r = (m0 + m) * kb + b;
+                            __m512 t = _mm512_load_ps(tot[j][m]);
+                            __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(sums[j] + m * 16));
+                            t = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[r])), s, t);
+                            if (bits == 4) t = _mm512_fmadd_ps(mw, _mm512_set1_ps(dsx[r]), t);
+                            _mm512_store_ps(tot[j][m], t);
+                        }
+                    }
+                }
+                for (int j = 0; j < nr; j++)
+                    for (int m = 0; m < rows; m++) {
+                        __m512 t = _mm512_load_ps(tot[j][m]);
+                        if (bias) t = _mm512_fmadd_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(bias + (c + j) * 16), t);
+                        vstore_bf16(out + (m0 + m) * os + (c + j) * 16, vround_bf16(t));
+                    }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 /* y = x W^T (+ b) over 4-bit (``bits`` 4: ``dm`` their fp16 d, then m) or 8-bit blocks (``dm``: d), as above. */
 static int64_t qint_run(const uint16_t *x, int64_t x_stride, const void *wp, const uint16_t *dm, const float *bias,
                         uint16_t *out, int64_t M, int64_t K, int64_t N, int64_t threads, int bits) {
@@ -799,6 +938,13 @@ static int64_t qint_run(const uint16_t *x, int64_t x_stride, const void *wp, con
     float *dx, *dsx;
     const int8_t *xq = quant_rows(x, x_stride, M, K, &dx, &dsx);
     if (!xq) return -1;
+#if defined(HAVE_AMX_INT8)
+    const int8_t *xp = M >= QAMX_ROWS && amx_ready() ? qamx_plain(xq, M, K / 32) : NULL;
+    if (xp) {
+        SHARE_COLUMNS(threads, blocks, qamx_columns(xp, K / 32, dx, dsx, wp, dm, bias, out, N, M, b0, b1, bits));
+        return 0;
+    }
+#endif
     SHARE_COLUMNS(threads, blocks, qint_columns(xq, K, dx, dsx, wp, dm, bias, out, N, M, b0, b1, bits));
     return 0;
 }
@@ -925,43 +1071,16 @@ static void linear_columns(const uint16_t *x, int64_t xs, const void *wp, int64_
    up to 4 such blocks (tmm5, tmm6 in turn) adds into 4 tiles of fp32 sums (tmm0..3), 32 inputs at a time from the
    first; the sums are stored, the bias (fp32) added and each rounded once to bf16. A row's sums are computed
    alone in the tile (its own row of A against B), in the same order whatever the tile's rows, so its outputs do
-   not depend on the call's rows nor on the thread: row-invariant by construction, as the vector form, though
-   with other bits than ``vdpbf16ps``'s (the instruction's own rounding). Used for every row count of a linear,
-   so a step, a verify pass and a prefill agree. On a 2-core Xeon (model 207) 16 rows cost 1.2-1.5x one row's
+   not depend on the call's rows nor on the thread: row-invariant by construction. ``tdpbf16ps`` adds each
+   product, input by input from the first, into an fp32 sum, which is the wide paths' arithmetic (AVX2, AVX-512F,
+   NEON): ``tests/native_check.c`` gets their digest, not ``vdpbf16ps``'s (the tiles flush subnormal values,
+   which these weights and activations do not reach). Used for every row count of a linear, so a step, a verify
+   pass and a prefill agree. On a 2-core Xeon (model 207) 16 rows cost 1.2-1.5x one row's
    time and 256 rows 7-22x less than the vector form's, whose 16 rows cost 9x its one (docs/benchmarks.md). */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#if defined(HAVE_AMX_TILES) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
-#define AMX_REQ_PERM 0x1023 /* arch_prctl ARCH_REQ_XCOMP_PERM */
-#define AMX_TILE_DATA 18    /* XFEATURE_XTILEDATA */
-static int amx_state = -1;  /* unknown, no, yes: once a process, so that every call of it takes one form */
-static int amx_ready(void) {
-    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
-    if (s < 0) {
-        s = syscall(SYS_arch_prctl, AMX_REQ_PERM, AMX_TILE_DATA) == 0;
-        __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
-    }
-    return s;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
 /* Tiles for ``rows`` rows: sums tmm0..3 and inputs tmm4 of ``rows`` x 64 bytes, weights tmm5, tmm6 of 16 x 64. */
-static void amx_configure(int rows) {
-    amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 7; t++) c.rows[t] = t < 5 ? rows : 16, c.colsb[t] = 64;
-    /* the stores must land before the config is read: GCC 12 dropped them for ggml's config on the stack, and
-       the first tile instruction then raised SIGILL (llama.cpp PR 26954) */
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
-}
+static void amx_configure(int rows) { amx_tiles(rows, 64, 16); }
 
 /* Rows m0..m0+rows-1 (``amx_configure(rows)`` done) against blocks b..b+nr-1 (nr <= 4). */
 static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, int64_t xs, const uint16_t *wp,
