@@ -27,7 +27,7 @@ from knnssd.engine.model.timing import median_ms
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     options.model(ap)
-    options.dtype(ap, "bfloat16", choices=("bfloat16", "float32"))
+    options.dtype(ap, "bfloat16", choices=("bfloat16", "float32", "gguf"))
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=200)
     options.threads(ap)

@@ -804,6 +804,62 @@ ALWAYS void qint_tile(const int8_t *xq, int64_t xk, const float *dx, const float
         }
 }
 
+/* ``qint_tile`` on AVX-512 VNNI, 16 columns a vector: a group of 4 inputs x 16 columns is one ``vpdpbusd`` (unsigned
+   weights, signed inputs; 8-bit weights as |w| against the inputs negated where w < 0), the same integer sums, then
+   ``qfloat``'s operations on 16 lanes: the same bits. Taken where the tiles are (Sapphire Rapids and later), whose
+   one-row calls ran the 256-bit form at a third of the bytes a second a bf16 row streamed (docs/benchmarks.md,
+   2026-12-08); not where only VNNI is, as on a Zen 4, whose 256-bit ``vpdpbusd`` was no faster (2026-12-06). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(HAVE_AMX_TILES)
+#define HAVE_QVNNI 1
+ALWAYS void qvnni_tile(const int8_t *xq, int64_t xk, const float *dx, const float *dsx, int64_t kb, const uint8_t *w8,
+                       const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int mr, int bits) {
+    __m512 total[QMR];
+    for (int m = 0; m < mr; m++) total[m] = _mm512_setzero_ps();
+    int64_t wb = bits == 4 ? 256 : 512, db = bits == 4 ? 32 : 16;
+    const __m512i low = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint16_t *at = dm + b * db;
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+        __m512 mw = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 16))) : _mm512_setzero_ps();
+        const uint8_t *w = w8 + b * wb;
+        __m512i wv[8];
+        __mmask64 neg[8];
+        if (bits == 4)
+            for (int g = 0; g < 4; g++) {
+                __m512i v = _mm512_loadu_si512(w + 64 * g);
+                wv[2 * g] = _mm512_and_si512(v, low), wv[2 * g + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        else
+            for (int g = 0; g < 8; g++) {
+                __m512i v = _mm512_loadu_si512(w + 64 * g);
+                wv[g] = _mm512_abs_epi8(v), neg[g] = _mm512_movepi8_mask(v);
+            }
+        for (int m = 0; m < mr; m++) {
+            const int8_t *xb = xq + m * xk + b * QXB;
+            __m512i acc[2] = {zero, zero}; /* two chains of sums: integers, so their order changes nothing */
+            for (int g = 0; g < 8; g++) {
+                int32_t four;
+                memcpy(&four, xb + 32 * g, sizeof four);
+                __m512i xv = _mm512_set1_epi32(four);
+                if (bits == 8) xv = _mm512_mask_sub_epi8(xv, neg[g], zero, xv);
+                acc[g & 1] = _mm512_dpbusd_epi32(acc[g & 1], wv[g], xv);
+            }
+            __m512i sum = _mm512_add_epi32(acc[0], acc[1]);
+            __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[m * kb + b])), _mm512_cvtepi32_ps(sum), total[m]);
+            total[m] = bits == 4 ? _mm512_fmadd_ps(mw, _mm512_set1_ps(dsx[m * kb + b]), t) : t;
+        }
+    }
+    for (int m = 0; m < mr; m++) {
+        __m512 t = total[m];
+        if (bias) t = _mm512_fmadd_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(bias), t); /* t + bias, as an add */
+        vstore_bf16(out + m * os, vround_bf16(t));
+    }
+}
+#define QTILE qvnni_tile
+#else
+#define QTILE qint_tile
+#endif
+
 /* Rows 0..M-1 against column blocks b0..b1-1 of 4-bit (``bits`` 4) or 8-bit blocks, in tiles of QMR rows x one
    block of 16 columns (a one-row call streamed faster one block at a time than 2 or 4 side by side). */
 static void qint_columns(const int8_t *xq, int64_t K, const float *dx, const float *dsx, const uint8_t *w8,
@@ -821,8 +877,8 @@ static void qint_columns(const int8_t *xq, int64_t K, const float *dx, const flo
             uint16_t *oc = out + m0 * os + c * 16;
 #define QINT(R)                                                                                    \
     case R:                                                                                        \
-        if (bits == 4) qint_tile(xm, kb * QXB, dxm, dsm, kb, wc, dc, bc, oc, os, R, 4);            \
-        else qint_tile(xm, kb * QXB, dxm, dsm, kb, wc, dc, bc, oc, os, R, 8);                      \
+        if (bits == 4) QTILE(xm, kb * QXB, dxm, dsm, kb, wc, dc, bc, oc, os, R, 4);                \
+        else QTILE(xm, kb * QXB, dxm, dsm, kb, wc, dc, bc, oc, os, R, 8);                          \
         break;
             switch (mr) { QINT(1) QINT(2) QINT(3) QINT(4) }
 #undef QINT
