@@ -88,7 +88,8 @@ def main() -> None:
         sys.path.insert(0, tmp)
         old_decode = _old_module(tmp, "spec.loop", "decode")
         old_drafters = _old_module(tmp, "spec.drafters", "drafters")
-        old_skip = _old_module(tmp, "model.build", "model.decoder", "decoder", "skip")  # make_decoder: build, then older homes
+        # make_decoder's module: model/build.py, then its older homes
+        old_skip = _old_module(tmp, "model.build", "model.decoder", "decoder", "skip")
 
         lm = models.load("smollm2", a.dtype)
         engines = {"old": (old_skip.make_decoder(lm.model), old_decode, old_drafters),

@@ -911,9 +911,9 @@ static int8_t *qamx_plain(const int8_t *xq, int64_t M, int64_t kb) {
     return buf;
 }
 
-static void qamx_columns(const int8_t *xp, int64_t kb, const float *dx, const float *dsx, const uint8_t *w8,
-                         const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int64_t M, int64_t b0,
-                         int64_t b1, int bits) {
+static void qamx_columns(const int8_t *xq, const int8_t *xp, int64_t kb, const float *dx, const float *dsx,
+                         const uint8_t *w8, const uint16_t *dm, const float *bias, uint16_t *out, int64_t os, int64_t M,
+                         int64_t b0, int64_t b1, int bits) {
     static _Thread_local uint8_t *ub; /* 4-bit: 4 column blocks' weights unpacked, 512 bytes a block */
     static _Thread_local int64_t ucap;
     int64_t wb = bits == 4 ? 256 : 512, db = bits == 4 ? 32 : 16, need = 4 * kb * 512;
@@ -921,7 +921,10 @@ static void qamx_columns(const int8_t *xp, int64_t kb, const float *dx, const fl
         free(ub);
         ub = aligned_alloc(64, need);
         ucap = ub ? need : 0;
-        if (!ub) return;
+        if (!ub) { /* out of memory: this thread's columns on the vectors, which give the same bits */
+            qint_columns(xq, kb * 32, dx, dsx, w8, dm, bias, out, os, M, b0, b1, bits);
+            return;
+        }
     }
     float tot[4][16][16] __attribute__((aligned(64)));
     int32_t sums[4][16 * 16] __attribute__((aligned(64)));
@@ -997,7 +1000,7 @@ static int64_t qint_run(const uint16_t *x, int64_t x_stride, const void *wp, con
 #if defined(HAVE_AMX_INT8)
     const int8_t *xp = M >= QAMX_ROWS && amx_ready() ? qamx_plain(xq, M, K / 32) : NULL;
     if (xp) {
-        SHARE_COLUMNS(threads, blocks, qamx_columns(xp, K / 32, dx, dsx, wp, dm, bias, out, N, M, b0, b1, bits));
+        SHARE_COLUMNS(threads, blocks, qamx_columns(xq, xp, K / 32, dx, dsx, wp, dm, bias, out, N, M, b0, b1, bits));
         return 0;
     }
 #endif
@@ -1163,7 +1166,7 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, in
         for (int m = 0; m < rows; m++) {
             __m512 v = _mm512_load_ps(sums[n] + m * 16);
             if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (b + n) * 16));
-            _mm256_storeu_si256((__m256i *)(out + m * os + (b + n) * 16), (__m256i)_mm512_cvtneps_pbh(v));
+            vstore_bf16(out + m * os + (b + n) * 16, vround_bf16(v)); /* the wide paths' rounding, NaN included */
         }
 }
 

@@ -15,8 +15,8 @@ no bit. The library is built and loaded by ``native_library`` (``library()`` is 
 it cannot be: callers then keep the torch ops).
 
 The linears have a kernel too (``Linear``), in bf16, wherever the library has a vector instruction set
-(``kernel_path``): on AMX CPUs on AMX's tiles (``tdpbf16ps``), on avx512_bf16 on ``vdpbf16ps``; on AVX-512F, AVX2 with FMA and
-ARM64's NEON the bf16 (and int8) weights are widened to fp32 in registers and summed by fused multiply-adds,
+(``kernel_path``): on AMX CPUs on AMX's tiles (``tdpbf16ps``), on avx512_bf16 on ``vdpbf16ps``; on AVX-512F,
+AVX2 with FMA and ARM64's NEON the bf16 (and int8) weights are widened to fp32 in registers and summed by fused multiply-adds,
 reading half fp32's bytes. GGUF's 4-bit and 8-bit blocks take their inputs in 8-bit blocks and sum them in
 integers on every instruction set, so their bits are the same on all. Its rows are row-invariant by
 construction either way. It runs
@@ -159,8 +159,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, sca
 class Linear:
     """``x W^T + b`` by ``native.c``'s ``linear``: bf16 rows, W (N, K) prepacked once into its layout (a second
     copy, as oneDNN's prepacking makes), the bias kept in fp32, on AMX's tiles where the CPU has them (and K % 32),
-    on ``vdpbf16ps`` where it has avx512_bf16, else widened to fp32 in registers (AVX-512F, AVX2 with FMA, NEON). Each output is summed in one fixed
-    order and rounded once, so a row's outputs do not depend on the call's rows. ``int8``: the same over a
+    on ``vdpbf16ps`` where it has avx512_bf16, else widened to fp32 in registers (AVX-512F, AVX2 with FMA, NEON).
+    Each output is summed in one fixed order and rounded once, so a row's outputs do not depend on the call's rows. ``int8``: the same over a
     weight-only int8 copy (a draft's, ``weights.Int8Linear``), scaled per output.
 
     It was faster than oneDNN's prepacked GEMM at every row count a step or a batch packs on avx512_bf16, and

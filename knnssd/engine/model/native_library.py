@@ -218,9 +218,9 @@ def available() -> bool:
 
 
 def kernel_path() -> str:
-    """Which kernels a bf16 step's linears run here, for reports: ``amx`` (tiles), ``avx512_bf16``, ``avx512``, ``avx2``
-    or ``neon`` (``native.c``'s ``kernel_path``) where ``Linear`` is used, else ``torch`` (no library, a portable build, or
-    a library without OpenMP beside torch's threads: ``linear_preferred``)."""
+    """Which kernels a bf16 step's linears run here, for reports: ``amx`` (tiles), ``avx512_bf16``, ``avx512``,
+    ``avx2`` or ``neon`` (``native.c``'s ``kernel_path``) where ``Linear`` is used, else ``torch`` (no library, a
+    portable build, or a library without OpenMP beside torch's threads: ``linear_preferred``)."""
     lib = library()
     return lib.path if lib is not None and tiled("linear") is not None else "torch"
 
