@@ -99,18 +99,20 @@ def main() -> None:
         head = s.lm_head(hidden[-1:])
         add("logits to fp32", 1, lambda: head.float())
 
-        bare = {}
+        bare, read = {}, 0  # read: the bytes the bare calls' packed weights and scales take (GGUF's blocks included)
         kernel = native_library.tiled("linear")
         if kernel is not None and all(hasattr(getattr(layers[0], n), "kernel") for n in ("qkv", "o", "gate_up", "down")):
             threads = torch.get_num_threads()
             for name, inp in (("qkv", x), ("o", att), ("gate_up", x), ("down", act)):
                 kern = [getattr(ly, name).kernel for ly in layers]
+                read += sum(_bytes(kk) for kk in kern)
                 xin = inp.reshape(-1, inp.shape[-1]).contiguous()
                 outs = [torch.empty(1, kk.n, dtype=torch.bfloat16) for kk in kern]
                 bare[f"{name} linear"] = median_ms(
                     lambda: [kk.kernel(xin.data_ptr(), xin.stride(0), *kk.weights, o.data_ptr(), 1, kk.k, kk.n, threads)
                              for kk, o in zip(kern, outs)], "cpu", a.repeats)
             head = s.lm_head.kernel
+            read += _bytes(head)
             hin = hidden[-1:].contiguous()
             hout = torch.empty(1, head.n, dtype=torch.bfloat16)
             bare["lm_head"] = median_ms(lambda: head.kernel(hin.data_ptr(), hin.stride(0), *head.weights,
@@ -132,7 +134,12 @@ def main() -> None:
     print("\n".join(md.table(["op", "calls per step", "ms per step", "share of step", "bare C call, ms"], table)))
     if bare:
         print(f"bare C linears, head included: {sum(bare.values()):.2f} ms a step "
-              f"({weight_bytes / sum(bare.values()) / 1e6:.1f} GB/s of weights)")
+              f"({read / sum(bare.values()) / 1e6:.1f} GB/s of the {read / 1e6:.0f} MB they read)")
+
+
+def _bytes(kernel: native.Linear) -> int:
+    """What one call of a native linear reads of its weights: the packed tensor and its scales."""
+    return sum(t.numel() * t.element_size() for t in (kernel.packed, kernel.scale) if t is not None)
 
 
 if __name__ == "__main__":
