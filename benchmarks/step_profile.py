@@ -33,7 +33,10 @@ def main() -> None:
     options.threads(ap)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    lm = models.load(a.model, dtype=a.dtype)
+    try:
+        lm = models.load(a.model, dtype=a.dtype)
+    except models.ModelError as e:  # e.g. --dtype gguf where the block kernels do not run: one line
+        raise SystemExit(f"step_profile.py: {e}") from None
     dec = lm.decoder
     s = dec.stack
     torch.manual_seed(0)
